@@ -1,0 +1,25 @@
+# make install: the project and its dependencies into .venv (idempotent; quick when nothing changed)
+# make demo:    the demo loop on configs/tiny.yaml, locally on CPU
+# make test:    the test suite (slow end-to-end tests included)
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/moeloop run configs/tiny.yaml
+
+test: install
+	$(VENV)/bin/python -m pytest
+
+clean:
+	rm -rf $(VENV) .moeloop runs

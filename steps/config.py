@@ -1,0 +1,209 @@
+"""The one typed config: it drives the Argo render and the local run alike.
+
+Loaded from YAML; unknown keys and wrong types are rejected with the key's dotted path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from steps.errors import MoeloopError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TinyModelConfig(Strict):
+    """Architecture of the Qwen3-MoE policy the start step builds when no checkpoint is given."""
+
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    moe_intermediate_size: int = Field(64, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    head_dim: int = Field(32, gt=0)
+    num_experts: int = Field(8, gt=0)
+    num_experts_per_tok: int = Field(2, gt=0)
+    max_position_embeddings: int = Field(64, gt=0)
+    router_aux_loss_coef: float = Field(0.001, ge=0)
+
+
+class SFTConfig(Strict):
+    """Supervised fine-tuning that turns the random model into the RL starting policy."""
+
+    steps: int = Field(300, ge=0)
+    batch_size: int = Field(64, gt=0)
+    learning_rate: float = Field(3e-3, gt=0)
+
+
+class ModelConfig(Strict):
+    # An existing HF checkpoint (folder or URI) to start from; None builds and SFTs the tiny model.
+    checkpoint: str | None = None
+    tiny: TinyModelConfig = TinyModelConfig()
+    sft: SFTConfig = SFTConfig()
+
+
+class TaskConfig(Strict):
+    """Prompts are JSON lines with at least `prompt`; the verifier reads the other fields."""
+
+    train_prompts: str
+    eval_prompts: str
+
+    @field_validator("train_prompts", "eval_prompts")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name a prompt file")
+        return value
+
+
+class RolloutConfig(Strict):
+    engine: Literal["transformers"] = "transformers"
+    prompts_per_iteration: int = Field(64, gt=0)
+    samples_per_prompt: int = Field(8, gt=0)
+    num_shards: int = Field(2, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(12, gt=0)
+
+
+class RewardFunction(Strict):
+    path: str  # "package.module:function", called as function(record, response_text) -> float
+    weight: float = 1.0
+
+    @field_validator("path")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        module, _, function = value.partition(":")
+        if not module or not function:
+            raise ValueError(f"{value!r} is not of the form package.module:function")
+        return value
+
+
+class RewardConfig(Strict):
+    functions: list[RewardFunction] = Field(min_length=1)
+
+
+class AlgorithmConfig(Strict):
+    name: Literal["grpo"] = "grpo"
+    clip_eps: float = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    # Divide each group's centred rewards by the group's standard deviation.
+    scale_rewards: bool = True
+
+
+class TrainerConfig(Strict):
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = Field(1.0, gt=0)
+    minibatch_size: int = Field(128, gt=0)
+    epochs: int = Field(1, gt=0)
+
+
+class EvalConfig(Strict):
+    max_prompts: int = Field(128, gt=0)
+
+
+class Resources(Strict):
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+
+
+class Toleration(Strict):
+    key: str
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class RolePlacement(Strict):
+    image: str | None = None  # None: the cluster's default image
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    resources: Resources = Resources()
+
+
+class ClusterConfig(Strict):
+    namespace: str = "moeloop"
+    service_account: str | None = None
+    image: str = "ghcr.io/moeloop/moeloop-cpu:0.1.0"
+    # Where each role's pods go: rollout (Spot GPU), reward, train (on-demand GPU), cpu (start, publish, evaluate).
+    rollout: RolePlacement = RolePlacement()
+    reward: RolePlacement = RolePlacement()
+    train: RolePlacement = RolePlacement()
+    cpu: RolePlacement = RolePlacement()
+
+
+class LocalConfig(Strict):
+    parallelism: int = Field(2, gt=0)  # steps the local runner runs at once
+
+
+class MoeloopConfig(Strict):
+    run_name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
+    iterations: int = Field(gt=0)
+    seed: int = 0
+    storage_root: str = "runs"
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    local: LocalConfig = LocalConfig()
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "<root>"
+    message = first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    more = len(error.errors()) - 1
+    return f"{where}: {message}" + (f" (and {more} more)" if more else "")
+
+
+def parse_config(data: object, source: str) -> MoeloopConfig:
+    if not isinstance(data, dict):
+        raise MoeloopError(f"config {source}: expected a mapping at the top level")
+    try:
+        return MoeloopConfig.model_validate(data)
+    except ValidationError as error:
+        raise MoeloopError(f"config {source}: {_describe(error)}") from None
+
+
+def load_config(path: str | Path) -> MoeloopConfig:
+    """Read a YAML config; relative prompt paths are resolved against the config's folder."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise MoeloopError(f"config file not found: {path}") from None
+    except yaml.YAMLError as error:
+        raise MoeloopError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    config = parse_config(data, str(path))
+    task = config.task.model_copy(
+        update={
+            "train_prompts": _resolve(config.task.train_prompts, path.parent),
+            "eval_prompts": _resolve(config.task.eval_prompts, path.parent),
+        }
+    )
+    return config.model_copy(update={"task": task})
+
+
+def _resolve(location: str, base: Path) -> str:
+    if "://" in location or Path(location).is_absolute():
+        return location
+    return str((base / location).resolve())

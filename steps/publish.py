@@ -1,0 +1,44 @@
+"""publish: turn the iteration's trainer state into the HF checkpoint the next rollouts load.
+
+Copies the HF files (config, safetensors, tokenizer) out of the committed trainer state, verified against
+its COMMIT, into checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from steps.common import local_scratch, open_run, print_json, require_iteration, step_parser, write_report
+from steps.errors import MoeloopError, run_cli
+from steps.storage import OPTIMIZER_FILE
+
+
+def publish(run_uri: str, iteration: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    storage, config = open_run(run_uri)
+    require_iteration(config, iteration)
+    checkpoint = storage.checkpoint(iteration)
+    if storage.is_committed(checkpoint):
+        storage.move_latest(iteration)  # a crash may have come between the COMMIT and LATEST
+        return {"skipped": f"already committed: {storage.display(checkpoint)}"}
+    state = storage.trainer_state(iteration)
+    if not storage.is_committed(state):
+        raise MoeloopError(f"iteration {iteration} has no committed trainer state: {storage.display(state)}")
+    with local_scratch() as scratch:
+        storage.fetch_folder(state, scratch)
+        (scratch / OPTIMIZER_FILE).unlink()
+        report = {"seconds": round(time.perf_counter() - started, 3)}
+        write_report(storage, iteration, "publish", report)
+        storage.commit_folder(checkpoint, scratch, extra={"iteration": iteration})
+    storage.move_latest(iteration)
+    return report
+
+
+def main() -> None:
+    args = step_parser(__doc__).parse_args()
+    print_json(publish(args.run, args.iteration))
+
+
+if __name__ == "__main__":
+    run_cli(main)

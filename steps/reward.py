@@ -1,0 +1,78 @@
+"""reward: score every sample of the iteration with the configured reward functions (rule/verifier rewards).
+
+A reward function is named by import path `package.module:function` and called as
+function(prompt_record, response_text) -> float; the reward is the weighted sum over the configured ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from steps.common import open_run, print_json, require_iteration, step_parser, train_prompts, write_report
+from steps.config import RewardConfig
+from steps.errors import MoeloopError, run_cli
+from steps.experience import REWARD_SCHEMA, read_rollouts, table_bytes
+
+RewardFunction = Callable[[dict, str], float]
+
+
+def import_reward_function(path: str) -> RewardFunction:
+    module_name, _, attribute = path.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise MoeloopError(f"reward function {path!r} does not import: {error}") from None
+    if not callable(function):
+        raise MoeloopError(f"reward function {path!r} is not callable")
+    return function
+
+
+def reward_functions(settings: RewardConfig) -> list[tuple[RewardFunction, float]]:
+    return [(import_reward_function(f.path), f.weight) for f in settings.functions]
+
+
+def score(functions: list[tuple[RewardFunction, float]], record: dict, response: str) -> float:
+    return float(sum(weight * function(record, response) for function, weight in functions))
+
+
+def reward(run_uri: str, iteration: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    storage, config = open_run(run_uri)
+    require_iteration(config, iteration)
+    output = storage.rewards(iteration)
+    if storage.exists(output):
+        return {"skipped": f"already committed: {storage.display(output)}"}
+    functions = reward_functions(config.reward)
+    rollouts = read_rollouts(storage, iteration, config.rollout.num_shards)
+    records = train_prompts(storage)
+    prompt_ids = rollouts["prompt_id"].to_pylist()
+    rewards = [
+        score(functions, records[prompt_id], response)
+        for prompt_id, response in zip(prompt_ids, rollouts["response_text"].to_pylist())
+    ]
+    table = pa.table(
+        {"sample_id": rollouts["sample_id"], "prompt_id": rollouts["prompt_id"], "reward": rewards},
+        schema=REWARD_SCHEMA,
+    )
+    report = {
+        "samples": len(rewards),
+        "reward_mean": sum(rewards) / len(rewards),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    write_report(storage, iteration, "reward", report)
+    storage.write_bytes(output, table_bytes(table))
+    return report
+
+
+def main() -> None:
+    args = step_parser(__doc__).parse_args()
+    print_json(reward(args.run, args.iteration))
+
+
+if __name__ == "__main__":
+    run_cli(main)

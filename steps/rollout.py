@@ -1,0 +1,134 @@
+"""rollout: G samples for each prompt of this shard's part of the iteration's batch, as one Parquet shard.
+
+The batch is drawn deterministically from (run, iteration); shard k of K takes every K-th prompt, and its
+sampling seed comes from (run, iteration, shard): re-running a shard gives the same samples. A shard that
+is already committed is left as it is.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import pyarrow as pa
+
+from steps.common import (
+    derive_seed,
+    fetch_checkpoint,
+    open_run,
+    print_json,
+    quiet_libraries,
+    require_iteration,
+    step_parser,
+    train_prompts,
+    write_report,
+)
+from steps.config import MoeloopConfig
+from steps.engine import Completion, Sampling, make_engine
+from steps.errors import MoeloopError, run_cli
+from steps.experience import ROLLOUT_SCHEMA, table_bytes
+from steps.storage import RunStorage
+
+
+def iteration_prompt_ids(config: MoeloopConfig, num_prompts: int, iteration: int) -> list[int]:
+    """The prompts of an iteration's batch (line numbers in data/train.jsonl), drawn without replacement."""
+    rng = random.Random(derive_seed(config.run_name, config.seed, "prompts", iteration))
+    return rng.sample(range(num_prompts), min(config.rollout.prompts_per_iteration, num_prompts))
+
+
+def shard_prompt_ids(prompt_ids: list[int], shard: int, num_shards: int) -> list[int]:
+    return prompt_ids[shard::num_shards]
+
+
+def rollout_rows(
+    iteration: int,
+    shard: int,
+    policy_version: int,
+    engine_name: str,
+    prompt_ids: list[int],
+    prompts: list[dict],
+    prompt_tokens: list[list[int]],
+    completions: list[list[Completion]],
+    decode: Any,
+) -> dict[str, list]:
+    columns: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
+    for prompt_id, record, tokens, samples in zip(prompt_ids, prompts, prompt_tokens, completions):
+        for index, sample in enumerate(samples):
+            row = {
+                "sample_id": f"{iteration}-{prompt_id}-{index}",
+                "iteration": iteration,
+                "shard": shard,
+                "prompt_id": prompt_id,
+                "sample_index": index,
+                "prompt_text": record["prompt"],
+                "prompt_token_ids": tokens,
+                "response_token_ids": sample.token_ids,
+                "response_text": decode(sample.token_ids),
+                "behavior_logprobs": sample.logprobs,
+                "finish_reason": sample.finish_reason,
+                "policy_version": policy_version,
+                "engine": engine_name,
+            }
+            for name, value in row.items():
+                columns[name].append(value)
+    return columns
+
+
+def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[str, Any]:
+    step_started = time.perf_counter()
+    storage, config = open_run(run_uri)
+    require_iteration(config, iteration)
+    if num_shards != config.rollout.num_shards:
+        raise MoeloopError(f"--num-shards {num_shards} does not match the run's rollout.num_shards {config.rollout.num_shards}")
+    if not 0 <= shard < num_shards:
+        raise MoeloopError(f"--shard {shard} is outside 0..{num_shards - 1}")
+    output = storage.rollout_shard(iteration, shard, num_shards)
+    if storage.exists(output):
+        return {"skipped": f"already committed: {storage.display(output)}"}
+
+    policy_version = iteration - 1
+    engine = make_engine(config.rollout.engine, fetch_checkpoint(storage, policy_version))
+    records = train_prompts(storage)
+    prompt_ids = shard_prompt_ids(iteration_prompt_ids(config, len(records), iteration), shard, num_shards)
+    prompts = [records[i] for i in prompt_ids]
+    prompt_tokens = [engine.tokenizer(r["prompt"])["input_ids"] for r in prompts]
+    sampling = Sampling(
+        n=config.rollout.samples_per_prompt,
+        temperature=config.rollout.temperature,
+        top_p=config.rollout.top_p,
+        max_new_tokens=config.rollout.max_new_tokens,
+        seed=derive_seed(config.run_name, config.seed, "rollout", iteration, shard),
+    )
+    started = time.perf_counter()
+    completions = engine.generate(prompt_tokens, sampling)
+    generate_seconds = time.perf_counter() - started
+    columns = rollout_rows(
+        iteration, shard, policy_version, engine.name, prompt_ids, prompts, prompt_tokens, completions,
+        lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    tokens = sum(len(ids) for ids in columns["response_token_ids"])
+    report = {
+        "samples": len(columns["sample_id"]),
+        "response_tokens": tokens,
+        "generate_seconds": round(generate_seconds, 3),
+        "tokens_per_second": round(tokens / max(generate_seconds, 1e-9), 1),
+        "seconds": round(time.perf_counter() - step_started, 3),
+    }
+    # The report goes first: the shard is the commit point, and a re-run after a crash rewrites both.
+    write_report(storage, iteration, f"rollout-{shard}", report)
+    storage.write_bytes(output, table_bytes(pa.table(columns, schema=ROLLOUT_SCHEMA)))
+    return report
+
+
+def main() -> None:
+    parser = step_parser(__doc__)
+    parser.add_argument("--shard", type=int, default=0)
+    parser.add_argument("--num-shards", type=int, default=1)
+    args = parser.parse_args()
+    quiet_libraries()
+    print_json(rollout(args.run, args.iteration, args.shard, args.num_shards))
+
+
+if __name__ == "__main__":
+    run_cli(main)

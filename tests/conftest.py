@@ -1,0 +1,41 @@
+"""Shared fixtures: a small, fast version of the demo config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from steps.config import MoeloopConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_config(iterations: int = 2, **sections: dict) -> MoeloopConfig:
+    """configs/tiny.yaml scaled down so that a whole iteration takes seconds."""
+    config = load_config(REPO / "configs" / "tiny.yaml")
+    updates = {
+        "model": {"sft": {"steps": 3}},
+        "rollout": {"prompts_per_iteration": 8, "samples_per_prompt": 4, "num_shards": 2},
+        "trainer": {"minibatch_size": 16},
+        "eval": {"max_prompts": 8},
+        **sections,
+    }
+    data = config.model_dump()
+    for section, values in updates.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                data[section][key].update(value)
+            else:
+                data[section][key] = value
+    data["iterations"] = iterations
+    return MoeloopConfig.model_validate(data)
+
+
+@pytest.fixture
+def run_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A storage root, with the checkpoint cache kept inside the test's folder."""
+    monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "runs"
+    root.mkdir()
+    return root

@@ -1,0 +1,365 @@
+"""steps.grpo: group advantages and the clipped token-level surrogate, checked against values
+computed by hand here (plain Python loops over the same numbers), never by calling the code under
+test a second way."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from steps.grpo import group_advantages, grpo_loss
+
+EPS = 1e-6  # group_advantages' default eps
+CLIP = 0.2
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand computations
+
+
+def hand_advantages(rewards: list[float], group_ids: list[int], scale: bool, eps: float = EPS) -> list[float]:
+    """(r - group mean) / (group std, ddof=1, + eps), or only r - group mean when scale is off."""
+    members: dict[int, list[float]] = {}
+    for reward, group in zip(rewards, group_ids):
+        members.setdefault(group, []).append(reward)
+    stats = {}
+    for group, values in members.items():
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        stats[group] = (mean, std)
+    advantages = []
+    for reward, group in zip(rewards, group_ids):
+        mean, std = stats[group]
+        advantages.append((reward - mean) / (std + eps) if scale else reward - mean)
+    return advantages
+
+
+def hand_token_objective(ratio: float, advantage: float, clip_eps: float) -> tuple[float, bool, float]:
+    """Per-token loss -min(r A, clip(r) A), whether the ratio lies outside the clip range, and
+    d(loss)/d(logprob) for that token (d r / d logprob = r; zero where the clipped term is the min)."""
+    clipped_ratio = min(max(ratio, 1 - clip_eps), 1 + clip_eps)
+    unclipped, clipped = ratio * advantage, clipped_ratio * advantage
+    loss = -min(unclipped, clipped)
+    outside = ratio > 1 + clip_eps or ratio < 1 - clip_eps
+    gradient = -ratio * advantage if unclipped <= clipped else 0.0
+    return loss, outside, gradient
+
+
+def hand_k3(logprob: float, ref_logprob: float) -> float:
+    log_ratio = ref_logprob - logprob
+    return math.exp(log_ratio) - log_ratio - 1
+
+
+def hand_loss(logprobs, old_logprobs, advantages, mask, clip_eps, ref=None, kl_coef=0.0, num_tokens=None):
+    """policy loss, kl, clip fraction and loss, as token sums over the unmasked tokens."""
+    policy_sum, kl_sum, outside_count, unmasked = 0.0, 0.0, 0, 0
+    for row, advantage in enumerate(advantages):
+        for col, keep in enumerate(mask[row]):
+            if not keep:
+                continue
+            unmasked += 1
+            ratio = math.exp(logprobs[row][col] - old_logprobs[row][col])
+            loss, outside, _ = hand_token_objective(ratio, advantage, clip_eps)
+            policy_sum += loss
+            outside_count += outside
+            if ref is not None:
+                kl_sum += hand_k3(logprobs[row][col], ref[row][col])
+    denominator = num_tokens if num_tokens is not None else unmasked
+    policy = policy_sum / denominator
+    kl = kl_sum / denominator
+    return {"policy_loss": policy, "kl": kl, "clip_fraction": outside_count / unmasked, "loss": policy + kl_coef * kl}
+
+
+def old_for_ratios(logprobs_BT: torch.Tensor, ratios: list[list[float]]) -> torch.Tensor:
+    """Old logprobs such that exp(logprobs - old) is the given ratio at every token."""
+    return logprobs_BT - torch.log(torch.tensor(ratios, dtype=logprobs_BT.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# group_advantages
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("scale", [True, False], ids=["scale", "centre"])
+# 0.2, 2/3 and 0.8 are rewards the demo verifier really gives (correct positions / answer length).
+@pytest.mark.parametrize("value", [0.0, 0.5, 1.0, 0.2, 2 / 3, 0.8])
+def test_group_of_equal_rewards_gets_exactly_zero_advantage(value: float, scale: bool, dtype: torch.dtype) -> None:
+    group_size = 8  # rollout.samples_per_prompt of configs/tiny.yaml
+    torch.manual_seed(0)
+    varying = torch.rand(group_size, dtype=dtype)
+    # Interleave the all-equal group (id 5) with a varying one (id 2).
+    rewards = torch.stack([torch.full((group_size,), value, dtype=dtype), varying], dim=1).reshape(-1)
+    group_ids = torch.tensor([5, 2] * group_size)
+
+    advantages = group_advantages(rewards, group_ids, scale=scale)
+
+    equal_group = advantages[group_ids == 5]
+    assert equal_group.tolist() == [0.0] * group_size, f"an all-equal group must carry no signal, got {equal_group.tolist()}"
+    assert (advantages[group_ids == 2] != 0).all()
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_group_advantages_match_hand_formula_for_interleaved_groups_of_different_sizes(scale: bool) -> None:
+    torch.manual_seed(1234)
+    sizes = {7: 2, 42: 3, 3: 5, 100: 8, 11: 4}  # non-contiguous group ids, different sizes
+    group_list = [group for group, size in sizes.items() for _ in range(size)]
+    order = torch.randperm(len(group_list)).tolist()
+    group_ids = [group_list[i] for i in order]  # groups interleaved at random
+    rewards = (torch.rand(len(group_ids), dtype=torch.float64) * 3 - 1).tolist()
+
+    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(group_ids), scale=scale)
+
+    expected = hand_advantages(rewards, group_ids, scale=scale)
+    assert advantages.dtype == torch.float64
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    # Spot-check one group written out in full: the two members of group 7.
+    first, second = [i for i, g in enumerate(group_ids) if g == 7]
+    mean = (rewards[first] + rewards[second]) / 2
+    std = math.sqrt(((rewards[first] - mean) ** 2 + (rewards[second] - mean) ** 2) / (2 - 1))
+    want = (rewards[first] - mean) / (std + EPS) if scale else rewards[first] - mean
+    assert float(advantages[first]) == pytest.approx(want, rel=1e-12)
+
+
+def test_group_advantages_are_centred_per_group_and_unit_std_when_scaled() -> None:
+    torch.manual_seed(7)
+    group_ids = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 0, 0])
+    rewards = torch.rand(len(group_ids), dtype=torch.float64)
+    for scale in (True, False):
+        advantages = group_advantages(rewards, group_ids, scale=scale)
+        for group in (0, 1, 2):
+            members = advantages[group_ids == group].tolist()
+            assert sum(members) == pytest.approx(0.0, abs=1e-12)
+            if scale:
+                mean = sum(members) / len(members)
+                std = math.sqrt(sum((m - mean) ** 2 for m in members) / (len(members) - 1))
+                assert std == pytest.approx(1.0, rel=1e-4)  # 1 up to the eps in the denominator
+
+
+def test_group_advantages_float32_rewards_like_the_trainer() -> None:
+    torch.manual_seed(3)
+    group_ids = [4, 9, 4, 9, 4, 9, 4, 9, 1, 1, 1]
+    rewards = torch.rand(len(group_ids), dtype=torch.float32)
+    advantages = group_advantages(rewards, torch.tensor(group_ids), scale=True)
+    assert advantages.dtype == torch.float32
+    expected = hand_advantages([float(r) for r in rewards], group_ids, scale=True)
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo_loss: clipping
+
+
+# (ratio, advantage): expected per-token loss, whether the token counts as clipped, d loss / d logprob
+CLIP_CASES = {
+    "above, A>0: clipped term is the min": (1.5, 2.0, -(1 + CLIP) * 2.0, True, 0.0),
+    "above, A<0: unclipped term is the min": (1.5, -2.0, -(1.5 * -2.0), True, -(1.5 * -2.0)),
+    "below, A>0: unclipped term is the min": (0.5, 2.0, -(0.5 * 2.0), True, -(0.5 * 2.0)),
+    "below, A<0: clipped term is the min": (0.5, -2.0, -(1 - CLIP) * -2.0, True, 0.0),
+    "inside, A>0": (1.1, 2.0, -(1.1 * 2.0), False, -(1.1 * 2.0)),
+    "inside, A<0": (0.9, -2.0, -(0.9 * -2.0), False, -(0.9 * -2.0)),
+}
+
+
+@pytest.mark.parametrize("case", CLIP_CASES)
+def test_single_token_clipped_objective(case: str) -> None:
+    ratio, advantage, want_loss, want_clipped, want_gradient = CLIP_CASES[case]
+    # The hand helper agrees with the explicit values written above.
+    assert hand_token_objective(ratio, advantage, CLIP) == pytest.approx((want_loss, want_clipped, want_gradient))
+
+    logprobs = torch.tensor([[-1.3]], dtype=torch.float64, requires_grad=True)
+    old = old_for_ratios(logprobs.detach(), [[ratio]])
+    terms = grpo_loss(logprobs, old, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 1), clip_eps=CLIP)
+
+    assert terms.policy_loss.item() == pytest.approx(want_loss, rel=1e-12)
+    assert terms.loss.item() == pytest.approx(want_loss, rel=1e-12)
+    assert terms.clip_fraction.item() == (1.0 if want_clipped else 0.0)
+    terms.loss.backward()
+    assert float(logprobs.grad[0, 0]) == pytest.approx(want_gradient, rel=1e-12, abs=1e-15)
+
+
+def test_clipping_on_both_sides_over_a_batch() -> None:
+    torch.manual_seed(11)
+    ratios = [
+        [1.50, 0.50, 1.10, 1.35],  # A > 0: above (clipped), below, inside, above (clipped)
+        [1.50, 0.50, 0.95, 0.70],  # A < 0: above, below (clipped), inside, below (clipped)
+        [1.25, 0.79, 1.19, 0.81],  # A > 0: just outside / just inside both bounds
+        [2.00, 0.10, 1.00, 1.21],  # A < 0
+    ]
+    advantages = [1.3, -0.7, 0.4, -2.0]
+    mask = [[1, 1, 1, 1]] * 4
+    logprobs = -torch.rand(4, 4, dtype=torch.float64) * 3
+    old = old_for_ratios(logprobs, ratios)
+
+    terms = grpo_loss(logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_eps=CLIP)
+
+    expected = hand_loss(logprobs.tolist(), old.tolist(), advantages, mask, CLIP)
+    assert float(terms.policy_loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
+    assert float(terms.loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
+    # Outside the range [0.8, 1.2]: row 0: 1.5, 0.5, 1.35; row 1: 1.5, 0.5, 0.7; row 2: 1.25, 0.79; row 3: 2.0, 0.1, 1.21.
+    assert float(terms.clip_fraction) == pytest.approx(11 / 16, rel=1e-12)
+    assert expected["clip_fraction"] == pytest.approx(11 / 16)
+    # Written out for row 0 (A = 1.3): -(1.2 A) - (0.5 A) - (1.1 A) - (1.2 A), over 16 tokens in all.
+    row0 = -(1.2 * 1.3) - (0.5 * 1.3) - (1.1 * 1.3) - (1.2 * 1.3)
+    row0_alone = grpo_loss(logprobs[:1], old[:1], torch.tensor([1.3], dtype=torch.float64), torch.ones(1, 4), clip_eps=CLIP)
+    assert float(row0_alone.policy_loss) == pytest.approx(row0 / 4, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo_loss: token-level aggregation
+
+
+def test_masked_tokens_do_not_count_and_every_unmasked_token_weighs_the_same() -> None:
+    torch.manual_seed(5)
+    # One long sequence (6 response tokens) and one short one (2 tokens), padded to T = 6.
+    mask = [[1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]]
+    advantages = [0.8, -1.5]
+    logprobs = -torch.rand(2, 6, dtype=torch.float64) * 2
+    old = logprobs + (torch.rand(2, 6, dtype=torch.float64) - 0.5) * 0.6  # some ratios clip
+    mask_t = torch.tensor(mask)
+    adv_t = torch.tensor(advantages, dtype=torch.float64)
+
+    terms = grpo_loss(logprobs, old, adv_t, mask_t, clip_eps=CLIP)
+
+    expected = hand_loss(logprobs.tolist(), old.tolist(), advantages, mask, CLIP)
+    assert float(terms.policy_loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
+    assert float(terms.clip_fraction) == pytest.approx(expected["clip_fraction"], rel=1e-12)
+
+    # Token mean over all 8 unmasked tokens, not the mean of the two sequence means.
+    per_token = {
+        (row, col): hand_token_objective(math.exp(float(logprobs[row, col] - old[row, col])), advantages[row], CLIP)[0]
+        for row in range(2)
+        for col in range(6)
+        if mask[row][col]
+    }
+    token_mean = sum(per_token.values()) / 8
+    sequence_means = [
+        sum(v for (row, _), v in per_token.items() if row == r) / sum(mask[r]) for r in range(2)
+    ]
+    assert float(terms.policy_loss) == pytest.approx(token_mean, rel=1e-12)
+    assert abs(token_mean - sum(sequence_means) / 2) > 1e-3  # the two aggregations really differ here
+
+    # Whatever sits in the masked positions (here: ratios of e^5 and e^-5) changes nothing.
+    garbage_old = old.clone()
+    garbage_old[mask_t == 0] = logprobs[mask_t == 0] + torch.where(torch.rand(int((mask_t == 0).sum())) > 0.5, 5.0, -5.0).double()
+    garbage = grpo_loss(logprobs, garbage_old, adv_t, mask_t, clip_eps=CLIP)
+    assert float(garbage.policy_loss) == float(terms.policy_loss)
+    assert float(garbage.clip_fraction) == float(terms.clip_fraction)
+
+
+def test_num_tokens_makes_minibatch_losses_add_up_to_the_batch_loss() -> None:
+    torch.manual_seed(9)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    logprobs = -torch.rand(4, 5, dtype=torch.float64)
+    old = logprobs + (torch.rand(4, 5, dtype=torch.float64) - 0.5) * 0.5
+    ref = logprobs + (torch.rand(4, 5, dtype=torch.float64) - 0.5)
+    advantages = torch.tensor([1.0, -0.5, 0.25, 2.0], dtype=torch.float64)
+    total = int(mask.sum())  # 11
+
+    whole = grpo_loss(logprobs, old, advantages, mask, CLIP, ref_logprobs_BT=ref, kl_coef=0.1)
+    parts = [
+        grpo_loss(logprobs[rows], old[rows], advantages[rows], mask[rows], CLIP, ref_logprobs_BT=ref[rows], kl_coef=0.1, num_tokens=total)
+        for rows in (slice(0, 1), slice(1, 4))
+    ]
+
+    assert sum(float(p.loss) for p in parts) == pytest.approx(float(whole.loss), rel=1e-12)
+    expected = hand_loss(
+        logprobs[1:4].tolist(), old[1:4].tolist(), advantages[1:4].tolist(), mask[1:4].tolist(), CLIP,
+        ref=ref[1:4].tolist(), kl_coef=0.1, num_tokens=total,
+    )
+    assert float(parts[1].policy_loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
+    assert float(parts[1].kl) == pytest.approx(expected["kl"], rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo_loss: the KL term
+
+
+def test_kl_is_the_masked_mean_k3_estimate_and_kl_coef_adds_it() -> None:
+    torch.manual_seed(21)
+    mask = [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    advantages = [0.5, -1.0, 1.5]
+    logprobs = -torch.rand(3, 4, dtype=torch.float64) * 2
+    old = logprobs + (torch.rand(3, 4, dtype=torch.float64) - 0.5) * 0.3
+    ref = logprobs + (torch.rand(3, 4, dtype=torch.float64) - 0.5) * 1.5
+    ref[0, 3] = logprobs[0, 3] + 8.0  # a masked token with a huge KL must not count
+    args = (logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask))
+
+    with_kl = grpo_loss(*args, clip_eps=CLIP, ref_logprobs_BT=ref, kl_coef=0.25)
+
+    expected = hand_loss(logprobs.tolist(), old.tolist(), advantages, mask, CLIP, ref=ref.tolist(), kl_coef=0.25)
+    k3_sum = sum(
+        math.exp(float(ref[r, c] - logprobs[r, c])) - float(ref[r, c] - logprobs[r, c]) - 1
+        for r in range(3)
+        for c in range(4)
+        if mask[r][c]
+    )
+    assert expected["kl"] == pytest.approx(k3_sum / 9, rel=1e-12)
+    assert float(with_kl.kl) == pytest.approx(k3_sum / 9, rel=1e-12)
+    assert float(with_kl.kl) > 0
+    assert float(with_kl.policy_loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
+    assert float(with_kl.loss) == pytest.approx(expected["policy_loss"] + 0.25 * k3_sum / 9, rel=1e-12)
+
+    # kl_coef 0 still reports the KL but leaves it out of the loss.
+    reported = grpo_loss(*args, clip_eps=CLIP, ref_logprobs_BT=ref, kl_coef=0.0)
+    assert float(reported.kl) == pytest.approx(k3_sum / 9, rel=1e-12)
+    assert float(reported.loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
+
+    # The reference equal to the policy: zero KL.
+    same = grpo_loss(*args, clip_eps=CLIP, ref_logprobs_BT=logprobs.clone(), kl_coef=0.25)
+    assert float(same.kl) == 0.0
+
+
+def test_kl_is_zero_without_a_reference() -> None:
+    torch.manual_seed(22)
+    logprobs = -torch.rand(2, 3, dtype=torch.float64)
+    old = logprobs + 0.05
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    terms = grpo_loss(logprobs, old, advantages, torch.ones(2, 3), clip_eps=CLIP, ref_logprobs_BT=None, kl_coef=0.5)
+    assert float(terms.kl) == 0.0
+    assert float(terms.loss) == float(terms.policy_loss)
+    expected = hand_loss(logprobs.tolist(), old.tolist(), advantages.tolist(), [[1, 1, 1]] * 2, CLIP)
+    assert float(terms.loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo_loss: gradients
+
+
+def test_gradient_with_respect_to_logprobs_matches_hand_derivation() -> None:
+    torch.manual_seed(31)
+    ratios = [
+        [1.05, 0.92, 1.50, 1.00],  # A > 0: inside, inside, clipped (no gradient), masked
+        [0.97, 1.15, 0.50, 1.30],  # A < 0: inside, inside, clipped (no gradient), above with A<0 (gradient)
+    ]
+    mask = [[1, 1, 1, 0], [1, 1, 1, 1]]
+    advantages = [0.9, -1.4]
+    base = -torch.rand(2, 4, dtype=torch.float64) * 2
+    old = old_for_ratios(base, ratios)
+    ref = base + (torch.rand(2, 4, dtype=torch.float64) - 0.5)
+    n = 7  # unmasked tokens
+
+    logprobs = base.clone().requires_grad_(True)
+    grpo_loss(logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_eps=CLIP).loss.backward()
+
+    # Unclipped token: d/dlogp of -r A / N is -r A / N.
+    assert float(logprobs.grad[0, 0]) == pytest.approx(-1.05 * 0.9 / n, rel=1e-12)
+    assert float(logprobs.grad[1, 1]) == pytest.approx(-1.15 * -1.4 / n, rel=1e-12)
+    for row in range(2):
+        for col in range(4):
+            want = hand_token_objective(ratios[row][col], advantages[row], CLIP)[2] / n if mask[row][col] else 0.0
+            assert float(logprobs.grad[row, col]) == pytest.approx(want, rel=1e-12, abs=1e-15), (row, col)
+    assert float(logprobs.grad[0, 2]) == 0.0  # clipped: the constant clipped term is the min
+    assert float(logprobs.grad[1, 2]) == 0.0
+    assert float(logprobs.grad[0, 3]) == 0.0  # masked
+
+    # With the KL: d/dlogp of kl_coef * k3 / N is kl_coef * (1 - exp(ref - logp)) / N on top.
+    logprobs = base.clone().requires_grad_(True)
+    grpo_loss(
+        logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_eps=CLIP,
+        ref_logprobs_BT=ref, kl_coef=0.3,
+    ).loss.backward()
+    kl_part = 0.3 * (1 - math.exp(float(ref[0, 0] - base[0, 0]))) / n
+    assert float(logprobs.grad[0, 0]) == pytest.approx(-1.05 * 0.9 / n + kl_part, rel=1e-12)
+    assert float(logprobs.grad[0, 3]) == 0.0

@@ -1,0 +1,111 @@
+"""The loop end to end: the local runner executes the rendered DAG, resumes from LATEST, and publishes
+checkpoints that transformers loads with the trainer's logits."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from steps.common import fetch_checkpoint
+from steps.publish import publish
+from steps.reward import reward
+from steps.rollout import rollout
+from steps.start import start
+from steps.storage import RunStorage
+from steps.train import train, update_policy
+from tests.conftest import small_config
+from workflows.dag import loop_tasks, run_uri
+from workflows.local import run_local
+from workflows.render import dag_tasks, render_workflow, step_placeholders
+
+pytestmark = pytest.mark.slow
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def rendered_commands(document: dict) -> dict[str, list[str]]:
+    """Each step template's command and args, as the pod would run them."""
+    templates = {t["name"]: t for t in document["spec"]["templates"] if "container" in t}
+    return {name: t["container"]["command"] + t["container"].get("args", []) for name, t in templates.items()}
+
+
+def substitute(argv: list[str], values: dict[str, str]) -> list[str]:
+    for name, value in values.items():
+        argv = [a.replace(f"{{{{workflow.parameters.{name}}}}}", value).replace(f"{{{{inputs.parameters.{name}}}}}", value) for a in argv]
+    return argv
+
+
+def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: Path, tmp_path: Path) -> None:
+    config = small_config(iterations=2)
+    uri = run_uri(config, str(run_root))
+    executed = run_local(config, uri, tmp_path / "logs", progress=False)
+
+    document = render_workflow(config, uri)
+    assert {t.name: tuple(sorted(t.dependencies)) for t in executed} == dag_tasks(document)
+    # The same commands: the rendered template's argv with the task's arguments filled in.
+    commands = rendered_commands(document)
+    tasks = {t.name: t for t in loop_tasks(config)}
+    run_values = {"run": uri, "config": config.to_json()}
+    for done in executed:
+        task = tasks[done.name]
+        assert list(done.argv) == substitute(commands[task.step.name], {**run_values, **dict(task.arguments)})
+    # Every step of the DAG has a template whose argv is the step's own.
+    for task in tasks.values():
+        assert commands[task.step.name] == task.step.argv(step_placeholders(task.step))
+
+    storage = RunStorage(uri)
+    assert storage.latest() == {"iteration": 2, "checkpoint": "checkpoints/iter-000002"}
+    before = snapshot(run_root)
+    # Started again on a finished run: only start and LATEST's evaluation are looked at, and nothing changes.
+    again = run_local(config, uri, tmp_path / "logs", progress=False)
+    assert [t.name for t in again] == ["start", "it2-eval"]
+    assert snapshot(run_root) == before
+
+    # Extended by one iteration: it continues from LATEST.
+    longer = small_config(iterations=3)
+    extended = run_local(longer, uri, tmp_path / "logs", progress=False)
+    assert [t.name for t in extended][0] == "start"
+    assert {t.name for t in extended} == {"start", "it2-eval"} | {t.name for t in loop_tasks(longer) if t.iteration == 3}
+    for metrics_file in ("iter-000000.json", "iter-000003.json"):
+        metrics = storage.read_json(f"metrics/{metrics_file}")
+        assert 0.0 <= metrics["eval_reward_mean"] <= 1.0
+    last = storage.read_json("metrics/iter-000003.json")
+    assert {"iteration", "reward_mean", "eval_reward_mean", "kl", "loss", "step_seconds", "tokens_per_second"} <= set(last)
+    assert set(last["step_seconds"]) == {"rollout-0", "rollout-1", "reward", "train", "publish", "evaluate"}
+
+
+def test_published_checkpoint_loads_with_the_trainers_logits(run_root: Path, tmp_path: Path) -> None:
+    config = small_config(iterations=1)
+    uri = run_uri(config, str(run_root))
+    start(uri, config)
+    for shard in range(config.rollout.num_shards):
+        rollout(uri, 1, shard, config.rollout.num_shards)
+    reward(uri, 1)
+    storage = RunStorage(uri)
+    trainer_model, tokenizer, _, _ = update_policy(storage, config, 1, tmp_path / "scratch")
+    train(uri, 1)
+    publish(uri, 1)
+    assert storage.latest()["iteration"] == 1
+
+    published = AutoModelForCausalLM.from_pretrained(fetch_checkpoint(storage, 1), dtype=torch.float32)
+    input_ids = torch.tensor([tokenizer("abcdef=hgf")["input_ids"], tokenizer("hgfedc=abc")["input_ids"]])
+    trainer_model.eval()
+    published.eval()
+    with torch.no_grad():
+        expected = trainer_model(input_ids=input_ids).logits
+        got = published(input_ids=input_ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # The update changed the policy: checkpoint 1 is not checkpoint 0.
+    initial = AutoModelForCausalLM.from_pretrained(fetch_checkpoint(storage, 0), dtype=torch.float32)
+    with torch.no_grad():
+        assert not torch.allclose(initial(input_ids=input_ids).logits, got)

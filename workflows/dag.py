@@ -1,0 +1,82 @@
+"""The one definition of the loop's DAG. The local runner and the Argo render are both derived from it.
+
+    start -> eval-0
+    start -> it1-rollout-{0..K-1} -> it1-reward -> it1-train -> it1-publish -> it1-eval
+                                        it1-publish -> it2-rollout-{0..K-1} -> ...
+
+Evaluation hangs off publish, so it runs while the next iteration's rollouts do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from steps.config import MoeloopConfig
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step: a module `steps.<name>` run as a CLI in a pod of the given placement role."""
+
+    name: str
+    role: str  # rollout | reward | train | cpu: selects cluster.<role> placement
+    params: tuple[str, ...]  # per-task parameters, passed as --<param> VALUE
+    run_params: tuple[str, ...] = ("run",)  # per-run parameters (workflow arguments)
+
+    def argv(self, values: Mapping[str, str]) -> list[str]:
+        """The pod's command; values are concrete locally and Argo placeholders in the render."""
+        argv = ["python", "-m", f"steps.{self.name}"]
+        for param in self.run_params + self.params:
+            argv += [f"--{param.replace('_', '-')}", values[param]]
+        return argv
+
+
+START = Step("start", "cpu", ("iteration",), run_params=("run", "config"))
+ROLLOUT = Step("rollout", "rollout", ("iteration", "shard", "num_shards"))
+REWARD = Step("reward", "reward", ("iteration",))
+TRAIN = Step("train", "train", ("iteration",))
+PUBLISH = Step("publish", "cpu", ("iteration",))
+EVALUATE = Step("evaluate", "cpu", ("iteration",))
+STEPS = (START, ROLLOUT, REWARD, TRAIN, PUBLISH, EVALUATE)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    step: Step
+    iteration: int
+    arguments: tuple[tuple[str, str], ...]  # (param, value) for the step's per-task params
+    dependencies: tuple[str, ...]
+
+    def argv(self, run_values: Mapping[str, str]) -> list[str]:
+        return self.step.argv({**run_values, **dict(self.arguments)})
+
+
+def _task(step: Step, name: str, iteration: int, depends: list[str], **arguments: int) -> Task:
+    values = {"iteration": iteration, **arguments}
+    return Task(name, step, iteration, tuple((p, str(values[p])) for p in step.params), tuple(depends))
+
+
+def loop_tasks(config: MoeloopConfig, iterations: int | None = None) -> list[Task]:
+    """Every task of the run in a topological order, for iterations 1..N after the start (iteration 0)."""
+    last = config.iterations if iterations is None else iterations
+    shards = config.rollout.num_shards
+    tasks = [_task(START, "start", 0, []), _task(EVALUATE, "eval-0", 0, ["start"])]
+    policy_ready = "start"
+    for i in range(1, last + 1):
+        rollouts = [
+            _task(ROLLOUT, f"it{i}-rollout-{k}", i, [policy_ready], shard=k, num_shards=shards) for k in range(shards)
+        ]
+        reward = _task(REWARD, f"it{i}-reward", i, [t.name for t in rollouts])
+        train = _task(TRAIN, f"it{i}-train", i, [reward.name])
+        publish = _task(PUBLISH, f"it{i}-publish", i, [train.name])
+        evaluate = _task(EVALUATE, f"it{i}-eval", i, [publish.name])
+        tasks += [*rollouts, reward, train, publish, evaluate]
+        policy_ready = publish.name
+    return tasks
+
+
+def run_uri(config: MoeloopConfig, root: str | None = None) -> str:
+    """The run's folder: <storage root>/<run name>."""
+    return f"{(root or config.storage_root).rstrip('/')}/{config.run_name}"

@@ -1,0 +1,122 @@
+"""The local runner, the embedded default: the loop's DAG run on this machine, step by step, as processes.
+
+It runs exactly the pod commands of the Argo render (from the same `loop_tasks`), in dependency order,
+up to `local.parallelism` at a time. Started again on an interrupted run, it continues from LATEST: every
+task of iterations before LATEST is done, and every step skips work whose output is already committed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from steps.config import MoeloopConfig
+from steps.errors import MoeloopError
+from steps.reward import reward_functions
+from steps.storage import RunStorage, read_prompt_file
+from workflows.dag import EVALUATE, START, Task, loop_tasks
+
+POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class ExecutedTask:
+    name: str
+    dependencies: tuple[str, ...]
+    argv: tuple[str, ...]
+    seconds: float
+
+
+def preflight(config: MoeloopConfig) -> None:
+    """Check the inputs every step will need before anything is written or spent."""
+    read_prompt_file(config.task.train_prompts)
+    read_prompt_file(config.task.eval_prompts)
+    reward_functions(config.reward)
+
+
+def pending_tasks(tasks: list[Task], latest_iteration: int | None) -> list[Task]:
+    """Tasks still to run on a run that has a LATEST: start (it adopts a longer config and finds checkpoint 0
+    committed), LATEST's evaluation (it may have been cut short) and everything after LATEST.
+
+    What came before LATEST is done; the tasks that depended on it wait for start instead.
+    """
+    if latest_iteration is None:
+        return tasks
+    kept = [
+        t
+        for t in tasks
+        if t.step == START or t.iteration > latest_iteration or (t.iteration == latest_iteration and t.step == EVALUATE)
+    ]
+    names = {t.name for t in kept}
+    return [
+        replace(t, dependencies=tuple(d for d in t.dependencies if d in names) or ((START.name,) if t.step != START else ()))
+        for t in kept
+    ]
+
+
+def run_local(
+    config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool = True
+) -> list[ExecutedTask]:
+    preflight(config)
+    storage = RunStorage(run_uri)
+    latest = storage.latest() if storage.exists(RunStorage.CONFIG) else None
+    tasks = pending_tasks(loop_tasks(config), latest["iteration"] if latest else None)
+    run_values = {"run": run_uri, "config": config.to_json()}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # Steps run side by side on few cores: one thread each keeps them from fighting over them.
+    environment = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // config.local.parallelism))}
+
+    waiting = list(tasks)
+    running: dict[str, tuple[Task, subprocess.Popen, float]] = {}
+    finished: set[str] = set()
+    executed: list[ExecutedTask] = []
+    bar = tqdm(total=len(tasks), unit="step", disable=not progress, dynamic_ncols=True)
+    description = ""
+    try:
+        while waiting or running:
+            for task in [t for t in waiting if all(d in finished for d in t.dependencies)]:
+                if len(running) >= config.local.parallelism:
+                    break
+                waiting.remove(task)
+                argv = [sys.executable, *task.argv(run_values)[1:]]
+                with open(log_dir / f"{task.name}.log", "wb") as log:
+                    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
+                running[task.name] = (task, process, time.perf_counter())
+            if description != ", ".join(running):
+                description = ", ".join(running)
+                bar.set_description(description)
+            time.sleep(POLL_SECONDS)
+            for name, (task, process, started) in list(running.items()):
+                if process.poll() is None:
+                    continue
+                del running[name]
+                if process.returncode != 0:
+                    raise MoeloopError(f"step {name} failed: {last_line(log_dir / f'{name}.log')} (log: {log_dir / f'{name}.log'})")
+                finished.add(name)
+                executed.append(ExecutedTask(name, task.dependencies, tuple(task.argv(run_values)), time.perf_counter() - started))
+                bar.update()
+                if task.step == EVALUATE:
+                    bar.write(describe_metrics(storage.read_json(storage.metrics(task.iteration))))
+    finally:
+        for _, process, _ in running.values():
+            process.terminate()
+        bar.close()
+    return executed
+
+
+def last_line(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def describe_metrics(metrics: dict) -> str:
+    parts = [f"iteration {metrics['iteration']:>3}: eval_reward_mean {metrics['eval_reward_mean']:.3f}"]
+    if metrics.get("reward_mean") is not None:
+        parts.append(f"reward_mean {metrics['reward_mean']:.3f}  kl {metrics['kl']:.3f}  loss {metrics['loss']:+.3f}")
+    return "  ".join(parts)
