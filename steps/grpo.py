@@ -10,13 +10,17 @@ import torch
 def group_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
     """Each sample's reward minus its group's mean, divided by the group's std (ddof=1) when scale is set.
 
-    A group whose rewards are all equal gets zero advantage: it carries no signal.
+    A group whose rewards are all equal gets exactly zero advantage: it carries no signal (and the rounding
+    error of its mean, divided by a zero std, must not become one).
     """
     _, group_index_N = torch.unique(group_ids_N, return_inverse=True)
     groups = int(group_index_N.max()) + 1
     counts_G = torch.bincount(group_index_N, minlength=groups).to(rewards_N.dtype)
     mean_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, rewards_N) / counts_G
-    centred_N = rewards_N - mean_G[group_index_N]
+    low_G = torch.full((groups,), torch.inf, dtype=rewards_N.dtype).scatter_reduce(0, group_index_N, rewards_N, "amin")
+    high_G = torch.full((groups,), -torch.inf, dtype=rewards_N.dtype).scatter_reduce(0, group_index_N, rewards_N, "amax")
+    varied_N = (high_G > low_G)[group_index_N]
+    centred_N = torch.where(varied_N, rewards_N - mean_G[group_index_N], torch.zeros_like(rewards_N))
     if not scale:
         return centred_N
     square_sum_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, centred_N**2)

@@ -123,8 +123,8 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
 
 def main() -> None:
     parser = step_parser(__doc__)
-    parser.add_argument("--shard", type=int, default=0)
-    parser.add_argument("--num-shards", type=int, default=1)
+    parser.add_argument("--shard", type=int, required=True, help="this shard's index, 0..K-1")
+    parser.add_argument("--num-shards", type=int, required=True, help="K, the run's rollout.num_shards")
     args = parser.parse_args()
     quiet_libraries()
     print_json(rollout(args.run, args.iteration, args.shard, args.num_shards))

@@ -41,15 +41,25 @@ def adopt_run(storage: RunStorage, config: MoeloopConfig, train: list[dict], eva
     """Write the run's config and prompts, or check that an existing run holds the same ones."""
     if storage.exists(RunStorage.CONFIG):
         stored = parse_config(yaml.safe_load(storage.read_bytes(RunStorage.CONFIG)), storage.display(RunStorage.CONFIG))
-        old = stored.model_dump(exclude=RESTARTABLE_FIELDS)
-        new = config.model_dump(exclude=RESTARTABLE_FIELDS)
-        changed = sorted(key for key in new if new[key] != old[key])
+        changed = differing_keys(stored.model_dump(exclude=RESTARTABLE_FIELDS), config.model_dump(exclude=RESTARTABLE_FIELDS))
         if changed:
             raise MoeloopError(f"run {storage.uri} already holds a different config (differs in: {', '.join(changed)})")
     for relative, records in ((RunStorage.TRAIN_PROMPTS, train), (RunStorage.EVAL_PROMPTS, evaluation)):
         if not storage.exists(relative):
             storage.write_bytes(relative, "".join(_json_line(r) for r in records).encode())
     storage.write_bytes(RunStorage.CONFIG, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
+
+
+def differing_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted paths of the leaves where two config dumps differ."""
+    keys = []
+    for key in sorted(old.keys() | new.keys()):
+        left, right = old.get(key), new.get(key)
+        if isinstance(left, dict) and isinstance(right, dict):
+            keys += differing_keys(left, right, f"{prefix}{key}.")
+        elif left != right:
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 def _json_line(record: dict) -> str:
