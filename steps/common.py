@@ -34,9 +34,17 @@ def open_run(run_uri: str) -> tuple[RunStorage, MoeloopConfig]:
     return storage, config
 
 
-def require_iteration(config: MoeloopConfig, iteration: int, first: int = 1) -> None:
+def open_iteration(run_uri: str, iteration: int, first: int = 1) -> tuple[RunStorage, MoeloopConfig]:
+    """The run, checked to have the iteration (RL iterations start at 1; 0 is the SFT start)."""
+    storage, config = open_run(run_uri)
     if not first <= iteration <= config.iterations:
         raise MoeloopError(f"iteration {iteration} is outside this run's iterations {first}..{config.iterations}")
+    return storage, config
+
+
+def already_committed(storage: RunStorage, relative: str) -> dict[str, str]:
+    """The report of a step that finds its output committed and does nothing: re-runs are no-ops."""
+    return {"skipped": f"already committed: {storage.display(relative)}"}
 
 
 def derive_seed(*parts: object) -> int:
@@ -46,11 +54,15 @@ def derive_seed(*parts: object) -> int:
 
 
 def train_prompts(storage: RunStorage) -> list[dict[str, Any]]:
-    return read_jsonl(storage.read_bytes(RunStorage.TRAIN_PROMPTS).decode().splitlines(), storage.display(RunStorage.TRAIN_PROMPTS))
+    return read_jsonl(
+        storage.read_bytes(RunStorage.TRAIN_PROMPTS).decode().splitlines(), storage.display(RunStorage.TRAIN_PROMPTS)
+    )
 
 
 def eval_prompts(storage: RunStorage) -> list[dict[str, Any]]:
-    return read_jsonl(storage.read_bytes(RunStorage.EVAL_PROMPTS).decode().splitlines(), storage.display(RunStorage.EVAL_PROMPTS))
+    return read_jsonl(
+        storage.read_bytes(RunStorage.EVAL_PROMPTS).decode().splitlines(), storage.display(RunStorage.EVAL_PROMPTS)
+    )
 
 
 def cache_root() -> Path:

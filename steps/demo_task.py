@@ -21,7 +21,7 @@ def reverse_positions(record: dict, response: str) -> float:
     Extra characters count against the response, so padding it out never helps.
     """
     answer = record["answer"]
-    correct = sum(1 for got, want in zip(response, answer) if got == want)
+    correct = sum(1 for got, want in zip(response, answer, strict=False) if got == want)
     return correct / max(len(answer), len(response))
 
 

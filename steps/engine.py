@@ -56,7 +56,7 @@ class TransformersEngine:
         for length in sorted(by_length):
             indices = by_length[length]
             batch = [prompts[i] for i in indices]
-            for i, completions in zip(indices, self._generate_batch(batch, sampling)):
+            for i, completions in zip(indices, self._generate_batch(batch, sampling), strict=False):
                 results[i] = completions
         return results
 
@@ -81,7 +81,7 @@ class TransformersEngine:
         # scores are the processed logits (after temperature and top-p): the distribution sampled from.
         logprobs_NSV = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
         chosen_NS = logprobs_NSV.gather(-1, new_tokens_NS.unsqueeze(-1)).squeeze(-1)
-        samples = [self._completion(tokens, logprobs) for tokens, logprobs in zip(new_tokens_NS, chosen_NS)]
+        samples = [self._completion(t, lp) for t, lp in zip(new_tokens_NS, chosen_NS, strict=True)]
         per_prompt = 1 if greedy else sampling.n
         return [samples[i : i + per_prompt] for i in range(0, len(samples), per_prompt)]
 

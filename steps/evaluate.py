@@ -9,7 +9,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from steps.common import eval_prompts, fetch_checkpoint, open_run, print_json, quiet_libraries, require_iteration, step_parser
+from steps.common import (
+    already_committed,
+    eval_prompts,
+    fetch_checkpoint,
+    open_iteration,
+    print_json,
+    quiet_libraries,
+    step_parser,
+)
 from steps.engine import Engine, Sampling, make_engine
 from steps.errors import run_cli
 from steps.reward import reward_functions, score
@@ -21,7 +29,7 @@ def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max
     sampling = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
     completions = engine.generate(prompts, sampling)
     responses = [engine.tokenizer.decode(c[0].token_ids, skip_special_tokens=True) for c in completions]
-    return sum(score(functions, r, text) for r, text in zip(records, responses)) / len(records)
+    return sum(score(functions, r, text) for r, text in zip(records, responses, strict=False)) / len(records)
 
 
 def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: float) -> dict[str, Any]:
@@ -45,11 +53,10 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
 
 def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     started = time.perf_counter()
-    storage, config = open_run(run_uri)
-    require_iteration(config, iteration, first=0)
+    storage, config = open_iteration(run_uri, iteration, first=0)
     output = storage.metrics(iteration)
     if storage.exists(output):
-        return {"skipped": f"already committed: {storage.display(output)}"}
+        return already_committed(storage, output)
     engine = make_engine(config.rollout.engine, fetch_checkpoint(storage, iteration))
     records = eval_prompts(storage)[: config.eval.max_prompts]
     eval_reward = greedy_reward_mean(engine, records, reward_functions(config.reward), config.rollout.max_new_tokens)

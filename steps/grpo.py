@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 
 
-def group_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor, scale: bool, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards_N: torch.Tensor, group_ids_N: torch.Tensor, scale: bool, eps: float = 1e-6
+) -> torch.Tensor:
     """Each sample's reward minus its group's mean, divided by the group's std (ddof=1) when scale is set.
 
     A group whose rewards are all equal gets exactly zero advantage: it carries no signal (and the rounding
@@ -18,7 +20,9 @@ def group_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor, scale: 
     counts_G = torch.bincount(group_index_N, minlength=groups).to(rewards_N.dtype)
     mean_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, rewards_N) / counts_G
     low_G = torch.full((groups,), torch.inf, dtype=rewards_N.dtype).scatter_reduce(0, group_index_N, rewards_N, "amin")
-    high_G = torch.full((groups,), -torch.inf, dtype=rewards_N.dtype).scatter_reduce(0, group_index_N, rewards_N, "amax")
+    high_G = torch.full((groups,), -torch.inf, dtype=rewards_N.dtype).scatter_reduce(
+        0, group_index_N, rewards_N, "amax"
+    )
     varied_N = (high_G > low_G)[group_index_N]
     centred_N = torch.where(varied_N, rewards_N - mean_G[group_index_N], torch.zeros_like(rewards_N))
     if not scale:

@@ -72,11 +72,11 @@ def pack_sequences(
 
     Returns input_ids_BT, attention_mask_BT, and response_mask_BT marking the response tokens.
     """
-    length = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=False))
     input_ids_BT = torch.full((len(prompts), length), pad_id, dtype=torch.long)
     attention_mask_BT = torch.zeros((len(prompts), length), dtype=torch.long)
     response_mask_BT = torch.zeros((len(prompts), length), dtype=torch.bool)
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=False)):
         end = len(prompt) + len(response)
         input_ids_BT[row, :end] = torch.tensor(prompt + response)
         attention_mask_BT[row, :end] = 1

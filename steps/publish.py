@@ -9,19 +9,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from steps.common import local_scratch, open_run, print_json, require_iteration, step_parser, write_report
+from steps.common import already_committed, local_scratch, open_iteration, print_json, step_parser, write_report
 from steps.errors import MoeloopError, run_cli
 from steps.storage import OPTIMIZER_FILE
 
 
 def publish(run_uri: str, iteration: int) -> dict[str, Any]:
     started = time.perf_counter()
-    storage, config = open_run(run_uri)
-    require_iteration(config, iteration)
+    storage, config = open_iteration(run_uri, iteration)
     checkpoint = storage.checkpoint(iteration)
     if storage.is_committed(checkpoint):
         storage.move_latest(iteration)  # a crash may have come between the COMMIT and LATEST
-        return {"skipped": f"already committed: {storage.display(checkpoint)}"}
+        return already_committed(storage, checkpoint)
     state = storage.trainer_state(iteration)
     if not storage.is_committed(state):
         raise MoeloopError(f"iteration {iteration} has no committed trainer state: {storage.display(state)}")

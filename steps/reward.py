@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from steps.common import open_run, print_json, require_iteration, step_parser, train_prompts, write_report
+from steps.common import already_committed, open_iteration, print_json, step_parser, train_prompts, write_report
 from steps.config import RewardConfig
 from steps.errors import MoeloopError, run_cli
 from steps.experience import REWARD_SCHEMA, read_rollouts, table_bytes
@@ -42,18 +42,17 @@ def score(functions: list[tuple[RewardFunction, float]], record: dict, response:
 
 def reward(run_uri: str, iteration: int) -> dict[str, Any]:
     started = time.perf_counter()
-    storage, config = open_run(run_uri)
-    require_iteration(config, iteration)
+    storage, config = open_iteration(run_uri, iteration)
     output = storage.rewards(iteration)
     if storage.exists(output):
-        return {"skipped": f"already committed: {storage.display(output)}"}
+        return already_committed(storage, output)
     functions = reward_functions(config.reward)
     rollouts = read_rollouts(storage, iteration, config.rollout.num_shards)
     records = train_prompts(storage)
     prompt_ids = rollouts["prompt_id"].to_pylist()
     rewards = [
         score(functions, records[prompt_id], response)
-        for prompt_id, response in zip(prompt_ids, rollouts["response_text"].to_pylist())
+        for prompt_id, response in zip(prompt_ids, rollouts["response_text"].to_pylist(), strict=False)
     ]
     table = pa.table(
         {"sample_id": rollouts["sample_id"], "prompt_id": rollouts["prompt_id"], "reward": rewards},

@@ -14,12 +14,12 @@ from typing import Any
 import pyarrow as pa
 
 from steps.common import (
+    already_committed,
     derive_seed,
     fetch_checkpoint,
-    open_run,
+    open_iteration,
     print_json,
     quiet_libraries,
-    require_iteration,
     step_parser,
     train_prompts,
     write_report,
@@ -28,7 +28,6 @@ from steps.config import MoeloopConfig
 from steps.engine import Completion, Sampling, make_engine
 from steps.errors import MoeloopError, run_cli
 from steps.experience import ROLLOUT_SCHEMA, table_bytes
-from steps.storage import RunStorage
 
 
 def iteration_prompt_ids(config: MoeloopConfig, num_prompts: int, iteration: int) -> list[int]:
@@ -53,7 +52,7 @@ def rollout_rows(
     decode: Any,
 ) -> dict[str, list]:
     columns: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
-    for prompt_id, record, tokens, samples in zip(prompt_ids, prompts, prompt_tokens, completions):
+    for prompt_id, record, tokens, samples in zip(prompt_ids, prompts, prompt_tokens, completions, strict=False):
         for index, sample in enumerate(samples):
             row = {
                 "sample_id": f"{iteration}-{prompt_id}-{index}",
@@ -77,15 +76,16 @@ def rollout_rows(
 
 def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[str, Any]:
     step_started = time.perf_counter()
-    storage, config = open_run(run_uri)
-    require_iteration(config, iteration)
+    storage, config = open_iteration(run_uri, iteration)
     if num_shards != config.rollout.num_shards:
-        raise MoeloopError(f"--num-shards {num_shards} does not match the run's rollout.num_shards {config.rollout.num_shards}")
+        raise MoeloopError(
+            f"--num-shards {num_shards} does not match the run's rollout.num_shards {config.rollout.num_shards}"
+        )
     if not 0 <= shard < num_shards:
         raise MoeloopError(f"--shard {shard} is outside 0..{num_shards - 1}")
     output = storage.rollout_shard(iteration, shard, num_shards)
     if storage.exists(output):
-        return {"skipped": f"already committed: {storage.display(output)}"}
+        return already_committed(storage, output)
 
     policy_version = iteration - 1
     engine = make_engine(config.rollout.engine, fetch_checkpoint(storage, policy_version))
@@ -104,7 +104,14 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
     completions = engine.generate(prompt_tokens, sampling)
     generate_seconds = time.perf_counter() - started
     columns = rollout_rows(
-        iteration, shard, policy_version, engine.name, prompt_ids, prompts, prompt_tokens, completions,
+        iteration,
+        shard,
+        policy_version,
+        engine.name,
+        prompt_ids,
+        prompts,
+        prompt_tokens,
+        completions,
         lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
     )
     tokens = sum(len(ids) for ids in columns["response_token_ids"])

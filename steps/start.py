@@ -41,7 +41,9 @@ def adopt_run(storage: RunStorage, config: MoeloopConfig, train: list[dict], eva
     """Write the run's config and prompts, or check that an existing run holds the same ones."""
     if storage.exists(RunStorage.CONFIG):
         stored = parse_config(yaml.safe_load(storage.read_bytes(RunStorage.CONFIG)), storage.display(RunStorage.CONFIG))
-        changed = differing_keys(stored.model_dump(exclude=RESTARTABLE_FIELDS), config.model_dump(exclude=RESTARTABLE_FIELDS))
+        changed = differing_keys(
+            stored.model_dump(exclude=RESTARTABLE_FIELDS), config.model_dump(exclude=RESTARTABLE_FIELDS)
+        )
         if changed:
             raise MoeloopError(f"run {storage.uri} already holds a different config (differs in: {', '.join(changed)})")
     for relative, records in ((RunStorage.TRAIN_PROMPTS, train), (RunStorage.EVAL_PROMPTS, evaluation)):
@@ -86,7 +88,9 @@ def sft(model: torch.nn.Module, tokenizer: Any, records: list[dict], settings: S
     return losses
 
 
-def starting_policy(config: MoeloopConfig, train: list[dict], evaluation: list[dict], scratch: Path) -> tuple[Any, Any, dict]:
+def starting_policy(
+    config: MoeloopConfig, train: list[dict], evaluation: list[dict], scratch: Path
+) -> tuple[Any, Any, dict]:
     if config.model.checkpoint is not None:
         source = scratch / "source"
         try:

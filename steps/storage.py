@@ -1,6 +1,7 @@
 """The one storage layout of a run, read and written through fsspec.
 
-    <run>/config.yaml                                  the run's config (start writes it; later submissions may change only iterations and placement)
+    <run>/config.yaml                                  the run's config (written by start; a later submission
+                                                       may change only iterations and placement)
     <run>/data/{train,eval}.jsonl                      the prompts, copied in by start
     <run>/checkpoints/iter-NNNNNN/                     HF checkpoint of the policy after iteration N
     <run>/checkpoints/iter-NNNNNN/COMMIT               written last: names every file with size and sha256

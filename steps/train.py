@@ -6,7 +6,6 @@ moments carry across iterations. The reference policy for the KL is checkpoint 0
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,13 +14,13 @@ from typing import Any
 import torch
 
 from steps.common import (
+    already_committed,
     derive_seed,
     fetch_checkpoint,
     local_scratch,
-    open_run,
+    open_iteration,
     print_json,
     quiet_libraries,
-    require_iteration,
     step_parser,
     write_report,
 )
@@ -31,6 +30,7 @@ from steps.experience import read_rewards, read_rollouts
 from steps.grpo import group_advantages, grpo_loss
 from steps.policy import load_policy, pack_sequences, save_policy, token_logprobs
 from steps.storage import OPTIMIZER_FILE, RunStorage
+
 
 @dataclass(frozen=True)
 class ExperienceBatch:
@@ -46,7 +46,7 @@ def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, flo
     prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
     input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id)
     behavior_BT = torch.zeros(input_ids_BT.shape)
-    for row, (prompt, logprobs) in enumerate(zip(prompts, rollouts["behavior_logprobs"])):
+    for row, (prompt, logprobs) in enumerate(zip(prompts, rollouts["behavior_logprobs"], strict=False)):
         behavior_BT[row, len(prompt) : len(prompt) + len(logprobs)] = torch.tensor(logprobs)
     return ExperienceBatch(
         input_ids_BT,
@@ -62,7 +62,9 @@ def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, flo
 def frozen_logprobs(model: torch.nn.Module, batch: ExperienceBatch, temperature: float, minibatch: int) -> torch.Tensor:
     model.eval()
     chunks = [
-        token_logprobs(model, batch.input_ids_BT[i : i + minibatch], batch.attention_mask_BT[i : i + minibatch], temperature)[0]
+        token_logprobs(
+            model, batch.input_ids_BT[i : i + minibatch], batch.attention_mask_BT[i : i + minibatch], temperature
+        )[0]
         for i in range(0, len(batch.input_ids_BT), minibatch)
     ]
     return torch.cat(chunks)
@@ -100,7 +102,9 @@ def grpo_update(
         order = torch.randperm(len(advantages_B), generator=generator)
         for start in range(0, len(order), settings.minibatch_size):
             rows = order[start : start + settings.minibatch_size]
-            logprobs_BT, aux_loss = token_logprobs(model, batch.input_ids_BT[rows], batch.attention_mask_BT[rows], temperature)
+            logprobs_BT, aux_loss = token_logprobs(
+                model, batch.input_ids_BT[rows], batch.attention_mask_BT[rows], temperature
+            )
             terms = grpo_loss(
                 logprobs_BT,
                 old_logprobs_BT[rows],
@@ -140,11 +144,13 @@ def load_trainer_start(storage: RunStorage, iteration: int, scratch: Path) -> tu
     return model, tokenizer, None
 
 
-def update_policy(storage: RunStorage, config: MoeloopConfig, iteration: int, scratch: Path) -> tuple[Any, Any, Any, dict]:
+def update_policy(
+    storage: RunStorage, config: MoeloopConfig, iteration: int, scratch: Path
+) -> tuple[Any, Any, Any, dict]:
     """The iteration's policy update in memory: (model, tokenizer, optimizer, report). Deterministic."""
     rollouts = read_rollouts(storage, iteration, config.rollout.num_shards).to_pydict()
     rewards = read_rewards(storage, iteration).to_pydict()
-    rewards_by_sample = dict(zip(rewards["sample_id"], rewards["reward"]))
+    rewards_by_sample = dict(zip(rewards["sample_id"], rewards["reward"], strict=False))
     seed = derive_seed(config.run_name, config.seed, "train", iteration)
     torch.manual_seed(seed)
     model, tokenizer, optimizer_state = load_trainer_start(storage, iteration, scratch)
@@ -167,11 +173,10 @@ def update_policy(storage: RunStorage, config: MoeloopConfig, iteration: int, sc
 
 def train(run_uri: str, iteration: int) -> dict[str, Any]:
     started = time.perf_counter()
-    storage, config = open_run(run_uri)
-    require_iteration(config, iteration)
+    storage, config = open_iteration(run_uri, iteration)
     output = storage.trainer_state(iteration)
     if storage.is_committed(output):
-        return {"skipped": f"already committed: {storage.display(output)}"}
+        return already_committed(storage, output)
     with local_scratch() as scratch:
         model, tokenizer, optimizer, report = update_policy(storage, config, iteration, scratch)
         save_policy(model, tokenizer, scratch / "state")

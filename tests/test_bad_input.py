@@ -62,7 +62,12 @@ def environment(tmp_path: Path) -> dict[str, str]:
 
 def run_process(args: list[str], tmp_path: Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=environment(tmp_path), capture_output=True, text=True, timeout=STEP_TIMEOUT
+        [sys.executable, *args],
+        cwd=cwd,
+        env=environment(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT,
     )
 
 
@@ -144,7 +149,9 @@ def test_run_rejects_a_missing_prompt_file(tmp_path: Path, which: str) -> None:
 
 def test_run_resolves_a_relative_prompt_path_against_the_config_and_names_it(tmp_path: Path) -> None:
     name = unique_run_name()
-    config = write_config(tmp_path / "configs", tiny_config(run_name=name, **{"task.train_prompts": "data/missing.jsonl"}))
+    config = write_config(
+        tmp_path / "configs", tiny_config(run_name=name, **{"task.train_prompts": "data/missing.jsonl"})
+    )
     root = tmp_path / "root"
 
     result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
@@ -163,7 +170,10 @@ def test_run_resolves_a_relative_prompt_path_against_the_config_and_names_it(tmp
 def test_run_rejects_a_reward_path_that_does_not_import(tmp_path: Path, path: str, named: str) -> None:
     name = unique_run_name()
     data = tiny_config(run_name=name)
-    data["reward"]["functions"] = [{"path": "steps.demo_task:reverse_positions", "weight": 1.0}, {"path": path, "weight": 0.5}]
+    data["reward"]["functions"] = [
+        {"path": "steps.demo_task:reverse_positions", "weight": 1.0},
+        {"path": path, "weight": 0.5},
+    ]
     config = write_config(tmp_path, data)
     root = tmp_path / "root"
 
@@ -233,9 +243,14 @@ def missing_inputs_cases() -> list[Any]:
         pytest.param("train", [], shard0, marks=pytest.mark.slow, id="train-missing-shard"),
         pytest.param("reward", [], shard0, id="reward-missing-shard"),
         pytest.param("publish", [], "trainer/iter-000002", id="publish-missing-trainer-state"),
-        pytest.param("evaluate", [], "checkpoints/iter-000002", marks=pytest.mark.slow, id="evaluate-missing-checkpoint"),
         pytest.param(
-            "rollout", ["--shard", "0", "--num-shards", "2"], "checkpoints/iter-000001", marks=pytest.mark.slow,
+            "evaluate", [], "checkpoints/iter-000002", marks=pytest.mark.slow, id="evaluate-missing-checkpoint"
+        ),
+        pytest.param(
+            "rollout",
+            ["--shard", "0", "--num-shards", "2"],
+            "checkpoints/iter-000001",
+            marks=pytest.mark.slow,
             id="rollout-missing-previous-checkpoint",
         ),
     ]
@@ -327,7 +342,11 @@ def test_resumed_local_run_refuses_a_config_that_differs(run_copy: Path, tmp_pat
     logs = tmp_path / ".moeloop" / "logs" / run_copy.name
     process = subprocess.Popen(
         [sys.executable, "-m", "workflows.cli", "run", str(config), "--root", str(run_copy.parent), "--no-progress"],
-        cwd=tmp_path, env=environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+        env=environment(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
     others: list[str] = []

@@ -22,7 +22,7 @@ CLIP = 0.2
 def hand_advantages(rewards: list[float], group_ids: list[int], scale: bool, eps: float = EPS) -> list[float]:
     """(r - group mean) / (group std, ddof=1, + eps), or only r - group mean when scale is off."""
     members: dict[int, list[float]] = {}
-    for reward, group in zip(rewards, group_ids):
+    for reward, group in zip(rewards, group_ids, strict=False):
         members.setdefault(group, []).append(reward)
     stats = {}
     for group, values in members.items():
@@ -30,7 +30,7 @@ def hand_advantages(rewards: list[float], group_ids: list[int], scale: bool, eps
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
         stats[group] = (mean, std)
     advantages = []
-    for reward, group in zip(rewards, group_ids):
+    for reward, group in zip(rewards, group_ids, strict=False):
         mean, std = stats[group]
         advantages.append((reward - mean) / (std + eps) if scale else reward - mean)
     return advantages
@@ -96,7 +96,9 @@ def test_group_of_equal_rewards_gets_exactly_zero_advantage(value: float, scale:
     advantages = group_advantages(rewards, group_ids, scale=scale)
 
     equal_group = advantages[group_ids == 5]
-    assert equal_group.tolist() == [0.0] * group_size, f"an all-equal group must carry no signal, got {equal_group.tolist()}"
+    assert equal_group.tolist() == [0.0] * group_size, (
+        f"an all-equal group must carry no signal, got {equal_group.tolist()}"
+    )
     assert (advantages[group_ids == 2] != 0).all()
 
 
@@ -202,7 +204,9 @@ def test_clipping_on_both_sides_over_a_batch() -> None:
     assert expected["clip_fraction"] == pytest.approx(11 / 16)
     # Written out for row 0 (A = 1.3): -(1.2 A) - (0.5 A) - (1.1 A) - (1.2 A), over 16 tokens in all.
     row0 = -(1.2 * 1.3) - (0.5 * 1.3) - (1.1 * 1.3) - (1.2 * 1.3)
-    row0_alone = grpo_loss(logprobs[:1], old[:1], torch.tensor([1.3], dtype=torch.float64), torch.ones(1, 4), clip_eps=CLIP)
+    row0_alone = grpo_loss(
+        logprobs[:1], old[:1], torch.tensor([1.3], dtype=torch.float64), torch.ones(1, 4), clip_eps=CLIP
+    )
     assert float(row0_alone.policy_loss) == pytest.approx(row0 / 4, rel=1e-12)
 
 
@@ -234,15 +238,15 @@ def test_masked_tokens_do_not_count_and_every_unmasked_token_weighs_the_same() -
         if mask[row][col]
     }
     token_mean = sum(per_token.values()) / 8
-    sequence_means = [
-        sum(v for (row, _), v in per_token.items() if row == r) / sum(mask[r]) for r in range(2)
-    ]
+    sequence_means = [sum(v for (row, _), v in per_token.items() if row == r) / sum(mask[r]) for r in range(2)]
     assert float(terms.policy_loss) == pytest.approx(token_mean, rel=1e-12)
     assert abs(token_mean - sum(sequence_means) / 2) > 1e-3  # the two aggregations really differ here
 
     # Whatever sits in the masked positions (here: ratios of e^5 and e^-5) changes nothing.
     garbage_old = old.clone()
-    garbage_old[mask_t == 0] = logprobs[mask_t == 0] + torch.where(torch.rand(int((mask_t == 0).sum())) > 0.5, 5.0, -5.0).double()
+    garbage_old[mask_t == 0] = (
+        logprobs[mask_t == 0] + torch.where(torch.rand(int((mask_t == 0).sum())) > 0.5, 5.0, -5.0).double()
+    )
     garbage = grpo_loss(logprobs, garbage_old, adv_t, mask_t, clip_eps=CLIP)
     assert float(garbage.policy_loss) == float(terms.policy_loss)
     assert float(garbage.clip_fraction) == float(terms.clip_fraction)
@@ -259,14 +263,29 @@ def test_num_tokens_makes_minibatch_losses_add_up_to_the_batch_loss() -> None:
 
     whole = grpo_loss(logprobs, old, advantages, mask, CLIP, ref_logprobs_BT=ref, kl_coef=0.1)
     parts = [
-        grpo_loss(logprobs[rows], old[rows], advantages[rows], mask[rows], CLIP, ref_logprobs_BT=ref[rows], kl_coef=0.1, num_tokens=total)
+        grpo_loss(
+            logprobs[rows],
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            CLIP,
+            ref_logprobs_BT=ref[rows],
+            kl_coef=0.1,
+            num_tokens=total,
+        )
         for rows in (slice(0, 1), slice(1, 4))
     ]
 
     assert sum(float(p.loss) for p in parts) == pytest.approx(float(whole.loss), rel=1e-12)
     expected = hand_loss(
-        logprobs[1:4].tolist(), old[1:4].tolist(), advantages[1:4].tolist(), mask[1:4].tolist(), CLIP,
-        ref=ref[1:4].tolist(), kl_coef=0.1, num_tokens=total,
+        logprobs[1:4].tolist(),
+        old[1:4].tolist(),
+        advantages[1:4].tolist(),
+        mask[1:4].tolist(),
+        CLIP,
+        ref=ref[1:4].tolist(),
+        kl_coef=0.1,
+        num_tokens=total,
     )
     assert float(parts[1].policy_loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
     assert float(parts[1].kl) == pytest.approx(expected["kl"], rel=1e-12)
@@ -341,7 +360,9 @@ def test_gradient_with_respect_to_logprobs_matches_hand_derivation() -> None:
     n = 7  # unmasked tokens
 
     logprobs = base.clone().requires_grad_(True)
-    grpo_loss(logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_eps=CLIP).loss.backward()
+    grpo_loss(
+        logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_eps=CLIP
+    ).loss.backward()
 
     # Unclipped token: d/dlogp of -r A / N is -r A / N.
     assert float(logprobs.grad[0, 0]) == pytest.approx(-1.05 * 0.9 / n, rel=1e-12)
@@ -357,8 +378,13 @@ def test_gradient_with_respect_to_logprobs_matches_hand_derivation() -> None:
     # With the KL: d/dlogp of kl_coef * k3 / N is kl_coef * (1 - exp(ref - logp)) / N on top.
     logprobs = base.clone().requires_grad_(True)
     grpo_loss(
-        logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_eps=CLIP,
-        ref_logprobs_BT=ref, kl_coef=0.3,
+        logprobs,
+        old,
+        torch.tensor(advantages, dtype=torch.float64),
+        torch.tensor(mask),
+        clip_eps=CLIP,
+        ref_logprobs_BT=ref,
+        kl_coef=0.3,
     ).loss.backward()
     kl_part = 0.3 * (1 - math.exp(float(ref[0, 0] - base[0, 0]))) / n
     assert float(logprobs.grad[0, 0]) == pytest.approx(-1.05 * 0.9 / n + kl_part, rel=1e-12)

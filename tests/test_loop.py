@@ -41,7 +41,10 @@ def rendered_commands(document: dict) -> dict[str, list[str]]:
 
 def substitute(argv: list[str], values: dict[str, str]) -> list[str]:
     for name, value in values.items():
-        argv = [a.replace(f"{{{{workflow.parameters.{name}}}}}", value).replace(f"{{{{inputs.parameters.{name}}}}}", value) for a in argv]
+        argv = [
+            a.replace(f"{{{{workflow.parameters.{name}}}}}", value).replace(f"{{{{inputs.parameters.{name}}}}}", value)
+            for a in argv
+        ]
     return argv
 
 
@@ -75,12 +78,16 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: P
     longer = small_config(iterations=3)
     extended = run_local(longer, uri, tmp_path / "logs", progress=False)
     assert [t.name for t in extended][0] == "start"
-    assert {t.name for t in extended} == {"start", "it2-eval"} | {t.name for t in loop_tasks(longer) if t.iteration == 3}
+    assert {t.name for t in extended} == {"start", "it2-eval"} | {
+        t.name for t in loop_tasks(longer) if t.iteration == 3
+    }
     for metrics_file in ("iter-000000.json", "iter-000003.json"):
         metrics = storage.read_json(f"metrics/{metrics_file}")
         assert 0.0 <= metrics["eval_reward_mean"] <= 1.0
     last = storage.read_json("metrics/iter-000003.json")
-    assert {"iteration", "reward_mean", "eval_reward_mean", "kl", "loss", "step_seconds", "tokens_per_second"} <= set(last)
+    assert {"iteration", "reward_mean", "eval_reward_mean", "kl", "loss", "step_seconds", "tokens_per_second"} <= set(
+        last
+    )
     assert set(last["step_seconds"]) == {"rollout-0", "rollout-1", "reward", "train", "publish", "evaluate"}
 
 

@@ -56,7 +56,9 @@ def command_submit(args: argparse.Namespace) -> None:
 
     config = _config(args)
     token = args.token or os.environ.get("ARGO_TOKEN")
-    name = submit_workflow(config, run_uri(config, args.root), args.host, args.namespace, token, verify_ssl=not args.insecure)
+    name = submit_workflow(
+        config, run_uri(config, args.root), args.host, args.namespace, token, verify_ssl=not args.insecure
+    )
     print(name)
 
 

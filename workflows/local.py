@@ -55,14 +55,14 @@ def pending_tasks(tasks: list[Task], latest_iteration: int | None) -> list[Task]
     ]
     names = {t.name for t in kept}
     return [
-        replace(t, dependencies=tuple(d for d in t.dependencies if d in names) or ((START.name,) if t.step != START else ()))
+        replace(
+            t, dependencies=tuple(d for d in t.dependencies if d in names) or ((START.name,) if t.step != START else ())
+        )
         for t in kept
     ]
 
 
-def run_local(
-    config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool = True
-) -> list[ExecutedTask]:
+def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool = True) -> list[ExecutedTask]:
     preflight(config)
     storage = RunStorage(run_uri)
     latest = storage.latest() if storage.exists(RunStorage.CONFIG) else None
@@ -97,9 +97,13 @@ def run_local(
                     continue
                 del running[name]
                 if process.returncode != 0:
-                    raise MoeloopError(f"step {name} failed: {last_line(log_dir / f'{name}.log')} (log: {log_dir / f'{name}.log'})")
+                    raise MoeloopError(
+                        f"step {name} failed: {last_line(log_dir / f'{name}.log')} (log: {log_dir / f'{name}.log'})"
+                    )
                 finished.add(name)
-                executed.append(ExecutedTask(name, task.dependencies, tuple(task.argv(run_values)), time.perf_counter() - started))
+                executed.append(
+                    ExecutedTask(name, task.dependencies, tuple(task.argv(run_values)), time.perf_counter() - started)
+                )
                 bar.update()
                 if task.step == EVALUATE:
                     bar.write(describe_metrics(storage.read_json(storage.metrics(task.iteration))))
