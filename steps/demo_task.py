@@ -45,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--train", type=int, default=20000)
-    parser.add_argument("--eval", type=int, default=128)
+    parser.add_argument("--eval", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
