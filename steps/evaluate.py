@@ -18,7 +18,7 @@ from steps.common import (
     quiet_libraries,
     step_parser,
 )
-from steps.engine import Engine, Sampling, make_engine
+from steps.engine import Engine, Sampling, TransformersEngine
 from steps.errors import run_cli
 from steps.reward import reward_functions, score
 from steps.storage import RunStorage
@@ -44,6 +44,7 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "kl": train.get("kl"),
         "loss": train.get("loss"),
         "logprob_mismatch": train.get("logprob_mismatch"),
+        "behavior_kl": train.get("behavior_kl"),
         "clip_fraction": train.get("clip_fraction"),
         # Shards generate side by side, so their rates add up.
         "tokens_per_second": sum(r["tokens_per_second"] for r in rollouts) if rollouts else None,
@@ -57,7 +58,8 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     output = storage.metrics(iteration)
     if storage.exists(output):
         return already_committed(storage, output)
-    engine = make_engine(config.rollout.engine, fetch_checkpoint(storage, iteration))
+    # The measuring stick stays the same whatever the rollout engine: transformers, greedy.
+    engine = TransformersEngine(fetch_checkpoint(storage, iteration))
     records = eval_prompts(storage)[: config.eval.max_prompts]
     eval_reward = greedy_reward_mean(engine, records, reward_functions(config.reward), config.rollout.max_new_tokens)
     storage.write_json(storage.report(iteration, "evaluate"), {"seconds": round(time.perf_counter() - started, 3)})

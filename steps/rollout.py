@@ -8,6 +8,8 @@ is already committed is left as it is.
 from __future__ import annotations
 
 import random
+import signal
+import sys
 import time
 from typing import Any
 
@@ -25,7 +27,7 @@ from steps.common import (
     write_report,
 )
 from steps.config import MoeloopConfig
-from steps.engine import Completion, Sampling, make_engine
+from steps.engine import Completion, Sampling, engine_for
 from steps.errors import MoeloopError, run_cli
 from steps.experience import ROLLOUT_SCHEMA, table_bytes
 
@@ -88,7 +90,10 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         return already_committed(storage, output)
 
     policy_version = iteration - 1
-    engine = make_engine(config.rollout.engine, fetch_checkpoint(storage, policy_version))
+    checkpoint_dir = fetch_checkpoint(storage, policy_version)
+    engine_started = time.perf_counter()
+    engine, engine_reused = engine_for(checkpoint_dir, config.rollout)
+    engine_seconds = time.perf_counter() - engine_started
     records = train_prompts(storage)
     prompt_ids = shard_prompt_ids(iteration_prompt_ids(config, len(records), iteration), shard, num_shards)
     prompts = [records[i] for i in prompt_ids]
@@ -116,6 +121,9 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
     )
     tokens = sum(len(ids) for ids in columns["response_token_ids"])
     report = {
+        "engine": engine.name,
+        "engine_reused": engine_reused,
+        "engine_seconds": round(engine_seconds, 3),  # building the engine, or loading new weights into it
         "samples": len(columns["sample_id"]),
         "response_tokens": tokens,
         "generate_seconds": round(generate_seconds, 3),
@@ -128,7 +136,19 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
     return report
 
 
+def exit_on_sigterm() -> None:
+    """Spot reclaim: Kubernetes sends SIGTERM, then SIGKILL after the grace period. Stop at once: the shard
+    is written in one atomic put at the end, so stopping leaves nothing behind and a retry starts clean."""
+
+    def stop(signum: int, frame: object) -> None:
+        print("rollout: SIGTERM, stopping without writing", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main() -> None:
+    exit_on_sigterm()
     parser = step_parser(__doc__)
     parser.add_argument("--shard", type=int, required=True, help="this shard's index, 0..K-1")
     parser.add_argument("--num-shards", type=int, required=True, help="K, the run's rollout.num_shards")

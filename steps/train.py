@@ -92,7 +92,10 @@ def grpo_update(
     ref_logprobs_BT = frozen_logprobs(reference, batch, temperature, settings.minibatch_size)
     log_ratio_BT = ref_logprobs_BT - old_logprobs_BT
     kl_before = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT)
-    mismatch = masked_mean((batch.behavior_logprobs_BT - old_logprobs_BT).abs(), mask_BT)
+    # Engine vs trainer on the same policy version: mean |difference| and KL(behaviour || trainer), k3.
+    behavior_gap_BT = old_logprobs_BT - batch.behavior_logprobs_BT
+    mismatch = masked_mean(behavior_gap_BT.abs(), mask_BT)
+    behavior_kl = masked_mean(torch.exp(behavior_gap_BT) - behavior_gap_BT - 1, mask_BT)
 
     aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0)
     generator = torch.Generator().manual_seed(seed)
@@ -127,6 +130,7 @@ def grpo_update(
         "clip_fraction": sum(clip_fractions) / len(clip_fractions),
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "logprob_mismatch": mismatch,
+        "behavior_kl": behavior_kl,
         "advantage_abs_mean": float(advantages_B.abs().mean()),
         "optimizer_steps": len(losses),
         "response_tokens": int(mask_BT.sum()),

@@ -4,6 +4,7 @@ checkpoints that transformers loads with the trainer's logits."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,16 @@ def test_published_checkpoint_loads_with_the_trainers_logits(run_root: Path, tmp
     initial = AutoModelForCausalLM.from_pretrained(fetch_checkpoint(storage, 0), dtype=torch.float32)
     with torch.no_grad():
         assert not torch.allclose(initial(input_ids=input_ids).logits, got)
+
+
+def test_checkpoint_cache_is_keyed_by_run(run_root: Path) -> None:
+    """A copy of a run elsewhere gets its own cache entry: checkpoints are cached by run and COMMIT."""
+    config = small_config(iterations=1)
+    uri = run_uri(config, str(run_root))
+    start(uri, config)
+    copy = run_root.parent / "copy"
+    shutil.copytree(run_root, copy)
+    original = fetch_checkpoint(RunStorage(uri), 0)
+    copied = fetch_checkpoint(RunStorage(run_uri(config, str(copy))), 0)
+    assert original != copied
+    assert (original / "model.safetensors").read_bytes() == (copied / "model.safetensors").read_bytes()

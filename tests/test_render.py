@@ -141,6 +141,16 @@ def test_placement_follows_the_steps_role(documents: dict[str, dict]) -> None:
     assert "resources" not in templates["reward"]["container"]
 
 
+def test_only_rollout_shards_retry_spot_preemption(documents: dict[str, dict]) -> None:
+    templates = templates_by_name(documents["workflow.yaml"])
+    retry = templates["rollout"]["retryStrategy"]
+    assert retry["retryPolicy"] == "Always" and retry["limit"] == 10
+    assert retry["backoff"] == {"duration": "30s", "factor": 2, "cap": "1800s"}
+    # Lost pods (Error) and signals (143 SIGTERM, 137 SIGKILL) are retried; a step's own error is not.
+    assert retry["expression"] == 'lastRetry.status == "Error" || asInt(lastRetry.exitCode) in [137, 143]'
+    assert all("retryStrategy" not in t for name, t in templates.items() if name != "rollout")
+
+
 def test_workflow_metadata_and_run_parameters(config: MoeloopConfig, documents: dict[str, dict]) -> None:
     workflow, template = documents["workflow.yaml"], documents["workflow-template.yaml"]
     assert workflow["kind"] == "Workflow" and workflow["metadata"]["generateName"] == "render-test-"

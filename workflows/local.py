@@ -7,7 +7,9 @@ task of iterations before LATEST is done, and every step skips work whose output
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -20,7 +22,7 @@ from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
 from steps.reward import reward_functions
 from steps.storage import RunStorage, read_prompt_file
-from workflows.dag import EVALUATE, START, Task, loop_tasks
+from workflows.dag import EVALUATE, ROLLOUT, START, Task, loop_tasks
 
 POLL_SECONDS = 0.05
 
@@ -72,8 +74,9 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
     # Steps run side by side on few cores: one thread each keeps them from fighting over them.
     environment = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // config.local.parallelism))}
 
+    workers: dict[str, StepWorker] = {}
     waiting = list(tasks)
-    running: dict[str, tuple[Task, subprocess.Popen, float]] = {}
+    running: dict[str, tuple[Task, subprocess.Popen | StepWorker, float]] = {}
     finished: set[str] = set()
     executed: list[ExecutedTask] = []
     bar = tqdm(total=len(tasks), unit="step", disable=not progress, dynamic_ncols=True)
@@ -85,8 +88,17 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                     break
                 waiting.remove(task)
                 argv = [sys.executable, *task.argv(run_values)[1:]]
-                with open(log_dir / f"{task.name}.log", "wb") as log:
-                    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
+                log_path = log_dir / f"{task.name}.log"
+                log_path.write_bytes(b"")
+                if config.local.reuse_engines and task.step == ROLLOUT:
+                    # Shard k of every iteration goes to the same worker, which keeps its engine loaded.
+                    slot = f"rollout-{dict(task.arguments)['shard']}"
+                    if slot not in workers or workers[slot].process.poll() is not None:
+                        workers[slot] = StepWorker(environment)
+                    process = workers[slot].start(argv, log_path)
+                else:
+                    with open(log_path, "wb") as log:
+                        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
                 running[task.name] = (task, process, time.perf_counter())
             if description != ", ".join(running):
                 description = ", ".join(running)
@@ -96,7 +108,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 if process.poll() is None:
                     continue
                 del running[name]
-                if process.returncode != 0:
+                if process.poll() != 0:
                     raise MoeloopError(
                         f"step {name} failed: {last_line(log_dir / f'{name}.log')} (log: {log_dir / f'{name}.log'})"
                     )
@@ -110,8 +122,52 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
     finally:
         for _, process, _ in running.values():
             process.terminate()
+        for worker in workers.values():
+            worker.close()
         bar.close()
     return executed
+
+
+class StepWorker:
+    """A `python -m steps.worker` process: runs step commands one at a time, keeping engines loaded.
+
+    It looks like a Popen to the runner: poll() is None while a command runs, then its exit code.
+    """
+
+    def __init__(self, environment: dict[str, str]):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "steps.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=environment,
+            text=True,
+        )
+        self.returncode: int | None = 0
+
+    def start(self, argv: list[str], log: Path) -> StepWorker:
+        self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.process.stdin.flush()
+        self.returncode = None
+        return self
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if select.select([self.process.stdout], [], [], 0)[0]:
+            line = self.process.stdout.readline()
+            # An empty read is the worker's end: it died (killed, out of memory) mid-command.
+            self.returncode = json.loads(line)["returncode"] if line else (self.process.wait() or 1)
+        return self.returncode
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
 
 def last_line(log: Path) -> str:

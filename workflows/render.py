@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hera.workflows import DAG, Container, Parameter, Workflow, WorkflowTemplate
+from hera.workflows import DAG, Container, Parameter, RetryStrategy, Workflow, WorkflowTemplate
 from hera.workflows import models as m
 
 from steps.config import ClusterConfig, MoeloopConfig, RolePlacement
@@ -70,10 +70,30 @@ def _resources(placement: RolePlacement) -> m.ResourceRequirements | None:
     return m.ResourceRequirements(requests=requests or None, limits=limits or None)
 
 
+# Retry a shard whose pod was lost (status Error: node shutdown, pod deleted) or stopped by a signal (exit 143:
+# SIGTERM on a Spot reclaim; 137: SIGKILL after the grace period). A step's own error (exit 1, 2) is final.
+SPOT_RETRY_EXPRESSION = 'lastRetry.status == "Error" || asInt(lastRetry.exitCode) in [137, 143]'
+
+
+def _spot_retry(cluster: ClusterConfig) -> RetryStrategy:
+    retry = cluster.spot_retry
+    return RetryStrategy(
+        limit=retry.limit,
+        retry_policy="Always",
+        expression=SPOT_RETRY_EXPRESSION,
+        backoff=m.Backoff(
+            duration=f"{retry.backoff_seconds}s",
+            factor=m.IntOrString(retry.backoff_factor),
+            cap=f"{retry.max_backoff_seconds}s",
+        ),
+    )
+
+
 def _container(step: Step, cluster: ClusterConfig) -> Container:
     placement: RolePlacement = getattr(cluster, step.role)
     argv = step.argv(step_placeholders(step))
     return Container(
+        retry_strategy=_spot_retry(cluster) if step.role == "rollout" else None,
         name=step.name,
         image=placement.image or cluster.image,
         image_pull_policy="IfNotPresent",
