@@ -1,0 +1,97 @@
+"""A rollout shard on Spot capacity: killed at any moment, retried as Argo would, committed exactly once."""
+
+from __future__ import annotations
+
+import io
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from steps.config import MoeloopConfig
+from steps.start import start
+from steps.storage import RunStorage
+from tests.conftest import REPO, small_config
+from workflows.dag import run_uri
+
+pytestmark = pytest.mark.slow
+
+KILLS = 20
+GRACE_SECONDS = 30  # Kubernetes' default terminationGracePeriodSeconds
+
+
+def shard_command(uri: str, config: MoeloopConfig) -> list[str]:
+    shards = config.rollout.num_shards
+    return [sys.executable, "-m", "steps.rollout", "--run", uri, "--iteration", "1", "--shard", "0"] + [
+        "--num-shards",
+        str(shards),
+    ]
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Anything in the experience folder that is not a committed object."""
+    return sorted(p.name for p in folder.glob("*") if ".tmp" in p.name) if folder.exists() else []
+
+
+def start_run(run_root: Path, engine: str) -> tuple[str, MoeloopConfig, Path]:
+    config = small_config(iterations=1, rollout={"engine": engine, "prompts_per_iteration": 32, "samples_per_prompt": 4})
+    uri = run_uri(config, str(run_root))
+    start(uri, config)
+    shard = run_root / config.run_name / RunStorage.rollout_shard(1, 0, config.rollout.num_shards)
+    return uri, config, shard
+
+
+def test_shard_killed_at_random_moments_commits_exactly_once(run_root: Path) -> None:
+    uri, config, shard = start_run(run_root, "transformers")
+    command = shard_command(uri, config)
+    started = time.perf_counter()
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+    normal_seconds = time.perf_counter() - started
+    reference = shard.read_bytes()
+    expected_rows = (config.rollout.prompts_per_iteration // config.rollout.num_shards) * config.rollout.samples_per_prompt
+
+    rng = random.Random(0)
+    outcomes = {"killed before commit": 0, "already committed when killed": 0}
+    for _ in range(KILLS):
+        shard.unlink()
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0, 1.2 * normal_seconds))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        # Whatever the moment: either no shard at all, or the whole shard.
+        if shard.exists():
+            assert shard.read_bytes() == reference
+            outcomes["already committed when killed"] += 1
+        else:
+            outcomes["killed before commit"] += 1
+        # The retry finds the committed shard and exits, or writes it whole; same seed, same bytes.
+        retry = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        assert retry.returncode == 0, retry.stderr[-3000:]
+        assert shard.read_bytes() == reference
+    table = pq.read_table(io.BytesIO(reference))
+    assert table.num_rows == expected_rows
+    assert len(set(table["sample_id"].to_pylist())) == expected_rows
+    print(f"{KILLS} SIGKILLs over a {normal_seconds:.1f} s shard: {outcomes}")
+    assert outcomes["killed before commit"] > 0
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_sigterm_stops_the_shard_within_the_grace_period_leaving_nothing(run_root: Path, engine: str) -> None:
+    uri, config, shard = start_run(run_root, engine)
+    process = subprocess.Popen(shard_command(uri, config), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Into the work: past the imports, while the engine loads or generates.
+    time.sleep(4 if engine == "transformers" else 15)
+    assert process.poll() is None, "the shard ended before the signal; lengthen its work"
+    signalled = time.perf_counter()
+    process.send_signal(signal.SIGTERM)
+    returncode = process.wait(timeout=GRACE_SECONDS)
+    stop_seconds = time.perf_counter() - signalled
+    print(f"{engine}: stopped {stop_seconds:.2f} s after SIGTERM")
+    assert returncode == 128 + signal.SIGTERM
+    assert not shard.exists()
+    assert leftovers(shard.parent) == []
