@@ -6,8 +6,10 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +19,12 @@ import yaml
 
 from steps.config import MoeloopConfig, parse_config
 from steps.errors import MoeloopError
-from steps.storage import RunStorage, read_jsonl
+from steps.experience import read_rollout_shard
+from steps.storage import RunStorage, read_jsonl, sha256_file
+
+# Single-object outputs, checked before a step skips its work because they exist.
+ROLLOUT_SHARD_PATH = re.compile(r"experience/iter-(\d+)/rollout-(\d+)-of-(\d+)\.parquet")
+METRICS_PATH = re.compile(r"metrics/iter-(\d+)\.json")
 
 
 def step_parser(description: str | None) -> argparse.ArgumentParser:
@@ -43,7 +50,20 @@ def open_iteration(run_uri: str, iteration: int, first: int = 1) -> tuple[RunSto
 
 
 def already_committed(storage: RunStorage, relative: str) -> dict[str, str]:
-    """The report of a step that finds its output committed and does nothing: re-runs are no-ops."""
+    """The report of a step that finds its output committed and does nothing: re-runs are no-ops.
+
+    Only if the output is this step's own: a rollout shard must hold rows of its iteration and shard, a
+    metrics file its iteration (a committed folder was checked against its COMMIT when it was looked up).
+    Anything else at the output path is foreign data: an error, neither used nor overwritten."""
+    if shard := ROLLOUT_SHARD_PATH.fullmatch(relative):
+        read_rollout_shard(storage, int(shard[1]), int(shard[2]), int(shard[3]))
+    elif metrics := METRICS_PATH.fullmatch(relative):
+        value = storage.read_json(relative)
+        if not isinstance(value, dict) or value.get("iteration") != int(metrics[1]):
+            raise MoeloopError(
+                f"{storage.display(relative)} is not iteration {int(metrics[1])}'s metrics: foreign data,"
+                " refusing to use or overwrite it"
+            )
     return {"skipped": f"already committed: {storage.display(relative)}"}
 
 
@@ -70,15 +90,23 @@ def cache_root() -> Path:
 
 
 def fetch_checkpoint(storage: RunStorage, iteration: int) -> Path:
-    """A committed checkpoint as a local folder, cached by checkpoint id (run, iteration, COMMIT digest)."""
+    """A committed checkpoint as a local folder, cached by checkpoint id (run, iteration, COMMIT digest).
+
+    A download is verified against the COMMIT before it enters the cache, and a cached copy again before
+    every use: a damaged copy is set aside and fetched anew."""
     folder = storage.checkpoint(iteration)
-    if not storage.is_committed(folder):
+    manifest = storage.manifest(folder)
+    if manifest is None:
         raise MoeloopError(f"checkpoint of iteration {iteration} is not committed: {storage.display(folder)}")
-    commit_digest = hashlib.sha256(storage.read_bytes(f"{folder}/COMMIT")).hexdigest()[:16]
+    commit_digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
     run_digest = hashlib.sha256(storage.uri.encode()).hexdigest()[:16]
     local = cache_root() / run_digest / f"{Path(folder).name}-{commit_digest}"
     if local.exists():
-        return local
+        if matches_manifest(local, manifest):
+            return local
+        damaged = local.with_name(f"{local.name}.damaged-{uuid.uuid4().hex}")
+        os.replace(local, damaged)  # out of the way of other readers first, then gone
+        shutil.rmtree(damaged, ignore_errors=True)
     cache_root().mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=cache_root()))
     try:
@@ -91,6 +119,14 @@ def fetch_checkpoint(storage: RunStorage, iteration: int) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return local
+
+
+def matches_manifest(local: Path, manifest: dict[str, Any]) -> bool:
+    for name, entry in manifest["files"].items():
+        path = local / name
+        if not path.is_file() or path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+            return False
+    return True
 
 
 @contextmanager

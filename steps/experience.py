@@ -1,14 +1,25 @@
-"""Experience as Parquet: the rollout shards and the rewards of one iteration (schemas in the README)."""
+"""Experience as Parquet: the rollout shards and the rewards of one iteration (schemas in the README).
+
+Each rollout step writes its shard as one object, whole. The reward step reads every shard, checks that
+each holds rows of its own iteration and shard only, writes rewards.parquet, then commits the iteration's
+experience: experience/iter-N/COMMIT names the K shards and the rewards with size and sha256. The trainer
+reads experience only through that COMMIT, verified.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import io
+from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from steps.errors import MoeloopError
-from steps.storage import RunStorage
+from steps.storage import RunStorage, file_entry
+
+REWARDS_FILE = "rewards.parquet"
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -43,19 +54,48 @@ def table_bytes(table: pa.Table) -> bytes:
     return buffer.getvalue()
 
 
-def read_table(storage: RunStorage, relative: str, schema: pa.Schema) -> pa.Table:
-    data = storage.read_bytes(relative)
+def parse_table(data: bytes, source: str, schema: pa.Schema) -> pa.Table:
     try:
-        table = pq.read_table(io.BytesIO(data))
+        # One thread, and not through pq.read_table's dataset machinery: with torch loaded, the pyarrow
+        # thread pools those start make about half the processes abort at exit ("terminate called without
+        # an active exception", exit 134).
+        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
     except (pa.ArrowInvalid, OSError) as error:
-        raise MoeloopError(f"not a readable Parquet file: {storage.display(relative)} ({error})") from None
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise MoeloopError(f"not a readable Parquet file: {source} ({reason})") from None
     if not table.schema.equals(schema, check_metadata=False):
-        raise MoeloopError(f"unexpected Parquet schema: {storage.display(relative)}")
+        raise MoeloopError(f"unexpected Parquet schema: {source}")
     return table
 
 
-def read_rollouts(storage: RunStorage, iteration: int, num_shards: int) -> pa.Table:
-    """Exactly the committed shards of the iteration; a missing shard is an error, not a smaller batch."""
+def check_rollout_rows(table: pa.Table, source: str, iteration: int, shard: int) -> None:
+    """A shard holds rows of its own iteration and shard, each sample once; anything else is foreign data."""
+    iterations = set(pc.unique(table["iteration"]).to_pylist())
+    shards = set(pc.unique(table["shard"]).to_pylist())
+    if not iterations <= {iteration} or not shards <= {shard}:
+        raise MoeloopError(
+            f"{source} holds rows of iteration {sorted(iterations)} shard {sorted(shards)}, not of iteration"
+            f" {iteration} shard {shard}: foreign data, refusing to use or overwrite it"
+        )
+    if pc.count_distinct(table["sample_id"]).as_py() != table.num_rows:
+        raise MoeloopError(f"{source} holds a sample_id more than once: foreign or damaged data")
+
+
+def shard_name(iteration: int, shard: int, num_shards: int) -> str:
+    return RunStorage.rollout_shard(iteration, shard, num_shards).rsplit("/", 1)[1]
+
+
+def read_rollout_shard(storage: RunStorage, iteration: int, shard: int, num_shards: int) -> tuple[pa.Table, bytes]:
+    """One written shard, checked: (its rows, its bytes)."""
+    relative = storage.rollout_shard(iteration, shard, num_shards)
+    data = storage.read_bytes(relative)
+    table = parse_table(data, storage.display(relative), ROLLOUT_SCHEMA)
+    check_rollout_rows(table, storage.display(relative), iteration, shard)
+    return table, data
+
+
+def require_shards(storage: RunStorage, iteration: int, num_shards: int) -> None:
+    """A missing shard is an error, not a smaller batch."""
     missing = [
         storage.display(storage.rollout_shard(iteration, k, num_shards))
         for k in range(num_shards)
@@ -63,12 +103,67 @@ def read_rollouts(storage: RunStorage, iteration: int, num_shards: int) -> pa.Ta
     ]
     if missing:
         raise MoeloopError(f"iteration {iteration} is missing {len(missing)} rollout shard(s), first: {missing[0]}")
-    return pa.concat_tables(
-        read_table(storage, storage.rollout_shard(iteration, k, num_shards), ROLLOUT_SCHEMA) for k in range(num_shards)
-    )
+
+
+def read_written_rollouts(storage: RunStorage, iteration: int, num_shards: int) -> tuple[pa.Table, dict[str, bytes]]:
+    """Every shard of the iteration before its experience is committed (for the reward step), each checked:
+    (all rows, {shard name: bytes})."""
+    require_shards(storage, iteration, num_shards)
+    tables, shards = [], {}
+    for k in range(num_shards):
+        table, data = read_rollout_shard(storage, iteration, k, num_shards)
+        tables.append(table)
+        shards[shard_name(iteration, k, num_shards)] = data
+    return pa.concat_tables(tables), shards
+
+
+def commit_experience(storage: RunStorage, iteration: int, shards: dict[str, bytes], rewards: pa.Table) -> None:
+    """rewards.parquet, then the COMMIT naming it and the shards it was computed from."""
+    folder = storage.experience(iteration)
+    files = storage.put_objects(folder, {REWARDS_FILE: table_bytes(rewards)})
+    files.update({name: file_entry(len(data), hashlib.sha256(data).hexdigest()) for name, data in shards.items()})
+    storage.commit(folder, files, extra={"iteration": iteration, "samples": rewards.num_rows})
+
+
+def committed_experience(storage: RunStorage, iteration: int, num_shards: int) -> dict[str, Any] | None:
+    """The iteration's experience COMMIT (None before the reward step committed it), checked to name
+    exactly the K shards and the rewards."""
+    folder = storage.experience(iteration)
+    manifest = storage.manifest(folder)
+    if manifest is None:
+        return None
+    expected = {shard_name(iteration, k, num_shards) for k in range(num_shards)} | {REWARDS_FILE}
+    if set(manifest["files"]) != expected or manifest.get("iteration") != iteration:
+        raise MoeloopError(
+            f"{storage.display(folder)}/COMMIT does not name the iteration's {num_shards} shards and rewards:"
+            " foreign data, refusing to use or overwrite it"
+        )
+    return manifest
+
+
+def read_rollouts(storage: RunStorage, iteration: int, num_shards: int) -> pa.Table:
+    """Exactly the committed shards of the iteration, verified against the experience COMMIT."""
+    manifest = committed_experience(storage, iteration, num_shards)
+    if manifest is None:
+        require_shards(storage, iteration, num_shards)
+        raise MoeloopError(
+            f"iteration {iteration}'s experience is not committed yet: {storage.display(storage.rewards(iteration))}"
+        )
+    folder = storage.experience(iteration)
+    names = [shard_name(iteration, k, num_shards) for k in range(num_shards)]
+    objects = storage.read_committed(folder, manifest, names)
+    tables = []
+    for k, name in enumerate(names):
+        table = parse_table(objects[name], f"{storage.display(folder)}/{name}", ROLLOUT_SCHEMA)
+        check_rollout_rows(table, f"{storage.display(folder)}/{name}", iteration, k)
+        tables.append(table)
+    return pa.concat_tables(tables)
 
 
 def read_rewards(storage: RunStorage, iteration: int) -> pa.Table:
-    if not storage.exists(storage.rewards(iteration)):
+    folder = storage.experience(iteration)
+    manifest = storage.manifest(folder)
+    if manifest is None or REWARDS_FILE not in manifest["files"]:
         raise MoeloopError(f"iteration {iteration} has no rewards yet: {storage.display(storage.rewards(iteration))}")
-    return read_table(storage, storage.rewards(iteration), REWARD_SCHEMA)
+    data = storage.read_committed(folder, manifest, [REWARDS_FILE])[REWARDS_FILE]
+    return parse_table(data, storage.display(storage.rewards(iteration)), REWARD_SCHEMA)

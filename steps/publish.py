@@ -25,8 +25,7 @@ def publish(run_uri: str, iteration: int) -> dict[str, Any]:
     if not storage.is_committed(state):
         raise MoeloopError(f"iteration {iteration} has no committed trainer state: {storage.display(state)}")
     with local_scratch() as scratch:
-        storage.fetch_folder(state, scratch)
-        (scratch / OPTIMIZER_FILE).unlink()
+        storage.fetch_folder(state, scratch, exclude={OPTIMIZER_FILE})
         report = {"seconds": round(time.perf_counter() - started, 3)}
         write_report(storage, iteration, "publish", report)
         storage.commit_folder(checkpoint, scratch, extra={"iteration": iteration})

@@ -16,7 +16,7 @@ import pyarrow as pa
 from steps.common import already_committed, open_iteration, print_json, step_parser, train_prompts, write_report
 from steps.config import RewardConfig
 from steps.errors import MoeloopError, run_cli
-from steps.experience import REWARD_SCHEMA, read_rollouts, table_bytes
+from steps.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
 
 RewardFunction = Callable[[dict, str], float]
 
@@ -43,11 +43,10 @@ def score(functions: list[tuple[RewardFunction, float]], record: dict, response:
 def reward(run_uri: str, iteration: int) -> dict[str, Any]:
     started = time.perf_counter()
     storage, config = open_iteration(run_uri, iteration)
-    output = storage.rewards(iteration)
-    if storage.exists(output):
-        return already_committed(storage, output)
+    if committed_experience(storage, iteration, config.rollout.num_shards) is not None:
+        return already_committed(storage, storage.experience(iteration))
     functions = reward_functions(config.reward)
-    rollouts = read_rollouts(storage, iteration, config.rollout.num_shards)
+    rollouts, shards = read_written_rollouts(storage, iteration, config.rollout.num_shards)
     records = train_prompts(storage)
     prompt_ids = rollouts["prompt_id"].to_pylist()
     rewards = [
@@ -64,7 +63,7 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - started, 3),
     }
     write_report(storage, iteration, "reward", report)
-    storage.write_bytes(output, table_bytes(table))
+    commit_experience(storage, iteration, shards, table)
     return report
 
 

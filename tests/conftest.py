@@ -10,6 +10,9 @@ from steps.config import MoeloopConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The S3 server fixtures (`seaweed`, `s3_run_root`): a real SeaweedFS on loopback, started on first use.
+pytest_plugins = ["tests.seaweed"]
+
 
 def small_config(iterations: int = 2, **sections: dict) -> MoeloopConfig:
     """configs/tiny.yaml scaled down so that a whole iteration takes seconds."""
