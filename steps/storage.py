@@ -33,6 +33,7 @@ import json
 import os
 import posixpath
 import re
+import signal
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -51,6 +52,17 @@ TEMPORARY = ".tmp-"  # in the name of a local write in progress; never part of a
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 COPY_CHUNK = 8 << 20
 LATEST_ATTEMPTS = 20  # compare-and-swap rounds before giving up on a LATEST that keeps changing
+# Fault injection (tests/test_storage_faults.py): with MOELOOP_CRASH_AFTER_WRITES=N set, the process kills
+# itself with SIGKILL right after its N-th completed write, so that a crash lands between two given writes.
+CRASH_AFTER_WRITES = "MOELOOP_CRASH_AFTER_WRITES"
+_completed_writes = 0
+
+
+def crash_point() -> None:
+    global _completed_writes
+    _completed_writes += 1
+    if os.environ.get(CRASH_AFTER_WRITES) == str(_completed_writes):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def iteration_dir(iteration: int) -> str:
@@ -138,7 +150,13 @@ class RunStorage:
 
     def exists(self, relative: str) -> bool:
         with self._errors(relative):
-            return self.fs.exists(self.full(relative))
+            if self.s3 is None:
+                return self.fs.exists(self.full(relative))
+            # A listing, not a HEAD: S3 answers a HEAD of a missing key with 403 unless s3:ListBucket applies
+            # to it, and a ListBucket scoped to the run's prefix (manifests/iam/) never applies to a HEAD.
+            key = self.full(relative).split("/", 1)[1]
+            listed = s3.client().list_objects_v2(Bucket=self.s3.bucket, Prefix=key, MaxKeys=1)
+            return any(entry["Key"] == key for entry in listed.get("Contents", []))
 
     def read_bytes(self, relative: str) -> bytes:
         with self._errors(relative):
@@ -161,6 +179,7 @@ class RunStorage:
                 s3.upload(self._location(posixpath.dirname(relative)), {posixpath.basename(relative): data})
             else:
                 self.fs.pipe_file(path, data)
+        crash_point()
 
     def create_bytes(self, relative: str, data: bytes) -> bool:
         """Create the object only if it does not exist (S3: If-None-Match: *); False if it already did."""
@@ -172,16 +191,17 @@ class RunStorage:
                         os.link(temporary, path)  # atomic, and fails if path exists
                     except FileExistsError:
                         return False
-                return True
-            try:
-                self.fs.pipe_file(path, data, mode="create")
-            except FileExistsError:
-                return False  # AWS names the failed condition, and s3fs turns it into this
-            except OSError as error:
-                if s3.is_precondition_failure(error):
-                    return False  # servers that do not name the condition (SeaweedFS)
-                raise
-            return True
+            else:
+                try:
+                    self.fs.pipe_file(path, data, mode="create")
+                except FileExistsError:
+                    return False  # AWS names the failed condition, and s3fs turns it into this
+                except OSError as error:
+                    if s3.is_precondition_failure(error):
+                        return False  # servers that do not name the condition (SeaweedFS)
+                    raise
+        crash_point()
+        return True
 
     def write_json(self, relative: str, value: Any) -> None:
         self.write_bytes(relative, json_bytes(value))
@@ -252,6 +272,7 @@ class RunStorage:
             self.full(f"{folder}/{name}")  # refuses names that leave the folder
         if self.s3 is not None:
             uploaded = s3.upload(self._location(folder), sources)
+            crash_point()
             return {name: file_entry(u.size, u.sha256) for name, u in uploaded.items()}
         files = {}
         for name, source in sources.items():
@@ -263,6 +284,7 @@ class RunStorage:
                     files[name] = file_entry(len(source), hashlib.sha256(source).hexdigest())
                 else:
                     files[name] = copy_hashed(source, Path(target))
+            crash_point()
         return files
 
     def commit(
@@ -358,21 +380,23 @@ class RunStorage:
                 if replacement is not None:
                     with self._local_temporary(path, replacement) as temporary:
                         os.replace(temporary, path)
+                    crash_point()
             return
         client, bucket, key = s3.client(), self.s3.bucket, path.split("/", 1)[1]
         for _ in range(LATEST_ATTEMPTS):
-            try:
-                response = client.get_object(Bucket=bucket, Key=key)
-                current, condition = response["Body"].read(), {"IfMatch": response["ETag"]}
-            except s3.S3_ERRORS as error:
-                if s3.error_code(error) not in ("NoSuchKey", "404"):
+            current, condition = None, {"IfNoneMatch": "*"}
+            if self.exists(relative):
+                try:
+                    response = client.get_object(Bucket=bucket, Key=key)
+                    current, condition = response["Body"].read(), {"IfMatch": response["ETag"]}
+                except s3.S3_ERRORS as error:
                     raise s3.translated(error, self.display(relative)) from None
-                current, condition = None, {"IfNoneMatch": "*"}
             replacement = decide(current)
             if replacement is None:
                 return
             try:
                 client.put_object(Bucket=bucket, Key=key, Body=replacement, **condition)
+                crash_point()
                 return
             except s3.S3_ERRORS as error:
                 if not s3.is_precondition_failure(error) and s3.error_code(error) != "ConditionalRequestConflict":
@@ -381,7 +405,8 @@ class RunStorage:
 
     # -- backends -----------------------------------------------------------------------------------
     def _location(self, folder: str) -> s3.S3Location:
-        return s3.S3Location(self.s3.bucket, self.full(folder).split("/", 1)[1])
+        path = self.full(folder) if folder else self.root
+        return s3.S3Location(self.s3.bucket, path.split("/", 1)[1] if "/" in path else "")
 
     @contextmanager
     def _errors(self, relative: str) -> Iterator[None]:

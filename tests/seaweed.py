@@ -4,8 +4,8 @@ start, and no other bucket can be created by writing to it (-s3.autoCreateBucket
 
     .venv/bin/python -m tests.seaweed DIR    # writes DIR/env.sh, the environment for `moeloop run --root s3://...`
 
-The fixtures: `seaweed` (one server per test session) and `s3_run_root` (a fresh s3:// prefix per test,
-with the server's environment set in this process).
+The fixtures: `seaweed` (one server per test session), `s3_run_root` (a fresh s3:// prefix per test, with
+the server's environment set in this process) and `s3_environment` (that environment for a whole module).
 """
 
 from __future__ import annotations
@@ -171,6 +171,16 @@ def s3_run_root(seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: P
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
     return f"s3://{seaweed.bucket}/tests/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def s3_environment(seaweed: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The server's environment in this process (subprocesses inherit it) for one test module's tests."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in seaweed.environment().items():
+            patch.setenv(name, value)
+        patch.setenv("MOELOOP_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield seaweed.environment()
 
 
 def main() -> None:

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,16 +21,6 @@ from tests.seaweed import SeaweedS3
 from tests.test_bad_input import assert_user_error
 
 STEP_TIMEOUT = 300
-
-
-@pytest.fixture(scope="module")
-def s3_environment(seaweed: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """The server's environment in this process (the subprocesses inherit it), for this module's tests."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in seaweed.environment().items():
-            patch.setenv(name, value)
-        patch.setenv("MOELOOP_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield seaweed.environment()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,253 @@
+"""Fault injection: each writing step (rollout, reward, train, publish) is killed with SIGKILL at a uniformly
+random moment between its start and its normal end, then run again, 50 times, alternately on a local
+folder and on SeaweedFS. After every kill, whatever a reader can see is whole and verifies (committed
+folders against their COMMIT, shards by their rows, LATEST names a checkpoint that loads); after every
+re-run the iteration holds exactly the expected experience rows and LATEST names a loadable checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from steps.common import fetch_checkpoint
+from steps.config import MoeloopConfig
+from steps.experience import committed_experience, read_rewards, read_rollout_shard, read_rollouts
+from steps.policy import load_policy
+from steps.rollout import iteration_prompt_ids, shard_prompt_ids
+from steps.start import start
+from steps.storage import CRASH_AFTER_WRITES, RunStorage
+from tests.conftest import REPO, small_config
+from tests.seaweed import SeaweedS3
+
+pytestmark = pytest.mark.slow
+
+# 50 trials; the cheap steps get as many as the expensive ones, so that the short windows between a
+# step's data objects and its COMMIT (and between COMMIT and LATEST) are hit too.
+TRIALS = {"rollout": 13, "reward": 13, "train": 12, "publish": 12}
+STEPS = ("rollout", "reward", "train", "publish")
+ITERATION = 1
+STEP_TIMEOUT = 300
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A run folder just before each step (`before[step]`), how long each step takes undisturbed, the config."""
+
+    before: dict[str, Path]
+    seconds: dict[str, float]
+    config: MoeloopConfig
+
+
+def fault_config() -> MoeloopConfig:
+    # transformers rather than vLLM: a process that starts in seconds, so that 50 trials fit in minutes.
+    rollout = {"engine": "transformers", "prompts_per_iteration": 8, "samples_per_prompt": 4, "num_shards": 2}
+    return small_config(iterations=1, rollout=rollout)
+
+
+def step_command(step: str, uri: str, config: MoeloopConfig) -> list[str]:
+    command = [sys.executable, "-m", f"steps.{step}", "--run", uri, "--iteration", str(ITERATION)]
+    if step == "rollout":  # shard 0; shard 1 is written beforehand, so reward finds the iteration's experience
+        command += ["--shard", "0", "--num-shards", str(config.rollout.num_shards)]
+    return command
+
+
+def step_environment(**extra: str) -> dict[str, str]:
+    # One thread, as the local runner gives each step on this machine: more only contend for its 2 cores.
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def run_step(step: str, uri: str, config: MoeloopConfig) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        step_command(step, uri, config),
+        cwd=REPO,
+        env=step_environment(),
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory, s3_environment: dict[str, str]) -> Baseline:
+    """Runs the iteration once, step by step as processes, keeping a copy of the run before each step."""
+    config = fault_config()
+    work = tmp_path_factory.mktemp("baseline")
+    run = work / "root" / config.run_name
+    start(str(run), config)
+    shard_1 = step_command("rollout", str(run), config)
+    shard_1[shard_1.index("--shard") + 1] = "1"
+    subprocess.run(shard_1, cwd=REPO, env=step_environment(), check=True, capture_output=True)
+    before, seconds = {}, {}
+    for step in STEPS:
+        before[step] = work / f"before-{step}"
+        shutil.copytree(run, before[step])
+        started = time.perf_counter()
+        result = run_step(step, str(run), config)
+        seconds[step] = time.perf_counter() - started
+        assert result.returncode == 0, result.stderr[-3000:]
+    return Baseline(before, seconds, config)
+
+
+def place_run(source: Path, backend: str, tmp_path: Path, seaweed: SeaweedS3) -> str:
+    """A fresh copy of a baseline run folder on the backend; returns its URI."""
+    if backend == "local":
+        target = tmp_path / uuid.uuid4().hex[:8] / source.name
+        shutil.copytree(source, target)
+        return str(target)
+    prefix = f"faults/{uuid.uuid4().hex[:8]}/run"
+    client = seaweed.client()
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        client.put_object(
+            Bucket=seaweed.bucket, Key=f"{prefix}/{path.relative_to(source).as_posix()}", Body=path.read_bytes()
+        )
+    return f"s3://{seaweed.bucket}/{prefix}"
+
+
+def expected_sample_ids(config: MoeloopConfig, storage: RunStorage, shards: list[int]) -> set[str]:
+    prompts = len(storage.read_bytes(RunStorage.TRAIN_PROMPTS).decode().splitlines())
+    batch = iteration_prompt_ids(config, prompts, ITERATION)
+    return {
+        f"{ITERATION}-{prompt}-{sample}"
+        for shard in shards
+        for prompt in shard_prompt_ids(batch, shard, config.rollout.num_shards)
+        for sample in range(config.rollout.samples_per_prompt)
+    }
+
+
+def check_what_readers_see(storage: RunStorage, config: MoeloopConfig, scratch: Path) -> dict[str, bool]:
+    """Everything a reader could pick up is whole and verifies; returns which outputs are committed."""
+    shards = config.rollout.num_shards
+    for k in range(shards):
+        if storage.exists(storage.rollout_shard(ITERATION, k, shards)):
+            read_rollout_shard(storage, ITERATION, k, shards)  # parses, schema and rows its own
+    experience = committed_experience(storage, ITERATION, shards) is not None
+    if experience:
+        rows = read_rollouts(storage, ITERATION, shards)
+        assert set(rows["sample_id"].to_pylist()) == expected_sample_ids(config, storage, list(range(shards)))
+        assert read_rewards(storage, ITERATION)["sample_id"].to_pylist() == rows["sample_id"].to_pylist()
+    trainer = storage.is_committed(storage.trainer_state(ITERATION))
+    if trainer:
+        storage.fetch_folder(storage.trainer_state(ITERATION), scratch / uuid.uuid4().hex)
+    for report in storage.list(storage.reports(ITERATION)):
+        storage.read_json(f"{storage.reports(ITERATION)}/{report}")
+    latest = storage.latest()
+    assert latest is not None and latest["checkpoint"] == storage.checkpoint(latest["iteration"])
+    load_policy(fetch_checkpoint(storage, latest["iteration"]))  # verified against its COMMIT, and loads
+    return {"experience": experience, "trainer": trainer, "published": latest["iteration"] == ITERATION}
+
+
+def state_after_kill(step: str, storage: RunStorage, config: MoeloopConfig) -> str:
+    """How far the killed process got with its output."""
+    if step == "rollout":
+        if storage.exists(storage.rollout_shard(ITERATION, 0, config.rollout.num_shards)):
+            return "committed"
+        return "report only" if storage.exists(storage.report(ITERATION, "rollout-0")) else "nothing"
+    folder = {
+        "reward": storage.experience(ITERATION),
+        "train": storage.trainer_state(ITERATION),
+        "publish": storage.checkpoint(ITERATION),
+    }[step]
+    if storage.is_committed(folder):
+        moved = step != "publish" or storage.latest()["iteration"] == ITERATION
+        return "committed" if moved else "committed, LATEST not moved yet"
+    written = {name for name in storage.sizes(folder) if not name.startswith("rollout-")}  # shards are inputs
+    return "uncommitted objects" if written else "nothing"
+
+
+def test_steps_killed_at_random_moments_leave_whole_data_and_finish_on_rerun(
+    baseline: Baseline, seaweed: SeaweedS3, tmp_path: Path
+) -> None:
+    config, rng = baseline.config, random.Random(5)
+    plan = [step for step in STEPS for _ in range(TRIALS[step])]
+    rng.shuffle(plan)
+    outcomes: Counter[tuple[str, str, str]] = Counter()
+    trials_of: Counter[str] = Counter()
+    for trial, step in enumerate(plan):
+        backend = "s3" if trials_of[step] % 2 == 0 else "local"  # each step alternates between the backends
+        trials_of[step] += 1
+        uri = place_run(baseline.before[step], backend, tmp_path, seaweed)
+        storage = RunStorage(uri)
+        process = subprocess.Popen(
+            step_command(step, uri, config),
+            cwd=REPO,
+            env=step_environment(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(rng.uniform(0, baseline.seconds[step]))
+        process.send_signal(signal.SIGKILL)
+        killed = process.wait() == -signal.SIGKILL
+        outcome = state_after_kill(step, storage, config) if killed else "finished before the kill"
+
+        seen = check_what_readers_see(storage, config, tmp_path / "scratch")
+        rerun = run_step(step, uri, config)
+        assert rerun.returncode == 0, f"trial {trial} ({step} on {backend}): {rerun.stderr[-3000:]}"
+        report = json.loads(rerun.stdout.strip().splitlines()[-1])
+        after = check_what_readers_see(storage, config, tmp_path / "scratch")
+
+        shard_rows = read_rollout_shard(storage, ITERATION, 0, config.rollout.num_shards)[0]
+        assert set(shard_rows["sample_id"].to_pylist()) == expected_sample_ids(config, storage, [0])
+        assert shard_rows.num_rows == len(expected_sample_ids(config, storage, [0]))
+        assert after["experience"] == (step != "rollout")
+        assert after["trainer"] == (step in ("train", "publish"))
+        assert after["published"] == (step == "publish")
+        assert ("skipped" in report) == outcome.startswith(("committed", "finished")), (trial, step, outcome, report)
+        outcomes[(step, backend, outcome)] += 1
+        assert seen["published"] <= after["published"]
+
+    summary = "\n".join(f"  {s:8} {b:6} {o}: {n}" for (s, b, o), n in sorted(outcomes.items()))
+    print(f"\n{len(plan)} trials ({dict(Counter(plan))}), state at the kill:\n{summary}")
+    print(f"undisturbed step seconds: { {s: round(t, 2) for s, t in baseline.seconds.items()} }")
+    assert sum(n for (_, b, _), n in outcomes.items() if b == "s3") >= len(plan) // 2
+
+
+# Crash points: the same step killed right after its 1st, 2nd, ... write, up to its last, on the backends
+# given, so that the narrow windows (data objects without COMMIT, COMMIT before LATEST) are hit for sure.
+CRASH_POINTS = {"reward": ("local", "s3"), "publish": ("local", "s3"), "train": ("s3",)}
+
+
+def test_steps_killed_between_any_two_writes_leave_whole_data_and_finish_on_rerun(
+    baseline: Baseline, seaweed: SeaweedS3, tmp_path: Path
+) -> None:
+    config = baseline.config
+    outcomes: Counter[str] = Counter()
+    for step, backends in CRASH_POINTS.items():
+        for backend in backends:
+            for writes in range(1, 100):
+                uri = place_run(baseline.before[step], backend, tmp_path, seaweed)
+                storage = RunStorage(uri)
+                crashed = subprocess.run(
+                    step_command(step, uri, config),
+                    cwd=REPO,
+                    env=step_environment(**{CRASH_AFTER_WRITES: str(writes)}),
+                    capture_output=True,
+                    timeout=STEP_TIMEOUT,
+                    check=False,
+                )
+                if crashed.returncode == 0:
+                    break  # the step made fewer writes: every crash point of it was tried
+                assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+                outcome = state_after_kill(step, storage, config)
+                outcomes[f"{step} {backend} after write {writes}: {outcome}"] += 1
+                check_what_readers_see(storage, config, tmp_path / "scratch")
+                rerun = run_step(step, uri, config)
+                assert rerun.returncode == 0, f"{step} on {backend} after write {writes}: {rerun.stderr[-3000:]}"
+                after = check_what_readers_see(storage, config, tmp_path / "scratch")
+                assert after["trainer"] == (step in ("train", "publish"))
+                assert after["published"] == (step == "publish")
+    print("\n" + "\n".join(f"  {o}" for o in sorted(outcomes)))
+    states = {o.split(": ", 1)[1] for o in outcomes}
+    assert {"uncommitted objects", "committed, LATEST not moved yet"} <= states
