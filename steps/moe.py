@@ -1,0 +1,141 @@
+"""A Qwen3-MoE sparse block with grouped-GEMM experts and expert parallelism, a drop-in for HF's block.
+
+`MoeBlock` replaces transformers' `Qwen3MoeSparseMoeBlock` (and bypasses its `_experts_implementation`):
+- routing is HF's own: the block keeps the `Qwen3MoeTopKRouter` module (softmax in fp32, top-k, optional
+  renormalisation, cast back), so `output_router_logits=True` records the same router logits through HF's
+  `OutputRecorder` hook and the model's load-balancing aux loss is unchanged;
+- tokens are permuted by expert (and, with expert parallelism, moved to the rank holding the expert) by a
+  dispatcher from `steps.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
+  combined weighted by the routing scores;
+- parameters keep HF's names and fused layout, `experts.gate_up_proj` [e, 2I, H] and `experts.down_proj`
+  [e, H, I], holding only this EP rank's e = E / EP experts, so loading and publishing are slicing and gathering.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
+
+from steps.dispatch import TokenDispatcher
+
+ExpertsImpl = Literal["grouped_mm", "loop"]
+
+
+class GroupedExperts(nn.Module):
+    """One EP rank's e experts in HF's fused layout, run on rows grouped by expert (grouped GEMMs or a loop)."""
+
+    def __init__(
+        self, gate_up_proj_eIH: torch.Tensor, down_proj_eHI: torch.Tensor, act_fn: nn.Module, impl: ExpertsImpl
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up_proj_eIH)  # [e, 2I, H]: gate rows, then up rows
+        self.down_proj = nn.Parameter(down_proj_eHI)  # [e, H, I]
+        self.act_fn = act_fn
+        self.impl = impl
+
+    @classmethod
+    def from_hf(
+        cls, experts: Qwen3MoeExperts, ep_rank: int, ep_size: int, impl: ExpertsImpl = "grouped_mm"
+    ) -> GroupedExperts:
+        """EP rank ep_rank of ep_size takes experts [r * E / ep_size, (r + 1) * E / ep_size), copied."""
+        num_local = experts.num_experts // ep_size
+        local = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
+        return cls(
+            experts.gate_up_proj.detach()[local].clone(),
+            experts.down_proj.detach()[local].clone(),
+            experts.act_fn,
+            impl,
+        )
+
+    def forward(self, x_NH: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
+        if self.impl == "grouped_mm":
+            offs_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)  # end row of each expert; empty groups ok
+            gate_up_N2I = F.grouped_mm(x_NH, self.gate_up_proj.transpose(1, 2), offs=offs_e)
+            gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+            return F.grouped_mm(self.act_fn(gate_NI) * up_NI, self.down_proj.transpose(1, 2), offs=offs_e)
+        outputs = []
+        for expert, x_nH in enumerate(x_NH.split(tokens_per_expert_e.tolist())):
+            gate_nI, up_nI = F.linear(x_nH, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate_nI) * up_nI, self.down_proj[expert]))
+        return torch.cat(outputs)
+
+
+class MoeBlock(nn.Module):
+    """Drop-in for `Qwen3MoeSparseMoeBlock`: HF's router, then dispatch, grouped experts, combine."""
+
+    def __init__(self, gate: Qwen3MoeTopKRouter, experts: GroupedExperts, dispatcher: TokenDispatcher[Any]) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.dispatcher = dispatcher
+
+    @classmethod
+    def from_hf_block(
+        cls, block: Qwen3MoeSparseMoeBlock, dispatcher: TokenDispatcher[Any], experts_impl: ExpertsImpl = "grouped_mm"
+    ) -> MoeBlock:
+        """This EP rank's block, with the EP rank and size of the dispatcher's group.
+
+        The router module is taken over as it is (same parameter, and an already installed router-logit hook
+        keeps recording); the experts are this rank's slice of the fused tensors, copied.
+        """
+        experts = GroupedExperts.from_hf(block.experts, dispatcher.ep_rank, dispatcher.ep_size, experts_impl)
+        return cls(block.gate, experts, dispatcher)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, topk_weights_TK, topk_idx_TK = self.gate(x_TH)
+        expert_x_NH, tokens_per_expert_e, meta = self.dispatcher.dispatch(x_TH, topk_idx_TK, topk_weights_TK)
+        expert_y_NH = self.experts(expert_x_NH, tokens_per_expert_e)
+        return self.dispatcher.combine(expert_y_NH, meta).reshape(hidden_states.shape)
+
+    def gather_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All E experts, (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as HF holds them in memory.
+
+        Collective over the EP group: every EP rank must call it.
+        """
+        group = self.dispatcher.ep_group
+        return gather_over(self.experts.gate_up_proj.detach(), group), gather_over(
+            self.experts.down_proj.detach(), group
+        )
+
+
+def gather_over(local_eXY: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's equally shaped slice along dim 0 (all_gather over group; None: one rank)."""
+    if group is None or group.size() == 1:
+        return local_eXY.clone()
+    slices = [torch.empty_like(local_eXY) for _ in range(group.size())]
+    dist.all_gather(slices, local_eXY.contiguous(), group=group)
+    return torch.cat(slices)
+
+
+def replace_moe_blocks(
+    model: nn.Module, dispatcher: TokenDispatcher[Any], experts_impl: ExpertsImpl = "grouped_mm"
+) -> int:
+    """Swap every `Qwen3MoeSparseMoeBlock` in model for this EP rank's `MoeBlock`, in place; returns how many."""
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, Qwen3MoeSparseMoeBlock)
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, MoeBlock.from_hf_block(child, dispatcher, experts_impl))
+    return len(swaps)
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model's state dict as the HF model has it: every MoE block's experts gathered over its EP group.
+
+    Collective: every EP rank must call it. `Qwen3MoeForCausalLM.load_state_dict` takes the result, and
+    `save_pretrained` writes the HF checkpoint from there.
+    """
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, MoeBlock):
+            state[f"{name}.experts.gate_up_proj"], state[f"{name}.experts.down_proj"] = module.gather_experts()
+    return state
