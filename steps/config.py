@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from steps.errors import MoeloopError
 
@@ -122,6 +122,20 @@ class TrainerConfig(Strict):
     max_grad_norm: float = Field(1.0, gt=0)
     minibatch_size: int = Field(128, gt=0)
     epochs: int = Field(1, gt=0)
+    # Processes of the train step (torchrun); 1 runs it as one plain process without torch.distributed.
+    world_size: int = Field(1, gt=0)
+    expert_parallel: int = Field(1, gt=0)  # EP ranks sharing one copy of the experts; dp = world_size / EP
+    # auto: local at EP = 1, else DeepEP where it runs (CUDA), else all_to_all (see steps/dispatch.py).
+    dispatcher: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
+    experts_impl: Literal["grouped_mm", "loop"] = "grouped_mm"
+
+    @model_validator(mode="after")
+    def _mesh(self) -> TrainerConfig:
+        if self.world_size % self.expert_parallel:
+            raise ValueError(
+                f"world_size {self.world_size} is not a multiple of expert_parallel {self.expert_parallel}"
+            )
+        return self
 
 
 class EvalConfig(Strict):
@@ -188,6 +202,18 @@ class MoeloopConfig(Strict):
     eval: EvalConfig = EvalConfig()
     cluster: ClusterConfig = ClusterConfig()
     local: LocalConfig = LocalConfig()
+
+    @model_validator(mode="after")
+    def _minibatches_split_over_ranks(self) -> MoeloopConfig:
+        # Every rank takes a share of every minibatch's samples, and a model forward needs at least one.
+        batch = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
+        smallest = min(self.trainer.minibatch_size, batch % self.trainer.minibatch_size or batch)
+        if smallest < self.trainer.world_size:
+            raise ValueError(
+                f"a minibatch of {smallest} samples does not split over trainer.world_size {self.trainer.world_size}"
+                " ranks; choose a minibatch_size (and a batch) whose every minibatch has at least world_size samples"
+            )
+        return self
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -1,17 +1,27 @@
-"""The policy: a Qwen3-MoE causal LM in HF format, its character tokenizer, and token log-probabilities."""
+"""The policy: a Qwen3-MoE causal LM in HF format, its character tokenizer, and token log-probabilities.
+
+The trainer holds it with expert parallelism (`steps.moe`): each EP rank reads only its experts from the HF
+safetensors (`load_policy_shard`), and the experts gathered back make the HF checkpoint (`save_hf_state_dict`).
+"""
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from steps.config import TinyModelConfig
+from steps.dispatch import make_dispatcher
 from steps.errors import MoeloopError
+from steps.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
 
 PAD, EOS = "<pad>", "<eos>"
 
@@ -65,6 +75,80 @@ def save_policy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, dire
     tokenizer.save_pretrained(directory)
 
 
+def load_policy_shard(
+    directory: Path,
+    dispatcher: str,
+    experts_impl: ExpertsImpl,
+    ep_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokenizerFast]:
+    """This EP rank's policy in fp32: the dense weights and routers whole, only its experts, read from the HF
+    safetensors of directory. The model is built on the meta device, so no rank ever holds all experts."""
+    try:
+        config = AutoConfig.from_pretrained(directory)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
+    except (OSError, ValueError) as error:
+        raise MoeloopError(f"not a loadable HF checkpoint: {directory} ({str(error).splitlines()[0]})") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    replace_moe_blocks(model, make_dispatcher(dispatcher, config.num_experts, ep_group), experts_impl)
+    model.to_empty(device=device)
+    model.load_state_dict(read_hf_shard(directory, model, device), strict=True)
+    # The rotary frequencies are a non-persistent buffer, in no checkpoint: to_empty left them uninitialised.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
+    return model, tokenizer
+
+
+def read_hf_shard(directory: Path, model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """model's state dict from the HF checkpoint: every MoE block's local experts fused as `GroupedExperts` holds
+    them (gate_up_proj [e, 2I, H] from the per-expert gate_proj and up_proj [I, H], down_proj [e, H, I]).
+
+    Reads only those tensors (safe_open reads tensor by tensor), from one file or an index of shards.
+    """
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        file_of = {key: directory / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+    else:
+        with safe_open(directory / "model.safetensors", "pt") as single:
+            file_of = dict.fromkeys(single.keys(), directory / "model.safetensors")
+    # HF key for each per-expert tensor, by the key of the fused local tensor it is part of.
+    expert_keys: dict[str, list[list[str]]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoeBlock):
+            first = module.dispatcher.ep_rank * module.dispatcher.num_local_experts
+            experts = [f"{name}.experts.{first + j}" for j in range(module.dispatcher.num_local_experts)]
+            expert_keys[f"{name}.experts.gate_up_proj"] = [
+                [f"{e}.gate_proj.weight", f"{e}.up_proj.weight"] for e in experts
+            ]
+            expert_keys[f"{name}.experts.down_proj"] = [[f"{e}.down_proj.weight"] for e in experts]
+    wanted = [key for key in model.state_dict() if key not in expert_keys]
+    wanted += [key for parts in expert_keys.values() for keys in parts for key in keys]
+    missing = [key for key in wanted if key not in file_of]
+    if missing:
+        raise MoeloopError(f"HF checkpoint {directory} lacks {len(missing)} tensors, e.g. {missing[0]}")
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key in wanted:
+        by_file[file_of[key]].append(key)
+    tensors: dict[str, torch.Tensor] = {}
+    for path, keys in by_file.items():
+        with safe_open(path, "pt", device=str(device)) as file:
+            tensors.update({key: file.get_tensor(key).float() for key in keys})
+    state = {key: tensors.pop(key) for key in model.state_dict() if key not in expert_keys}
+    for fused, parts in expert_keys.items():
+        state[fused] = torch.stack([torch.cat([tensors[key] for key in keys]) for keys in parts])
+    return state
+
+
+def save_hf_state_dict(
+    state: dict[str, torch.Tensor], config: Qwen3MoeConfig, tokenizer: PreTrainedTokenizerFast, directory: Path
+) -> None:
+    """Write an HF checkpoint from a full state dict (all experts, as `steps.moe.hf_state_dict` gathers them)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(state, strict=True, assign=True)
+    save_policy(model, tokenizer, directory)
+
+
 def pack_sequences(
     prompts: list[list[int]], responses: list[list[int]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,8 +170,8 @@ def pack_sequences(
 
 def token_logprobs(
     model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probability of each token given its prefix (position 0 gets 0), and the router's aux loss.
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Log-probability of each token given its prefix (position 0 gets 0), and each MoE layer's router logits.
 
     Logits are divided by the sampling temperature so that they match the engine's behaviour logprobs.
     """
@@ -95,4 +179,4 @@ def token_logprobs(
     logits_BTV = output.logits[:, :-1].float() / temperature
     targets_BT = input_ids_BT[:, 1:]
     logprobs_BT = -F.cross_entropy(logits_BTV.transpose(1, 2), targets_BT, reduction="none")
-    return F.pad(logprobs_BT, (1, 0)), output.aux_loss
+    return F.pad(logprobs_BT, (1, 0)), output.router_logits  # router logits: [B * T, E] per MoE layer

@@ -23,10 +23,18 @@ class Step:
     role: str  # rollout | reward | train | cpu: selects cluster.<role> placement
     params: tuple[str, ...]  # per-task parameters, passed as --<param> VALUE
     run_params: tuple[str, ...] = ("run",)  # per-run parameters (workflow arguments)
+    torchrun: bool = False  # launched by torchrun as trainer.world_size processes (one plain process at 1)
 
-    def argv(self, values: Mapping[str, str]) -> list[str]:
+    def processes(self, config: MoeloopConfig) -> int:
+        return config.trainer.world_size if self.torchrun else 1
+
+    def argv(self, values: Mapping[str, str], processes: int = 1) -> list[str]:
         """The pod's command; values are concrete locally and Argo placeholders in the render."""
         argv = ["python", "-m", f"steps.{self.name}"]
+        if processes > 1:
+            # `--` ends torchrun's options: it would take --run for an abbreviation of its own --run-path.
+            argv[2:2] = ["torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m"]
+            argv.append("--")
         for param in self.run_params + self.params:
             argv += [f"--{param.replace('_', '-')}", values[param]]
         return argv
@@ -35,7 +43,7 @@ class Step:
 START = Step("start", "cpu", ("iteration",), run_params=("run", "config"))
 ROLLOUT = Step("rollout", "rollout", ("iteration", "shard", "num_shards"))
 REWARD = Step("reward", "reward", ("iteration",))
-TRAIN = Step("train", "train", ("iteration",))
+TRAIN = Step("train", "train", ("iteration",), torchrun=True)
 PUBLISH = Step("publish", "cpu", ("iteration",))
 EVALUATE = Step("evaluate", "cpu", ("iteration",))
 STEPS = (START, ROLLOUT, REWARD, TRAIN, PUBLISH, EVALUATE)
@@ -48,30 +56,33 @@ class Task:
     iteration: int
     arguments: tuple[tuple[str, str], ...]  # (param, value) for the step's per-task params
     dependencies: tuple[str, ...]
+    processes: int = 1  # how many processes the step's command starts (torchrun's --nproc-per-node)
 
     def argv(self, run_values: Mapping[str, str]) -> list[str]:
-        return self.step.argv({**run_values, **dict(self.arguments)})
+        return self.step.argv({**run_values, **dict(self.arguments)}, self.processes)
 
 
-def _task(step: Step, name: str, iteration: int, depends: list[str], **arguments: int) -> Task:
+def _task(config: MoeloopConfig, step: Step, name: str, iteration: int, depends: list[str], **arguments: int) -> Task:
     values = {"iteration": iteration, **arguments}
-    return Task(name, step, iteration, tuple((p, str(values[p])) for p in step.params), tuple(depends))
+    parameters = tuple((p, str(values[p])) for p in step.params)
+    return Task(name, step, iteration, parameters, tuple(depends), step.processes(config))
 
 
 def loop_tasks(config: MoeloopConfig, iterations: int | None = None) -> list[Task]:
     """Every task of the run in a topological order, for iterations 1..N after the start (iteration 0)."""
     last = config.iterations if iterations is None else iterations
     shards = config.rollout.num_shards
-    tasks = [_task(START, "start", 0, []), _task(EVALUATE, "eval-0", 0, ["start"])]
+    tasks = [_task(config, START, "start", 0, []), _task(config, EVALUATE, "eval-0", 0, ["start"])]
     policy_ready = "start"
     for i in range(1, last + 1):
         rollouts = [
-            _task(ROLLOUT, f"it{i}-rollout-{k}", i, [policy_ready], shard=k, num_shards=shards) for k in range(shards)
+            _task(config, ROLLOUT, f"it{i}-rollout-{k}", i, [policy_ready], shard=k, num_shards=shards)
+            for k in range(shards)
         ]
-        reward = _task(REWARD, f"it{i}-reward", i, [t.name for t in rollouts])
-        train = _task(TRAIN, f"it{i}-train", i, [reward.name])
-        publish = _task(PUBLISH, f"it{i}-publish", i, [train.name])
-        evaluate = _task(EVALUATE, f"it{i}-eval", i, [publish.name])
+        reward = _task(config, REWARD, f"it{i}-reward", i, [t.name for t in rollouts])
+        train = _task(config, TRAIN, f"it{i}-train", i, [reward.name])
+        publish = _task(config, PUBLISH, f"it{i}-publish", i, [train.name])
+        evaluate = _task(config, EVALUATE, f"it{i}-eval", i, [publish.name])
         tasks += [*rollouts, reward, train, publish, evaluate]
         policy_ready = publish.name
     return tasks

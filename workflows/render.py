@@ -89,9 +89,10 @@ def _spot_retry(cluster: ClusterConfig) -> RetryStrategy:
     )
 
 
-def _container(step: Step, cluster: ClusterConfig) -> Container:
+def _container(step: Step, config: MoeloopConfig) -> Container:
+    cluster = config.cluster
     placement: RolePlacement = getattr(cluster, step.role)
-    argv = step.argv(step_placeholders(step))
+    argv = step.argv(step_placeholders(step), step.processes(config))
     return Container(
         retry_strategy=_spot_retry(cluster) if step.role == "rollout" else None,
         name=step.name,
@@ -153,7 +154,7 @@ def _build(kind: type[Workflow], config: MoeloopConfig, run_uri: str, iterations
     ) as workflow:
         DAG(name=ENTRYPOINT)
         for step in STEPS:
-            _container(step, config.cluster)
+            _container(step, config)
     document = workflow.to_dict()
     # Hera takes ~90 us per Task (runtime protocol checks, models): 10,000 iterations are 60,002 tasks,
     # ~5 s per document. So the tasks are written as the dicts its DAGTask dumps to (a test checks that

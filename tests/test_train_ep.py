@@ -1,0 +1,191 @@
+"""The train step's update with expert parallelism on CPU (gloo, processes spawned here) against one process
+running transformers' own Qwen3-MoE with the same weights: logits, loss, gradients, parameters and optimizer
+state after one optimizer step; and the checkpoint an EP = 4 run writes loads in transformers."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+
+from steps.config import MoeloopConfig, TrainerConfig
+from steps.moe import gather_over, hf_state_dict
+from steps.policy import build_tokenizer, load_policy_shard, save_policy
+from steps.train import (
+    ExperienceBatch,
+    Parallel,
+    experience_batch,
+    expert_parameters,
+    grpo_update,
+    init_parallel,
+    load_balancing_loss,
+    make_optimizer,
+    mesh_parallel,
+    optimizer_state_by_name,
+    rank_share,
+    save_trainer_state,
+)
+from tests.conftest import small_config
+from tests.test_moe import tiny_config
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+SEED = 7
+
+
+def experience() -> ExperienceBatch:
+    """12 samples in 3 groups of 4 (the last with equal rewards), of varied prompt and response lengths."""
+    generator = torch.Generator().manual_seed(0)
+    prompts, responses, logprobs = [], [], []
+    for sample in range(12):
+        prompt_length, response_length = 3 + sample % 3, 2 + sample % 5
+        prompts.append(torch.randint(2, 64, (prompt_length,), generator=generator).tolist())
+        responses.append(torch.randint(2, 64, (response_length,), generator=generator).tolist())
+        logprobs.append((-3 * torch.rand(response_length, generator=generator)).tolist())
+    rollouts = {
+        "prompt_token_ids": prompts,
+        "response_token_ids": responses,
+        "behavior_logprobs": logprobs,
+        "sample_id": [f"s{i}" for i in range(12)],
+        "prompt_id": [i // 4 for i in range(12)],
+    }
+    rewards = [0.0, 0.5, 1.0, 0.25, 1.0, 0.0, 0.0, 0.75, 0.5, 0.5, 0.5, 0.5]
+    return experience_batch(rollouts, {f"s{i}": r for i, r in enumerate(rewards)}, pad_id=0)
+
+
+def train_config() -> MoeloopConfig:
+    """One optimizer step over the whole batch, clipped (max_grad_norm is below the gradient's norm), with KL."""
+    return small_config(
+        iterations=1,
+        trainer={"minibatch_size": 12, "epochs": 1, "learning_rate": 1e-3, "max_grad_norm": 0.05},
+        algorithm={"kl_coef": 0.1},
+    )
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One process, transformers' Qwen3MoeForCausalLM (HF's per-expert loop): what every mesh must reproduce."""
+
+    checkpoint: Path
+    logits_BTV: torch.Tensor  # before the update
+    report: dict[str, float]
+    grads: dict[str, torch.Tensor]  # after clipping: what the optimizer stepped with
+    params: dict[str, torch.Tensor]  # after the step
+    optimizer_state: dict[str, dict[str, torch.Tensor]]
+
+
+def reference(tmp_path: Path) -> Reference:
+    config = tiny_config()
+    config.router_aux_loss_coef = 0.1  # large enough that its gradient shows
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    save_policy(model, build_tokenizer(["abc"]), tmp_path / "checkpoint")
+    batch = experience()
+    with torch.no_grad():
+        logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+    reference_model = copy.deepcopy(model)
+    optimizer = make_optimizer(model, train_config().trainer)
+    report = grpo_update(model, reference_model, optimizer, batch, train_config(), SEED)
+    assert report["optimizer_steps"] == 1 and report["grad_norm"] > train_config().trainer.max_grad_norm
+    return Reference(
+        tmp_path / "checkpoint",
+        logits_BTV,
+        report,
+        {name: p.grad.clone() for name, p in model.named_parameters()},
+        {name: p.detach().clone() for name, p in model.named_parameters()},
+        optimizer_state_by_name(model, optimizer, Parallel()),
+    )
+
+
+def check_mesh(parallel: Parallel, ref: Reference, save_to: Path | None) -> None:
+    """This rank's share of the batch through the sharded policy, then everything compared with the reference."""
+    cpu = torch.device("cpu")
+    model, tokenizer = load_policy_shard(ref.checkpoint, "auto", "grouped_mm", parallel.ep_group, cpu)
+    reference_model, _ = load_policy_shard(ref.checkpoint, "auto", "grouped_mm", parallel.ep_group, cpu)
+    num_experts = model.config.num_experts
+    assert model.model.layers[0].mlp.experts.down_proj.shape[0] == num_experts // parallel.ep_group.size()
+    batch = experience()
+    rows = rank_share(torch.arange(12), parallel)
+    with torch.no_grad():
+        logits_bTV = model(input_ids=batch.input_ids_BT[rows], attention_mask=batch.attention_mask_BT[rows]).logits
+    torch.testing.assert_close(logits_bTV, ref.logits_BTV[rows], **TOLERANCE)
+
+    optimizer = make_optimizer(model, train_config().trainer)
+    report = grpo_update(model, reference_model, optimizer, batch, train_config(), SEED, parallel)
+    for key in ("loss", "kl", "clip_fraction", "grad_norm", "logprob_mismatch", "behavior_kl"):
+        assert report[key] == pytest.approx(ref.report[key], rel=1e-5, abs=1e-7), key
+    experts = expert_parameters(model)
+    for name, parameter in model.named_parameters():
+        grad = gather_over(parameter.grad, parallel.ep_group) if parameter in experts else parameter.grad
+        torch.testing.assert_close(grad, ref.grads[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+    for name, tensor in hf_state_dict(model).items():
+        torch.testing.assert_close(tensor, ref.params[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+    state = optimizer_state_by_name(model, optimizer, parallel)
+    for name, moments in ref.optimizer_state.items():
+        for key, value in moments.items():
+            torch.testing.assert_close(state[name][key], value, **TOLERANCE)
+    if save_to is not None:
+        assert save_trainer_state(model, tokenizer, optimizer, parallel, save_to) == (parallel.rank == 0)
+
+
+def free_port() -> int:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        return listener.getsockname()[1]
+
+
+def run_rank(rank: int, world_size: int, port: int, meshes: list[int], ref: Reference, save_to: Path | None) -> None:
+    """As torchrun starts a rank: env:// rendezvous, then init_parallel; then one more mesh per extra EP size."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)  # several processes share 2 cores
+    parallel = init_parallel(TrainerConfig(world_size=world_size, expert_parallel=meshes[0]))
+    try:
+        check_mesh(parallel, ref, save_to)
+        for expert_parallel in meshes[1:]:
+            check_mesh(mesh_parallel(expert_parallel, "cpu"), ref, None)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world_size: int, meshes: list[int], ref: Reference, save_to: Path | None = None) -> None:
+    mp.spawn(run_rank, args=(world_size, free_port(), meshes, ref, save_to), nprocs=world_size, join=True)
+
+
+def test_load_balancing_loss_is_transformers_aux_loss() -> None:
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(tiny_config())
+    batch = experience()
+    output = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT, output_router_logits=True)
+    ours = load_balancing_loss(output.router_logits, batch.attention_mask_BT, 8, 2, Parallel())
+    torch.testing.assert_close(ours, output.aux_loss)
+
+
+@pytest.mark.slow
+def test_ep2_update_equals_one_process(tmp_path: Path) -> None:
+    spawn(2, [2], reference(tmp_path))
+
+
+@pytest.mark.slow
+def test_ep4_and_dp2_x_ep2_updates_equal_one_process_and_ep4_checkpoint_loads(tmp_path: Path) -> None:
+    """4 processes: EP = 4 (which also writes its trainer state), then a (dp, ep) = (2, 2) mesh."""
+    ref = reference(tmp_path)
+    spawn(4, [4, 2], ref, save_to=tmp_path / "state")
+    published = AutoModelForCausalLM.from_pretrained(tmp_path / "state", dtype=torch.float32)
+    expected = Qwen3MoeForCausalLM(published.config)
+    expected.load_state_dict(ref.params, strict=True)
+    batch = experience()
+    with torch.no_grad():
+        got = published(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+        want = expected(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+    torch.testing.assert_close(got, want, **TOLERANCE)
+    saved_state = torch.load(tmp_path / "state" / "optimizer.pt", weights_only=True)
+    assert saved_state.keys() == ref.optimizer_state.keys()
