@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from steps.config import MoeloopConfig, parse_config
 from steps.errors import MoeloopError
 from workflows.dag import STEPS, loop_tasks
 from workflows.lint import lint_document
+from workflows.local import local_argv
 from workflows.render import dag_tasks, render, step_placeholders, write_rendered
 
 RUN_URI = "s3://moeloop-runs/runs/render-test"
@@ -114,6 +116,34 @@ def test_container_argv_is_the_steps_argv(documents: dict[str, dict]) -> None:
             assert [p["name"] for p in templates[step.name].get("inputs", {}).get("parameters", [])] == list(
                 step.params
             )
+
+
+def test_train_runs_under_torchrun_at_the_configured_world_size(config: MoeloopConfig) -> None:
+    """The rendered train template and the local runner start the same torchrun command; world_size 1 none."""
+    distributed = config.model_copy(update={"trainer": config.trainer.model_copy(update={"world_size": 2})})
+    templates = {t["name"]: t for t in render(distributed, RUN_URI)["workflow.yaml"]["spec"]["templates"]}
+    container = templates["train"]["container"]
+    assert container["command"] + container["args"] == [
+        *("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "steps.train", "--"),
+        *("--run", "{{workflow.parameters.run}}", "--iteration", "{{inputs.parameters.iteration}}"),
+    ]
+    assert templates["publish"]["container"]["command"] == ["python", "-m", "steps.publish"]
+    train = next(t for t in loop_tasks(distributed) if t.step.name == "train")
+    filled = [
+        a.replace("{{workflow.parameters.run}}", "/runs/x").replace("{{inputs.parameters.iteration}}", "1")
+        for a in container["args"]
+    ]
+    assert local_argv(train, {"run": "/runs/x"}) == [sys.executable, *container["command"][1:], *filled]
+    single = next(t for t in loop_tasks(config) if t.step.name == "train")
+    assert local_argv(single, {"run": "/runs/x"}) == [
+        sys.executable,
+        "-m",
+        "steps.train",
+        "--run",
+        "/runs/x",
+        "--iteration",
+        "1",
+    ]
 
 
 def test_placement_follows_the_steps_role(documents: dict[str, dict]) -> None:

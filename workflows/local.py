@@ -35,6 +35,11 @@ class ExecutedTask:
     seconds: float
 
 
+def local_argv(task: Task, run_values: dict[str, str]) -> list[str]:
+    """The task's pod command, with this interpreter as `python` (torchrun's launcher included)."""
+    return [sys.executable, *task.argv(run_values)[1:]]
+
+
 def preflight(config: MoeloopConfig) -> None:
     """Check the inputs every step will need before anything is written or spent."""
     read_prompt_file(config.task.train_prompts)
@@ -87,7 +92,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 if len(running) >= config.local.parallelism:
                     break
                 waiting.remove(task)
-                argv = [sys.executable, *task.argv(run_values)[1:]]
+                argv = local_argv(task, run_values)
                 log_path = log_dir / f"{task.name}.log"
                 log_path.write_bytes(b"")
                 if config.local.reuse_engines and task.step == ROLLOUT:
