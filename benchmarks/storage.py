@@ -9,6 +9,7 @@ prints the best of `repeats` runs for both sides:
   against one boto3 put_object per file, one after another;
 - checkpoint fetch: RunStorage.fetch_folder into a local folder (ranged parallel download, sha256
   verified against the COMMIT) against one boto3 get_object per file, written to a local file;
+  the last column is raw boto3 plus the sha256 the module checks every byte against, for reference;
 - experience write / read: a rollout shard's Parquet bytes committed with a manifest and read back
   verified, against put_object / get_object of the same bytes. Parquet encoding and decoding are
   measured apart, since raw boto3 moves bytes that are already encoded.
@@ -17,6 +18,7 @@ prints the best of `repeats` runs for both sides:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import tempfile
@@ -97,11 +99,13 @@ def raw_put_files(server: SeaweedS3, prefix: str, folder: Path) -> None:
         client.put_object(Bucket=server.bucket, Key=f"{prefix}/{path.relative_to(folder)}", Body=path.read_bytes())
 
 
-def raw_get_files(server: SeaweedS3, prefix: str, folder: Path, target: Path) -> None:
+def raw_get_files(server: SeaweedS3, prefix: str, folder: Path, target: Path, verify: bool = False) -> None:
     client = server.client()
     target.mkdir(parents=True, exist_ok=True)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         data = client.get_object(Bucket=server.bucket, Key=f"{prefix}/{path.relative_to(folder)}")["Body"].read()
+        if verify:
+            hashlib.sha256(data).hexdigest()
         (target / path.relative_to(folder)).write_bytes(data)
 
 
@@ -115,7 +119,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="moeloop-bench-"))
     server = start_seaweed(work / "seaweedfs")
     os.environ.update(server.environment())
-    rows: list[tuple[str, int, float, float]] = []
+    rows: list[tuple[str, int, float, float, float | None]] = []
     try:
         source = checkpoint_folder(work / "checkpoint", args.checkpoint_mb)
         size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
@@ -125,7 +129,7 @@ def main() -> None:
 
         module = best_seconds(args.repeats, lambda: run.commit_folder(fresh.current, source), fresh.next)
         raw = best_seconds(args.repeats, lambda: raw_put_files(server, "bench/raw-checkpoint", source))
-        rows.append(("checkpoint publish", size, module, raw))
+        rows.append(("checkpoint publish", size, module, raw, None))
 
         fetched = work / "fetched"
         module = best_seconds(
@@ -138,7 +142,12 @@ def main() -> None:
             lambda: raw_get_files(server, "bench/raw-checkpoint", source, fetched),
             lambda: shutil.rmtree(fetched, ignore_errors=True),
         )
-        rows.append(("checkpoint fetch", size, module, raw))
+        verified = best_seconds(
+            args.repeats,
+            lambda: raw_get_files(server, "bench/raw-checkpoint", source, fetched, verify=True),
+            lambda: shutil.rmtree(fetched, ignore_errors=True),
+        )
+        rows.append(("checkpoint fetch", size, module, raw, verified))
 
         table = rollout_table(args.parquet_mb)
         started = time.perf_counter()
@@ -151,14 +160,18 @@ def main() -> None:
         raw = best_seconds(
             args.repeats, lambda: client.put_object(Bucket=server.bucket, Key="bench/raw-shard", Body=data)
         )
-        rows.append(("experience write (Parquet)", len(data), module, raw))
+        rows.append(("experience write (Parquet)", len(data), module, raw, None))
 
         manifest = run.manifest(fresh.current)
         module = best_seconds(args.repeats, lambda: run.read_committed(fresh.current, manifest, [shard]))
         raw = best_seconds(
             args.repeats, lambda: client.get_object(Bucket=server.bucket, Key="bench/raw-shard")["Body"].read()
         )
-        rows.append(("experience read (Parquet)", len(data), module, raw))
+        verified = best_seconds(
+            args.repeats,
+            lambda: hashlib.sha256(client.get_object(Bucket=server.bucket, Key="bench/raw-shard")["Body"].read()),
+        )
+        rows.append(("experience read (Parquet)", len(data), module, raw, verified))
         started = time.perf_counter()
         parse_table(data, "benchmark", ROLLOUT_SCHEMA)
         decode = time.perf_counter() - started
@@ -167,10 +180,14 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"storage module vs raw boto3, SeaweedFS on loopback, best of {args.repeats}, {os.cpu_count()} cores")
-    print("| operation | MB | storage module MB/s | raw boto3 MB/s | module / raw |")
-    print("|---|---:|---:|---:|---:|")
-    for name, size, module, raw in rows:
-        print(f"| {name} | {size / MB:.0f} | {size / MB / module:.0f} | {size / MB / raw:.0f} | {raw / module:.0%} |")
+    print("| operation | MB | storage module MB/s | raw boto3 MB/s | module / raw | raw + sha256 MB/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, size, module, raw, verified in rows:
+        reference = f"{size / MB / verified:.0f}" if verified else "-"
+        print(
+            f"| {name} | {size / MB:.0f} | {size / MB / module:.0f} | {size / MB / raw:.0f} | {raw / module:.0%}"
+            f" | {reference} |"
+        )
     print(
         f"Parquet encode {len(data) / MB / encode:.0f} MB/s, decode {len(data) / MB / decode:.0f} MB/s"
         f" ({table.num_rows} rows; outside the comparison: raw boto3 moves encoded bytes)"

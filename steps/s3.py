@@ -274,17 +274,17 @@ class Download:
 
 
 def download(location: S3Location, items: list[Download]) -> dict[str, tuple[str, bytes | None]]:
-    """Fetch every object in ranged parts, in parallel; returns {name: (sha256, bytes or None)}.
+    """Fetch every object in ranged parts, in parallel; returns {name: (sha256, its bytes or None)}.
 
-    The worker threads write each part to its file at its offset (or into a buffer); this thread hashes
-    the parts in order as they arrive, at most WINDOW parts behind the newest request. An object whose
-    length differs from the manifest's size is an error naming it.
+    The worker threads write each part to its file at its offset; this thread hashes the parts in order
+    as they arrive (and joins those of an object kept in memory), at most WINDOW parts behind the newest
+    request. An object whose length differs from the manifest's size is an error naming it.
     """
     s3 = client()
     results: dict[str, tuple[str, bytes | None]] = {}
     pending: deque[tuple[Download, Future, bool]] = deque()  # (item, one part, whether it is the last)
     digests: dict[str, Any] = {}
-    buffers: dict[str, bytearray] = {}
+    buffers: dict[str, list[bytes]] = {}  # name -> its parts so far, in order, for an object kept in memory
     files: dict[str, int] = {}  # name -> open file descriptor, closed once its last part is hashed
 
     def fetch(item: Download, key: str, offset: int, length: int) -> bytes:
@@ -299,29 +299,31 @@ def download(location: S3Location, items: list[Download]) -> dict[str, tuple[str
         data = response["Body"].read()
         if total != item.size or len(data) != length:
             raise MoeloopError(
-                f"object does not match its manifest (size {total}, manifest says {item.size}): {location.uri(item.name)}"
+                f"object does not match its COMMIT (size {total}, the manifest says {item.size}):"
+                f" {location.uri(item.name)}"
             )
-        if item.sink is None:
-            buffers[item.name][offset : offset + length] = data
-        else:
+        if item.sink is not None:
             os.pwrite(files[item.name], data, offset)
         return data
 
     def finish_oldest() -> None:
         item, future, last = pending.popleft()
-        digests[item.name].update(future.result())
+        data = future.result()
+        digests[item.name].update(data)
+        if item.sink is None:
+            buffers[item.name].append(data)
         if last:
             if item.name in files:
                 os.close(files.pop(item.name))
-            buffer = buffers.pop(item.name, None)
-            results[item.name] = (digests[item.name].hexdigest(), bytes(buffer) if buffer is not None else None)
+            parts = buffers.pop(item.name, None)
+            results[item.name] = (digests[item.name].hexdigest(), b"".join(parts) if parts is not None else None)
 
     try:
         for item in items:
             key = location.uri(item.name).removeprefix(f"s3://{location.bucket}/")
             digests[item.name] = hashlib.sha256()
             if item.sink is None:
-                buffers[item.name] = bytearray(item.size)
+                buffers[item.name] = []
             else:
                 item.sink.parent.mkdir(parents=True, exist_ok=True)
                 files[item.name] = os.open(item.sink, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -355,7 +357,7 @@ def check_empty(location: S3Location, key: str, item: Download) -> None:
     size = call(client().head_object, location.uri(item.name), Bucket=location.bucket, Key=key)["ContentLength"]
     if size != 0:
         raise MoeloopError(
-            f"object does not match its manifest (size {size}, manifest says 0): {location.uri(item.name)}"
+            f"object does not match its COMMIT (size {size}, the manifest says 0): {location.uri(item.name)}"
         )
 
 

@@ -332,12 +332,14 @@ class RunStorage:
         entries = {name: manifest["files"][name] for name in names}
         if self.s3 is not None:
             items = [s3.Download(name, entry["size"], None) for name, entry in entries.items()]
-            fetched = s3.download(self._location(folder), items)
+            fetched = s3.download(self._location(folder), items)  # hashed on the way in
             objects = {name: data for name, (_, data) in fetched.items()}
+            digests = {name: digest for name, (digest, _) in fetched.items()}
         else:
             objects = {name: self.read_bytes(f"{folder}/{name}") for name in entries}
+            digests = {name: hashlib.sha256(data).hexdigest() for name, data in objects.items()}
         for name, entry in entries.items():
-            self._check_digest(folder, name, entry, hashlib.sha256(objects[name]).hexdigest(), objects[name])
+            self._check_digest(folder, name, entry, digests[name], objects[name])
         return objects
 
     def _check_digest(
