@@ -4,7 +4,10 @@ One interface, selected by name (`make_dispatcher`):
 
     expert_x_NH, tokens_per_expert_e, meta = dispatcher.dispatch(x_TH, topk_idx_TK, topk_weights_TK)
     expert_y_NH = experts(expert_x_NH, tokens_per_expert_e)   # rows grouped by local expert, in expert order
-    y_TH = dispatcher.combine(expert_y_NH, meta)               # sum over k of topk_weights_TK * expert output
+    y_TH = dispatcher.combine(expert_y_NH, meta)               # sum over k of the (weighted) expert outputs
+
+The experts apply the routing weights (`meta.weight_N`, one per expert row) themselves, folded into the SwiGLU;
+dispatch and combine are adjoint gathers through the inverse permutation (no atomics, fp32 sums).
 
 Shape letters: T tokens on this rank, K experts per token, H hidden size, E experts in all, e = E / EP local
 experts, N rows for the local experts, R tokens received from the EP group (DeepEP), P EP ranks.
@@ -38,10 +41,15 @@ DISPATCHERS = ("auto", "local", "all_to_all", "deepep")
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """Where each expert row came from: rows are (token, k) slots, sorted by expert."""
+    """Where each expert row came from: rows are (token, k) slots, sorted by expert.
+
+    Dispatch and combine are adjoint gathers: rows are `x_TH[token_N]`, and a token's sum is over its K rows
+    `row_of_TK` (the inverse permutation; a slot with no row here points one past the last row, at a zero row).
+    """
 
     token_N: torch.Tensor  # the token (row of the dispatcher's token tensor) each row copies
-    weight_N: torch.Tensor  # the routing weight of that slot
+    row_of_TK: torch.Tensor  # the row of each (token, k) slot; num_rows for a slot dropped here
+    weight_N: torch.Tensor  # the routing weight of each expert row, as the experts see their rows
     num_tokens: int  # rows of the token tensor that combine sums into
 
 
@@ -50,24 +58,79 @@ MetaT = TypeVar("MetaT", bound=ExpertRows)
 
 def sort_by_expert(
     topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, k) slots sorted by expert, stably (so by token within an expert).
 
     Slots with expert -1 (DeepEP's mark for an expert on another rank) sort last and are dropped; num_rows is
-    the number of slots kept, which the caller knows without a device sync.
-    Returns token_N, weight_N and tokens_per_expert_E.
+    the number of slots kept, which the caller knows without a device sync. The counts come from
+    `searchsorted` on the sorted expert ids (no `bincount`, whose CUDA kernel syncs with the host).
+    Returns token_N, row_of_TK (dropped slots: num_rows), weight_N and tokens_per_expert_E.
     """
+    num_tokens, top_k = topk_idx_TK.shape
     expert_S = topk_idx_TK.flatten()
-    order_S = torch.argsort(torch.where(expert_S >= 0, expert_S, num_experts), stable=True)
+    key_S = torch.where(expert_S >= 0, expert_S, num_experts)
+    order_S = torch.argsort(key_S, stable=True)
+    row_of_S = torch.empty_like(order_S)
+    row_of_S[order_S] = torch.arange(order_S.numel(), device=order_S.device, dtype=order_S.dtype)
+    if num_rows < order_S.numel():
+        row_of_S = row_of_S.clamp(max=num_rows)
+    experts_E = torch.arange(1, num_experts + 1, device=key_S.device, dtype=key_S.dtype)
+    ends_E = torch.searchsorted(key_S[order_S], experts_E)  # end row of each expert
+    tokens_per_expert_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
     slot_N = order_S[:num_rows]
-    tokens_per_expert_E = torch.bincount(expert_S + 1, minlength=num_experts + 1)[1:]  # bin 0 is the -1 slots
-    return slot_N // topk_idx_TK.shape[1], topk_weights_TK.flatten()[slot_N], tokens_per_expert_E
+    return slot_N // top_k, row_of_S.view(num_tokens, top_k), topk_weights_TK.flatten()[slot_N], tokens_per_expert_E
 
 
-def weighted_sum_by_token(expert_y_NH: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
-    """Sum each token's expert outputs weighted by its routing weights, as HF's experts do."""
-    weighted_NH = expert_y_NH * rows.weight_N.unsqueeze(1).to(expert_y_NH.dtype)
-    return expert_y_NH.new_zeros(rows.num_tokens, expert_y_NH.shape[1]).index_add(0, rows.token_N, weighted_NH)
+def gather_sum(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:
+    """Each token's sum over its K rows, a gather then a sum accumulated in (at least) fp32, like HF's.
+
+    Indices equal to the number of rows (slots dropped here) read a zero row.
+    """
+    num_tokens, top_k = row_of_TK.shape
+    rows_NH = rows_NH.contiguous()
+    if rows_NH.shape[0] < row_of_TK.numel():  # some slots may be dropped: give them a zero row to read
+        rows_NH = torch.cat([rows_NH, rows_NH.new_zeros(1, rows_NH.shape[1])])
+    acc_dtype = torch.promote_types(rows_NH.dtype, torch.float32)
+    gathered_TKH = rows_NH.index_select(0, row_of_TK.flatten()).view(num_tokens, top_k, -1)
+    return gathered_TKH.sum(1, dtype=acc_dtype).to(rows_NH.dtype)
+
+
+class _Permute(torch.autograd.Function):
+    """rows_NH = x_TH[token_N]; backward: each token's K row gradients gathered through row_of_TK and summed."""
+
+    @staticmethod
+    def forward(ctx: Any, x_TH: torch.Tensor, token_N: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(row_of_TK)
+        return x_TH.index_select(0, token_N)
+
+    @staticmethod
+    def backward(ctx: Any, grad_NH: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (row_of_TK,) = ctx.saved_tensors
+        return gather_sum(grad_NH, row_of_TK), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """y_TH = sum over k of rows_NH[row_of_TK[:, k]]; backward: the gradient gathered back to rows by token_N."""
+
+    @staticmethod
+    def forward(ctx: Any, rows_NH: torch.Tensor, token_N: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(token_N)
+        return gather_sum(rows_NH, row_of_TK)
+
+    @staticmethod
+    def backward(ctx: Any, grad_TH: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (token_N,) = ctx.saved_tensors
+        return grad_TH.contiguous().index_select(0, token_N), None, None
+
+
+def permute_rows(x_TH: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+    """The expert rows `x_TH[token_N]`, whose backward is a gather-sum (no atomics)."""
+    return _Permute.apply(x_TH, rows.token_N, rows.row_of_TK)
+
+
+def sum_by_token(expert_y_NH: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+    """Sum each token's expert outputs (already weighted by the experts), in fp32; backward is a gather."""
+    return _Unpermute.apply(expert_y_NH, rows.token_N, rows.row_of_TK)
 
 
 class TokenDispatcher(ABC, Generic[MetaT]):
@@ -92,7 +155,7 @@ class TokenDispatcher(ABC, Generic[MetaT]):
 
     @abstractmethod
     def combine(self, expert_y_NH: torch.Tensor, meta: MetaT) -> torch.Tensor:
-        """Returns y_TH: each token's expert outputs, weighted by its routing weights and summed."""
+        """Returns y_TH: each token's expert outputs (the experts applied the routing weights), summed."""
 
 
 class LocalDispatcher(TokenDispatcher[ExpertRows]):
@@ -103,13 +166,14 @@ class LocalDispatcher(TokenDispatcher[ExpertRows]):
     def dispatch(
         self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, ExpertRows]:
-        token_N, weight_N, tokens_per_expert_E = sort_by_expert(
+        token_N, row_of_TK, weight_N, tokens_per_expert_E = sort_by_expert(
             topk_idx_TK, topk_weights_TK, self.num_experts, topk_idx_TK.numel()
         )
-        return x_TH[token_N], tokens_per_expert_E, ExpertRows(token_N, weight_N, x_TH.shape[0])
+        rows = ExpertRows(token_N, row_of_TK, weight_N, x_TH.shape[0])
+        return permute_rows(x_TH, rows), tokens_per_expert_E, rows
 
     def combine(self, expert_y_NH: torch.Tensor, meta: ExpertRows) -> torch.Tensor:
-        return weighted_sum_by_token(expert_y_NH, meta)
+        return sum_by_token(expert_y_NH, meta)
 
 
 @dataclass(frozen=True)
@@ -135,7 +199,7 @@ class AllToAllDispatcher(TokenDispatcher[AllToAllMeta]):
     def dispatch(
         self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
-        token_N, weight_N, tokens_per_expert_E = sort_by_expert(
+        token_N, row_of_TK, weight_N, tokens_per_expert_E = sort_by_expert(
             topk_idx_TK, topk_weights_TK, self.num_experts, topk_idx_TK.numel()
         )
         recv_counts_E = torch.empty_like(tokens_per_expert_E)  # [P * e]: rows from rank p for local expert j
@@ -143,18 +207,23 @@ class AllToAllDispatcher(TokenDispatcher[AllToAllMeta]):
         recv_counts_Pe = recv_counts_E.view(self.ep_size, self.num_local_experts)
         send_splits = tokens_per_expert_E.view(self.ep_size, -1).sum(1).tolist()
         recv_splits = recv_counts_Pe.sum(1).tolist()
-        recv_x_NH = all_to_all_single_autograd(x_TH[token_N], recv_splits, send_splits, self.group)
+        sent = ExpertRows(token_N, row_of_TK, weight_N, x_TH.shape[0])
+        recv_x_NH = all_to_all_single_autograd(permute_rows(x_TH, sent), recv_splits, send_splits, self.group)
+        # The routing weights travel with their rows, since the experts (on the receiving rank) apply them.
+        recv_weight_N = all_to_all_single_autograd(weight_N.contiguous(), recv_splits, send_splits, self.group)
         # Received rows come rank by rank, each rank's in expert order; the grouped GEMM wants expert by expert.
         local_experts_Pe = torch.arange(self.num_local_experts, device=x_TH.device).repeat(self.ep_size)
         expert_of_row_N = torch.repeat_interleave(local_experts_Pe, recv_counts_E)
         expert_order_N = torch.argsort(expert_of_row_N, stable=True)
-        meta = AllToAllMeta(token_N, weight_N, x_TH.shape[0], send_splits, recv_splits, expert_order_N)
+        meta = AllToAllMeta(
+            token_N, row_of_TK, recv_weight_N[expert_order_N], x_TH.shape[0], send_splits, recv_splits, expert_order_N
+        )
         return recv_x_NH[expert_order_N], recv_counts_Pe.sum(0), meta
 
     def combine(self, expert_y_NH: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
         recv_y_NH = torch.empty_like(expert_y_NH).index_copy(0, meta.expert_order_N, expert_y_NH)
         y_NH = all_to_all_single_autograd(recv_y_NH, meta.send_splits, meta.recv_splits, self.group)
-        return weighted_sum_by_token(y_NH, meta)
+        return sum_by_token(y_NH, meta)
 
 
 class DeepEPBackend(Protocol):
@@ -349,15 +418,15 @@ class DeepEPDispatcher(TokenDispatcher[DeepEPMeta]):
             topk_idx_TK.to(self.backend.topk_idx_dtype).contiguous(),
             self.backend,
         )
-        token_N, weight_N, tokens_per_expert_e = sort_by_expert(
+        token_N, row_of_RK, weight_N, tokens_per_expert_e = sort_by_expert(
             recv_topk_idx_RK, recv_topk_weights_RK, self.num_local_experts, sum(tokens_per_local_expert)
         )
-        meta = DeepEPMeta(token_N, weight_N, recv_x_RH.shape[0], handle, x_TH.dtype)
+        meta = DeepEPMeta(token_N, row_of_RK, weight_N, recv_x_RH.shape[0], handle, x_TH.dtype)
         # Cast before expanding, so that a token's gradients from its several local experts add up in x_TH's dtype.
-        return recv_x_RH.to(x_TH.dtype)[token_N], tokens_per_expert_e, meta
+        return permute_rows(recv_x_RH.to(x_TH.dtype), meta), tokens_per_expert_e, meta
 
     def combine(self, expert_y_NH: torch.Tensor, meta: DeepEPMeta) -> torch.Tensor:
-        per_token_RH = weighted_sum_by_token(expert_y_NH.float(), meta).to(torch.bfloat16)
+        per_token_RH = sum_by_token(expert_y_NH, meta).to(torch.bfloat16)  # summed in fp32
         return _DeepEPCombine.apply(per_token_RH, meta.handle, self.backend).to(meta.dtype)
 
 

@@ -6,7 +6,7 @@
   `OutputRecorder` hook and the model's load-balancing aux loss is unchanged;
 - tokens are permuted by expert (and, with expert parallelism, moved to the rank holding the expert) by a
   dispatcher from `steps.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
-  combined weighted by the routing scores;
+  summed per token (the routing weight folded into the SwiGLU output, before the linear down projection);
 - parameters keep HF's names and fused layout, `experts.gate_up_proj` [e, 2I, H] and `experts.down_proj`
   [e, H, I], holding only this EP rank's e = E / EP experts, so loading and publishing are slicing and gathering.
 """
@@ -52,17 +52,30 @@ class GroupedExperts(nn.Module):
             impl,
         )
 
-    def forward(self, x_NH: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_NH: torch.Tensor, tokens_per_expert_e: torch.Tensor, weight_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows grouped by expert through their experts; with weight_N, each row's output scaled by its weight.
+
+        The weight multiplies the SwiGLU output (I wide) before the down projection, which is linear, so this is
+        the weighted expert output without an H-wide multiply.
+        """
         if self.impl == "grouped_mm":
             offs_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)  # end row of each expert; empty groups ok
             gate_up_N2I = F.grouped_mm(x_NH, self.gate_up_proj.transpose(1, 2), offs=offs_e)
-            gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-            return F.grouped_mm(self.act_fn(gate_NI) * up_NI, self.down_proj.transpose(1, 2), offs=offs_e)
+            return F.grouped_mm(self._swiglu(gate_up_N2I, weight_N), self.down_proj.transpose(1, 2), offs=offs_e)
+        splits = tokens_per_expert_e.tolist()
+        weights = weight_N.split(splits) if weight_N is not None else [None] * len(splits)
         outputs = []
-        for expert, x_nH in enumerate(x_NH.split(tokens_per_expert_e.tolist())):
-            gate_nI, up_nI = F.linear(x_nH, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate_nI) * up_nI, self.down_proj[expert]))
+        for expert, (x_nH, weight_n) in enumerate(zip(x_NH.split(splits), weights, strict=True)):
+            gate_up_n2I = F.linear(x_nH, self.gate_up_proj[expert])
+            outputs.append(F.linear(self._swiglu(gate_up_n2I, weight_n), self.down_proj[expert]))
         return torch.cat(outputs)
+
+    def _swiglu(self, gate_up_N2I: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
+        gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+        hidden_NI = self.act_fn(gate_NI) * up_NI
+        return hidden_NI if weight_N is None else hidden_NI * weight_N.unsqueeze(1).to(hidden_NI.dtype)
 
 
 class MoeBlock(nn.Module):
@@ -90,7 +103,7 @@ class MoeBlock(nn.Module):
         x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
         _, topk_weights_TK, topk_idx_TK = self.gate(x_TH)
         expert_x_NH, tokens_per_expert_e, meta = self.dispatcher.dispatch(x_TH, topk_idx_TK, topk_weights_TK)
-        expert_y_NH = self.experts(expert_x_NH, tokens_per_expert_e)
+        expert_y_NH = self.experts(expert_x_NH, tokens_per_expert_e, meta.weight_N)  # weighted in the SwiGLU
         return self.dispatcher.combine(expert_y_NH, meta).reshape(hidden_states.shape)
 
     def gather_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
