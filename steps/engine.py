@@ -66,12 +66,11 @@ class TransformersEngine:
         self.checkpoint_dir = checkpoint_dir
 
     def load_weights(self, checkpoint_dir: Path) -> None:
-        from safetensors.torch import load_file
+        # Through from_pretrained: the files hold each expert apart, the in-memory model fuses them.
+        from steps.policy import load_policy
 
-        state = {}
-        for file in sorted(checkpoint_dir.glob("*.safetensors")):
-            state.update(load_file(file))
-        self.model.load_state_dict(state, strict=True)
+        self.model, _ = load_policy(checkpoint_dir)
+        self.model.eval()
         self.checkpoint_dir = checkpoint_dir
 
     def close(self) -> None:

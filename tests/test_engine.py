@@ -1,0 +1,38 @@
+"""The transformers engine kept between iterations serves each new checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from steps.config import TinyModelConfig
+from steps.engine import Sampling, TransformersEngine, engine_for, release_engine
+from steps.policy import build_tiny_model, build_tokenizer, save_policy
+from tests.conftest import small_config
+
+
+def checkpoint(directory: Path, seed: int) -> Path:
+    tokenizer = build_tokenizer(["abcdefgh="])
+    save_policy(build_tiny_model(TinyModelConfig(), tokenizer, seed=seed), tokenizer, directory)
+    return directory
+
+
+def test_kept_transformers_engine_loads_the_next_checkpoint(tmp_path: Path) -> None:
+    rollout = small_config().rollout.model_copy(update={"engine": "transformers"})
+    first, second = checkpoint(tmp_path / "first", seed=1), checkpoint(tmp_path / "second", seed=2)
+    greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=6, seed=0)
+    prompts = [[2, 3, 4, 10], [5, 6, 7, 8, 10]]
+    try:
+        engine, reused = engine_for(first, rollout)
+        assert not reused
+        again, reused = engine_for(second, rollout)
+        assert again is engine and reused and engine.checkpoint_dir == second
+        got = engine.generate(prompts, greedy)
+        expected = TransformersEngine(second).generate(prompts, greedy)
+        assert [c[0].token_ids for c in got] == [c[0].token_ids for c in expected]
+        with torch.no_grad():
+            probe = torch.tensor([prompts[0]])
+            torch.testing.assert_close(engine.model(probe).logits, TransformersEngine(second).model(probe).logits)
+    finally:
+        release_engine()
