@@ -189,6 +189,7 @@ def main() -> None:
     parser.add_argument("--bucket", default=BUCKET)
     args = parser.parse_args()
     server = start_seaweed(args.dir, args.bucket)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` stops the server too (finally, below)
     env_file = args.dir / "env.sh"
     env_file.touch(mode=0o600)
     env_file.write_text("".join(f"export {name}={value}\n" for name, value in server.environment().items()))
