@@ -38,7 +38,8 @@ from torch import nn
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from steps.dispatch import make_dispatcher
+from steps import dispatch as dispatch_module
+from steps.dispatch import ExpertRows, make_dispatcher, permute_rows, sort_by_expert, sum_by_token
 from steps.moe import GroupedExperts, MoeBlock
 
 NOMINAL_DENSE_BF16 = 989.0  # TFLOP/s, H100/H200 SXM datasheet, dense
@@ -48,40 +49,6 @@ NOMINAL_DENSE_BF16 = 989.0  # TFLOP/s, H100/H200 SXM datasheet, dense
 # The proposed fix, as a benchmark-only block: permutation and combine as pure gathers (no atomics, no sort in
 # backward, no host sync), the routing weight folded into the SwiGLU output (I wide, not H wide).
 # ---------------------------------------------------------------------------------------------------------------
-
-
-class _Permute(torch.autograd.Function):
-    """rows_NH = x_TH[token_N]; backward: each token's K row gradients gathered through row_of_TK and summed."""
-
-    @staticmethod
-    def forward(ctx: Any, x_TH: torch.Tensor, token_N: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(row_of_TK)
-        return x_TH.index_select(0, token_N)
-
-    @staticmethod
-    def backward(ctx: Any, grad_NH: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (row_of_TK,) = ctx.saved_tensors
-        return _gather_sum(grad_NH, row_of_TK), None, None
-
-
-class _Unpermute(torch.autograd.Function):
-    """y_TH = sum over k of rows_NH[row_of_TK[:, k]]; backward: the gradient gathered back to rows by token_N."""
-
-    @staticmethod
-    def forward(ctx: Any, rows_NH: torch.Tensor, token_N: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(token_N)
-        return _gather_sum(rows_NH, row_of_TK)
-
-    @staticmethod
-    def backward(ctx: Any, grad_TH: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (token_N,) = ctx.saved_tensors
-        return grad_TH.contiguous().index_select(0, token_N), None, None
-
-
-def _gather_sum_torch(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:
-    """Sum of each token's K rows: a gather (writes T*K rows) then a reduction (torch accumulates bf16 in fp32)."""
-    num_tokens, top_k = row_of_TK.shape
-    return rows_NH.contiguous().index_select(0, row_of_TK.flatten()).view(num_tokens, top_k, -1).sum(1)
 
 
 _gather_sum_kernel: Any = None
@@ -120,8 +87,8 @@ def _gather_sum_triton(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.
     return out_TH
 
 
-GATHER_SUM = {"torch": _gather_sum_torch, "triton": _gather_sum_triton}
-_gather_sum = _gather_sum_torch  # FastMoeBlock(gather_sum="triton") switches it, for all blocks
+# steps.dispatch's permutation calls its module-level gather_sum: FastMoeBlock swaps in the one it measures.
+GATHER_SUM = {"torch": dispatch_module.gather_sum, "triton": _gather_sum_triton}
 
 
 def swiglu_weighted(gate_up_N2I: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
@@ -143,25 +110,19 @@ class FastMoeBlock(nn.Module):
         self.num_experts = block.experts.gate_up_proj.shape[0]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        global _gather_sum
-        _gather_sum = GATHER_SUM[self.gather_sum]
+        dispatch_module.gather_sum = GATHER_SUM[self.gather_sum]
         x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
         _, weight_TK, expert_TK = self.gate(x_TH)
-        num_tokens, top_k = expert_TK.shape
-        expert_S = expert_TK.flatten()
-        order_N = torch.argsort(expert_S, stable=True)  # slot of each row; rows sorted by expert
-        row_of_S = torch.empty_like(order_N)
-        row_of_S[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-        # End row of each expert, from the sorted ids: no bincount (whose CUDA kernel syncs with the host).
-        experts_E = torch.arange(1, self.num_experts + 1, device=expert_S.device, dtype=expert_S.dtype)
-        offs_E = torch.searchsorted(expert_S[order_N], experts_E, right=False).to(torch.int32)
-        token_N = order_N // top_k
-        row_of_TK = row_of_S.view(num_tokens, top_k)
-        x_NH = _Permute.apply(x_TH, token_N, row_of_TK)
+        token_N, row_of_TK, weight_N, tokens_per_expert_E = sort_by_expert(
+            expert_TK, weight_TK, self.num_experts, expert_TK.numel()
+        )
+        rows = ExpertRows(token_N, row_of_TK, weight_N, x_TH.shape[0])
+        offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
+        x_NH = permute_rows(x_TH, rows)
         gate_up_N2I = F.grouped_mm(x_NH, self.experts.gate_up_proj.transpose(1, 2), offs=offs_E)
-        h_NI = self.swiglu(gate_up_N2I, weight_TK.flatten()[order_N])
+        h_NI = self.swiglu(gate_up_N2I, weight_N)
         y_NH = F.grouped_mm(h_NI, self.experts.down_proj.transpose(1, 2), offs=offs_E)
-        return _Unpermute.apply(y_NH, token_N, row_of_TK).reshape(hidden_states.shape)
+        return sum_by_token(y_NH, rows).reshape(hidden_states.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------
