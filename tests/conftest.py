@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,13 @@ def run_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "runs"
     root.mkdir()
     return root
+
+
+@pytest.fixture(autouse=True)
+def no_engine_left_behind() -> Iterator[None]:
+    """Steps called in-process keep their rollout engine (steps.engine.engine_for); a test starts without one."""
+    from steps.engine import release_engine
+
+    release_engine()
+    yield
+    release_engine()

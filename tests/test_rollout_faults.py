@@ -38,8 +38,10 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("*") if ".tmp" in p.name) if folder.exists() else []
 
 
-def start_run(run_root: Path, engine: str) -> tuple[str, MoeloopConfig, Path]:
-    config = small_config(iterations=1, rollout={"engine": engine, "prompts_per_iteration": 32, "samples_per_prompt": 4})
+def start_run(run_root: Path, engine: str, prompts: int = 32, samples: int = 4) -> tuple[str, MoeloopConfig, Path]:
+    config = small_config(
+        iterations=1, rollout={"engine": engine, "prompts_per_iteration": prompts, "samples_per_prompt": samples}
+    )
     uri = run_uri(config, str(run_root))
     start(uri, config)
     shard = run_root / config.run_name / RunStorage.rollout_shard(1, 0, config.rollout.num_shards)
@@ -55,7 +57,9 @@ def test_shard_killed_at_random_moments_commits_exactly_once(run_root: Path) -> 
     started = time.perf_counter()
     subprocess.run(command, cwd=REPO, check=True, capture_output=True)
     normal_seconds = time.perf_counter() - started
-    expected_rows = (config.rollout.prompts_per_iteration // config.rollout.num_shards) * config.rollout.samples_per_prompt
+    expected_rows = (
+        config.rollout.prompts_per_iteration // config.rollout.num_shards
+    ) * config.rollout.samples_per_prompt
 
     rng = random.Random(0)
     outcomes = {"killed before commit": 0, "already committed when killed": 0}
@@ -84,10 +88,14 @@ def test_shard_killed_at_random_moments_commits_exactly_once(run_root: Path) -> 
 
 @pytest.mark.parametrize("engine", ["transformers", "vllm"])
 def test_sigterm_stops_the_shard_within_the_grace_period_leaving_nothing(run_root: Path, engine: str) -> None:
-    uri, config, shard = start_run(run_root, engine)
+    uri, config, shard = start_run(run_root, engine, prompts=256, samples=16)
+    cache = run_root.parent / "cache"
     process = subprocess.Popen(shard_command(uri, config), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    # Into the work: past the imports, while the engine loads or generates.
-    time.sleep(4 if engine == "transformers" else 15)
+    # Into the work: the checkpoint is being fetched, so the step runs (its handler is set), then the engine
+    # loads or generates. Polling keeps this independent of how long the imports take on a busy machine.
+    while not any(cache.rglob("*.safetensors")) and process.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5 if engine == "transformers" else 5)
     assert process.poll() is None, "the shard ended before the signal; lengthen its work"
     signalled = time.perf_counter()
     process.send_signal(signal.SIGTERM)
