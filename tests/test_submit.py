@@ -1,161 +1,193 @@
-"""Submission through Hera's WorkflowsService, against a local HTTP server standing in for an Argo server."""
+"""`moeloop submit`, and what every cluster command shares (one session, one error translation, the
+server from flags or the argo CLI's environment), against a local stand-in for an Argo server."""
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from jsonschema import Draft4Validator
 
-from steps.config import MoeloopConfig, parse_config
 from steps.errors import MoeloopError
-from workflows.dag import loop_tasks
-from workflows.submit import submit_workflow
+from tests.argo_stand_in import (
+    NAMESPACE,
+    RUN_URI,
+    TOKEN,
+    RecordedRequest,
+    argo_error,
+    argo_stand_in,
+    cluster_config,
+    moeloop,
+    request_errors,
+    write_config,
+)
+from workflows.argo import ArgoServer, ArgoSession, argo_server
+from workflows.lint import lint_document
+from workflows.render import render_workflow
 
-SWAGGER = Path(__file__).resolve().parents[1].parent / "shared" / "schemas" / "argo-server-swagger.json"
-NAMESPACE = "rl"
-TOKEN = "s3cr3t-token-value"
-RUN_URI = "s3://moeloop-runs/runs/submit-test"
+WORKFLOWS = f"/api/v1/workflows/{NAMESPACE}"
 # Hera 7.1.0's WorkflowsService serialises with pydantic's deprecated `.json()`; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:The `json` method is deprecated:DeprecationWarning")
-
-# (status, JSON body) the stand-in answers for a recorded request.
-Responder = Callable[["RecordedRequest"], tuple[int, dict]]
-
-
-class RecordedRequest:
-    def __init__(self, method: str, path: str, headers: dict[str, str], body: dict) -> None:
-        self.method, self.path, self.headers, self.body = method, path, headers, body
-
-
-@pytest.fixture
-def config() -> MoeloopConfig:
-    return parse_config(
-        {
-            "run_name": "submit-test",
-            "iterations": 2,
-            "task": {"train_prompts": "s3://bucket/train.jsonl", "eval_prompts": "s3://bucket/eval.jsonl"},
-            "reward": {"functions": [{"path": "steps.rewards:reverse_positions"}]},
-            "cluster": {"namespace": "from-config"},
-        },
-        "test",
-    )
-
-
-@contextmanager
-def argo_stand_in(respond: Responder) -> Iterator[tuple[str, list[RecordedRequest]]]:
-    """A local HTTP server standing in for an Argo server: records each POST and answers with `respond`."""
-    recorded: list[RecordedRequest] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            request = RecordedRequest("POST", self.path, dict(self.headers), body)
-            recorded.append(request)
-            status, answer = respond(request)
-            payload = json.dumps(answer).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, format: str, *args: object) -> None:  # keep pytest output clean
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", recorded
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def create_request_errors(body: dict) -> list[str]:
-    """Where the body breaks the Argo server's WorkflowCreateRequest definition (Swagger 2.0, draft 4)."""
-    definitions = json.loads(SWAGGER.read_text())["definitions"]
-    # The upstream definition says string only; Kubernetes and Argo take integers too.
-    definitions["io.k8s.apimachinery.pkg.util.intstr.IntOrString"] = {"type": ["integer", "string"]}
-    schema = {"$ref": "#/definitions/io.argoproj.workflow.v1alpha1.WorkflowCreateRequest", "definitions": definitions}
-    return [f"{list(e.absolute_path)}: {e.message}" for e in Draft4Validator(schema).iter_errors(body)]
 
 
 def created(request: RecordedRequest) -> tuple[int, dict]:
     """What Argo answers on success: the workflow, named from its generateName."""
     workflow = request.body["workflow"]
-    metadata = {**workflow["metadata"], "name": workflow["metadata"]["generateName"] + "x7k2p"}
+    metadata = {**workflow["metadata"], "name": workflow["metadata"]["generateName"] + "x7k2p", "uid": "1b7e"}
     return 200, {**workflow, "metadata": metadata}
 
 
-def test_submit_against_local_stand_in_for_argo_server(config: MoeloopConfig) -> None:
-    with argo_stand_in(created) as (host, recorded):
-        name = submit_workflow(config, RUN_URI, host=host, namespace=NAMESPACE, token=TOKEN)
+def submit(host: str, token: str | None = TOKEN) -> str:
+    with ArgoSession(ArgoServer(host, NAMESPACE, token)) as argo:
+        return argo.submit(render_workflow(cluster_config(), RUN_URI))
 
-    assert name == "submit-test-x7k2p"
+
+def test_submit_sends_the_rendered_workflow() -> None:
+    with argo_stand_in({("POST", WORKFLOWS): created}) as (host, recorded):
+        name = submit(host)
+
+    assert name == "cluster-test-x7k2p"
     [request] = recorded
-    assert (request.method, request.path) == ("POST", f"/api/v1/workflows/{NAMESPACE}")
+    assert (request.method, request.path) == ("POST", WORKFLOWS)
     assert request.headers["Authorization"] == f"Bearer {TOKEN}"
-    assert create_request_errors(request.body) == []
+    assert request_errors(request.body, "WorkflowCreateRequest") == []
+    assert request.body["namespace"] == NAMESPACE
     workflow = request.body["workflow"]
-    assert workflow["metadata"]["namespace"] == NAMESPACE  # the namespace asked for, not the config's
-    assert workflow["spec"]["entrypoint"] == "loop"
-    [loop] = [t for t in workflow["spec"]["templates"] if t["name"] == "loop"]
-    assert [task["name"] for task in loop["dag"]["tasks"]] == [task.name for task in loop_tasks(config)]
-    assert {p["name"]: p["value"] for p in workflow["spec"]["arguments"]["parameters"]}["run"] == RUN_URI
+    assert lint_document(workflow) == []
+    # Exactly the rendered Workflow, in the namespace asked for rather than the config's.
+    rendered = render_workflow(cluster_config(), RUN_URI)
+    assert workflow == {**rendered, "metadata": {**rendered["metadata"], "namespace": NAMESPACE}}
 
 
-def test_host_with_a_base_path_keeps_it(config: MoeloopConfig) -> None:
-    with argo_stand_in(created) as (host, recorded):
-        submit_workflow(config, RUN_URI, host=f"{host}/argo", namespace=NAMESPACE)
-    assert recorded[0].path == f"/argo/api/v1/workflows/{NAMESPACE}"
+def test_submit_command_prints_the_workflow_name(tmp_path: Path) -> None:
+    with argo_stand_in({("POST", WORKFLOWS): created}) as (host, recorded):
+        result = moeloop(
+            "submit",
+            str(write_config(tmp_path)),
+            "--host",
+            host,
+            "--namespace",
+            NAMESPACE,
+            "--root",
+            "s3://moeloop-runs/runs",
+            "--iterations",
+            "3",
+        )
+
+    assert (result.returncode, result.stdout) == (0, "cluster-test-x7k2p\n"), result.stderr
+    [request] = recorded
+    assert "Authorization" not in request.headers
+    parameters = {p["name"]: p["value"] for p in request.body["workflow"]["spec"]["arguments"]["parameters"]}
+    assert parameters["run"] == "s3://moeloop-runs/runs/cluster-test"
+    assert '"iterations":3' in parameters["config"]
+
+
+def test_server_and_token_from_the_argo_cli_environment(tmp_path: Path) -> None:
+    with argo_stand_in({("POST", f"/argo{WORKFLOWS}"): created}) as (host, recorded):
+        environment = {
+            "ARGO_SERVER": host.removeprefix("http://"),  # host:port, as the argo CLI takes it
+            "ARGO_SECURE": "false",
+            "ARGO_BASE_HREF": "/argo/",
+            "ARGO_NAMESPACE": NAMESPACE,
+            "ARGO_TOKEN": f"Bearer {TOKEN}",
+        }
+        result = moeloop("submit", str(write_config(tmp_path)), env=environment)
+
+    assert (result.returncode, result.stdout) == (0, "cluster-test-x7k2p\n"), result.stderr
+    [request] = recorded
+    assert request.headers["Authorization"] == f"Bearer {TOKEN}"
+
+
+def test_argo_server_resolution() -> None:
+    environment = {"ARGO_SERVER": "argo.example.com:2746", "ARGO_NAMESPACE": "env-ns", "ARGO_TOKEN": "env-token"}
+    assert argo_server(None, None, None, False, environment) == ArgoServer(
+        "https://argo.example.com:2746", "env-ns", "env-token", verify_ssl=True
+    )
+    # Flags win over the environment; ARGO_INSECURE_SKIP_VERIFY is --insecure.
+    flags = argo_server("http://other:80/base", "flag-ns", "flag-token", False, environment)
+    assert flags == ArgoServer("http://other:80/base", "flag-ns", "flag-token", verify_ssl=True)
+    skip_verify = argo_server(None, None, None, False, {**environment, "ARGO_INSECURE_SKIP_VERIFY": "true"})
+    assert skip_verify.verify_ssl is False
+    assert argo_server("https://h", "ns", None, True, {}).verify_ssl is False
+    assert argo_server("https://h", "ns", None, False, {"ARGO_TOKEN": ""}).token is None
+    with pytest.raises(MoeloopError, match=r"^no Argo server: give --host URL or set \$ARGO_SERVER$"):
+        argo_server(None, "ns", None, False, {})
+    with pytest.raises(MoeloopError, match=r"^no namespace: give --namespace NS or set \$ARGO_NAMESPACE$"):
+        argo_server("https://h", None, None, False, {})
+    with pytest.raises(MoeloopError, match="must start with http:// or https://"):
+        argo_server("argo.example.com", "ns", None, False, {})
+
+
+def test_host_with_a_base_path_keeps_it() -> None:
+    with argo_stand_in({("POST", f"/argo{WORKFLOWS}"): created}) as (host, recorded):
+        submit(f"{host}/argo", token=None)
+    assert [r.path for r in recorded] == [f"/argo{WORKFLOWS}"]
     assert "Authorization" not in recorded[0].headers
 
 
-def test_server_refusal_is_one_line_naming_host_and_status_without_token(config: MoeloopConfig) -> None:
-    def forbidden(request: RecordedRequest) -> tuple[int, dict]:
-        # A server echoing the credential it rejected must not make it leak into the message.
-        message = f'workflows.argoproj.io is forbidden: token "{TOKEN}" cannot create\nresource "workflows"'
-        return 403, {"code": 7, "message": message}
+# What an Argo server answers in each case; each message echoes the token, which must not leak.
+REFUSALS = {
+    401: f"token not valid: {TOKEN}",
+    403: f'workflows.argoproj.io is forbidden: token "{TOKEN}" cannot create\nresource "workflows" in "rl"',
+    404: f'namespaces "{NAMESPACE}" not found (token {TOKEN})',
+    409: f'workflows.argoproj.io "cluster-test-x7k2p" already exists (token {TOKEN})',
+    500: f"etcdserver: request timed out (token {TOKEN})",
+}
 
-    with argo_stand_in(forbidden) as (host, _):
-        with pytest.raises(MoeloopError) as raised:
-            submit_workflow(config, RUN_URI, host=host, namespace=NAMESPACE, token=TOKEN)
+
+@pytest.mark.parametrize("status", sorted(REFUSALS))
+def test_refusal_is_one_line_naming_server_object_and_status(status: int) -> None:
+    with (
+        argo_stand_in({("POST", WORKFLOWS): lambda request: argo_error(status, REFUSALS[status])}) as (host, _),
+        pytest.raises(MoeloopError) as raised,
+    ):
+        submit(host)
 
     message = str(raised.value)
-    assert host in message and "403" in message and "forbidden" in message
+    assert message.startswith(f"Argo server {host} could not create Workflow {NAMESPACE}/cluster-test-: HTTP {status} ")
+    assert " ".join(REFUSALS[status].split()).replace(TOKEN, "<token>") in message
     assert TOKEN not in message and "\n" not in message
+    assert message.endswith("(check --token or $ARGO_TOKEN)") == (status == 401)
 
 
-def test_refusal_without_a_json_message_still_names_the_status(config: MoeloopConfig) -> None:
-    with argo_stand_in(lambda request: (502, {"error": "bad gateway"})) as (host, _):
-        with pytest.raises(MoeloopError, match=r"HTTP 502 Bad Gateway"):
-            submit_workflow(config, RUN_URI, host=host, namespace=NAMESPACE, token=TOKEN)
+def test_refusal_from_the_command_is_one_error_line_with_exit_2(tmp_path: Path) -> None:
+    with argo_stand_in({("POST", WORKFLOWS): lambda request: argo_error(403, REFUSALS[403])}) as (host, _):
+        result = moeloop(
+            "submit", str(write_config(tmp_path)), "--host", host, "--namespace", NAMESPACE, env={"ARGO_TOKEN": TOKEN}
+        )
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: Argo server {host} could not create Workflow {NAMESPACE}/cluster-test-: HTTP 403")
+    assert TOKEN not in result.stderr
 
 
-def test_success_without_a_workflow_is_an_error(config: MoeloopConfig) -> None:
-    with argo_stand_in(lambda request: (200, {"metadata": "not an object"})) as (host, _):
-        with pytest.raises(MoeloopError, match="answered the submission with something other than a Workflow"):
-            submit_workflow(config, RUN_URI, host=host, namespace=NAMESPACE)
+def test_refusal_without_a_json_message_still_names_the_status() -> None:
+    with (
+        argo_stand_in({("POST", WORKFLOWS): lambda request: (502, {"error": "bad gateway"})}) as (host, _),
+        pytest.raises(MoeloopError, match=r"HTTP 502 Bad Gateway"),
+    ):
+        submit(host)
 
 
-def test_connection_refused_is_one_line(config: MoeloopConfig) -> None:
+def test_success_without_a_workflow_is_an_error() -> None:
+    with (
+        argo_stand_in({("POST", WORKFLOWS): lambda request: (200, {"metadata": "not an object"})}) as (host, _),
+        pytest.raises(MoeloopError) as raised,
+    ):
+        submit(host)
+    expected = f"Argo server {host} did not answer create Workflow {NAMESPACE}/cluster-test- with the expected object"
+    assert str(raised.value) == expected
+
+
+def test_connection_refused_is_one_line() -> None:
     with socket.socket() as probe:  # a port nothing listens on once the probe is closed
         probe.bind(("127.0.0.1", 0))
         host = f"http://127.0.0.1:{probe.getsockname()[1]}"
     with pytest.raises(MoeloopError) as raised:
-        submit_workflow(config, RUN_URI, host=host, namespace=NAMESPACE, token=TOKEN)
-    message = str(raised.value)
-    assert message == f"cannot reach the Argo server at {host}: Connection refused"
-
-
-def test_host_without_scheme_is_refused(config: MoeloopConfig) -> None:
-    with pytest.raises(MoeloopError, match="must start with http:// or https://"):
-        submit_workflow(config, RUN_URI, host="argo.example.com", namespace=NAMESPACE)
+        submit(host)
+    expected = (
+        f"cannot reach the Argo server at {host} to create Workflow {NAMESPACE}/cluster-test-: Connection refused"
+    )
+    assert str(raised.value) == expected

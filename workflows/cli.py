@@ -1,15 +1,20 @@
-"""The `moeloop` command: run the loop locally, render it for Argo, lint manifests, submit to a cluster."""
+"""The `moeloop` command: run the loop locally, render it for Argo, lint manifests, and drive an Argo server."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from steps.config import MoeloopConfig, load_config
 from steps.errors import MoeloopError, run_cli
 from workflows.dag import run_uri
+
+if TYPE_CHECKING:
+    from workflows.argo import ArgoServer
+
+EXIT_WORKFLOW_FAILED = 1  # status: the server answered, and the workflow failed (2 stays "could not ask")
 
 
 def _config(args: argparse.Namespace) -> MoeloopConfig:
@@ -51,15 +56,80 @@ def command_lint(args: argparse.Namespace) -> None:
     print(f"ok: {', '.join(str(p) for p in args.paths)}")
 
 
+def _server(args: argparse.Namespace) -> ArgoServer:
+    from workflows.argo import argo_server
+
+    return argo_server(args.host, args.namespace, args.token, args.insecure)
+
+
+def _checked(document: dict) -> dict:
+    """Only a manifest that lints clean goes to the server, as only one does to disk (render)."""
+    from workflows.lint import lint_document
+
+    errors = lint_document(document)
+    if errors:
+        raise MoeloopError(f"refusing to send an invalid manifest: {errors[0]}")
+    return document
+
+
 def command_submit(args: argparse.Namespace) -> None:
-    from workflows.submit import submit_workflow
+    from workflows.argo import ArgoSession
+    from workflows.render import render_workflow
 
     config = _config(args)
-    token = args.token or os.environ.get("ARGO_TOKEN")
-    name = submit_workflow(
-        config, run_uri(config, args.root), args.host, args.namespace, token, verify_ssl=not args.insecure
-    )
-    print(name)
+    document = _checked(render_workflow(config, run_uri(config, args.root)))
+    with ArgoSession(_server(args)) as argo:
+        print(argo.submit(document))
+
+
+def command_register(args: argparse.Namespace) -> None:
+    from workflows.argo import ArgoSession
+    from workflows.render import render_workflow_template
+
+    config = _config(args)
+    document = _checked(render_workflow_template(config, run_uri(config, args.root)))
+    with ArgoSession(_server(args)) as argo:
+        print(document["metadata"]["name"], argo.register(document))
+
+
+def command_schedule(args: argparse.Namespace) -> None:
+    from workflows.argo import ArgoSession
+    from workflows.render import render_cron_workflow
+
+    config = _config(args)
+    document = _checked(render_cron_workflow(config, run_uri(config, args.root)))
+    with ArgoSession(_server(args)) as argo:
+        print(document["metadata"]["name"], argo.schedule(document))
+
+
+def command_status(args: argparse.Namespace) -> None:
+    from workflows.argo import RUN_LABEL, ArgoSession, has_failed, run_table, status_lines
+
+    if (args.name is None) == (args.run is None):
+        raise MoeloopError("give either a workflow NAME or --run RUN_NAME")
+    server = _server(args)
+    with ArgoSession(server) as argo:
+        if args.name is not None:
+            workflows = [argo.workflow(args.name)]
+            lines = status_lines(workflows[0])
+        else:
+            workflows = argo.run_workflows(args.run)
+            if not workflows:
+                raise MoeloopError(
+                    f"Argo server {server.host} has no Workflows labelled {RUN_LABEL}={args.run} in {server.namespace}"
+                )
+            lines = run_table(workflows)
+    print("\n".join(lines))
+    # The run's state is its newest workflow's: a failed chunk that was resubmitted no longer counts.
+    if has_failed(workflows[-1]):
+        sys.exit(EXIT_WORKFLOW_FAILED)
+
+
+def command_resubmit(args: argparse.Namespace) -> None:
+    from workflows.argo import ArgoSession
+
+    with ArgoSession(_server(args)) as argo:
+        print(argo.resubmit(args.name, memoized=args.memoized))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -85,12 +155,44 @@ def parser() -> argparse.ArgumentParser:
     lint.add_argument("paths", nargs="+", type=Path)
     lint.set_defaults(handler=command_lint)
 
-    submit = with_config("submit", "submit the loop to an Argo server")
-    submit.add_argument("--host", required=True, help="Argo server URL, e.g. https://argo.example.com")
-    submit.add_argument("--namespace", required=True)
-    submit.add_argument("--token", help="bearer token (default: $ARGO_TOKEN)")
-    submit.add_argument("--insecure", action="store_true", help="do not verify the server's TLS certificate")
+    def with_server(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        command.add_argument(
+            "--host", help="Argo server URL, e.g. https://argo.example.com (default: $ARGO_SERVER, as the argo CLI)"
+        )
+        command.add_argument("--namespace", help="Kubernetes namespace (default: $ARGO_NAMESPACE)")
+        command.add_argument("--token", help="bearer token (default: $ARGO_TOKEN)")
+        command.add_argument(
+            "--insecure",
+            action="store_true",
+            help="do not verify the server's TLS certificate (default: $ARGO_INSECURE_SKIP_VERIFY)",
+        )
+        return command
+
+    submit = with_server(with_config("submit", "create the loop's Workflow on an Argo server; prints its name"))
     submit.set_defaults(handler=command_submit)
+
+    register = with_server(with_config("register", "create or update the loop's WorkflowTemplate"))
+    register.set_defaults(handler=command_register)
+
+    schedule = with_server(with_config("schedule", "create or update the loop's CronWorkflow"))
+    schedule.set_defaults(handler=command_schedule)
+
+    status = with_server(
+        commands.add_parser(
+            "status",
+            help="phase, progress and failed steps of a workflow, or the workflows of a run",
+            description="Exit status: 0, 1 when the workflow (with --run: the run's newest) Failed or Errored, "
+            "2 when the server could not be asked.",
+        )
+    )
+    status.add_argument("name", nargs="?", help="the workflow's name")
+    status.add_argument("--run", help="list the workflows labelled moeloop.dev/run=RUN instead")
+    status.set_defaults(handler=command_status)
+
+    resubmit = with_server(commands.add_parser("resubmit", help="Argo's resubmit of a workflow; prints the new name"))
+    resubmit.add_argument("name", help="the workflow's name")
+    resubmit.add_argument("--memoized", action="store_true", help="reuse the steps that succeeded (failed workflows)")
+    resubmit.set_defaults(handler=command_resubmit)
     return root
 
 

@@ -205,3 +205,26 @@ def _write_atomically(path: Path, document: dict) -> Path:
 def dag_tasks(document: dict) -> dict[str, tuple[str, ...]]:
     """Task name -> sorted dependencies of the entrypoint DAG of a rendered Workflow or WorkflowTemplate."""
     return {task["name"]: tuple(sorted(task.get("dependencies", ()))) for task in _entrypoint_dag(document)["tasks"]}
+
+
+# Minimal CronWorkflow so that `moeloop schedule` has an object to send; the chunked one (schedules from the
+# config, continuing from LATEST) replaces it.
+CRON_SCHEDULES = ("0 */6 * * *",)
+
+
+def render_cron_workflow(config: MoeloopConfig, run_uri: str) -> dict:
+    """A CronWorkflow that starts the registered WorkflowTemplate with its default parameters."""
+    return {
+        "apiVersion": "argoproj.io/v1alpha1",
+        "kind": "CronWorkflow",
+        "metadata": {
+            "name": f"moeloop-{config.run_name}",
+            "namespace": config.cluster.namespace,
+            "labels": {"app.kubernetes.io/name": "moeloop", "moeloop.dev/run": config.run_name},
+        },
+        "spec": {
+            "schedules": list(CRON_SCHEDULES),
+            "concurrencyPolicy": "Forbid",
+            "workflowSpec": {"workflowTemplateRef": {"name": f"moeloop-{config.run_name}"}},
+        },
+    }

@@ -1,0 +1,300 @@
+"""Talk to an Argo server through Hera's WorkflowsService: submit, register, schedule, status, resubmit.
+
+Every request goes through one session and one error translation (`ArgoSession._call`): a refusal, an
+answer that is not the expected object, or an unreachable server becomes one `MoeloopError` line that
+names the server and the object, and never shows the token.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC
+from http import HTTPStatus
+from typing import Self, TypeVar
+
+import requests
+from hera.workflows import models as m
+from hera.workflows.service import WorkflowsService
+from pydantic import BaseModel, ValidationError
+
+from steps.errors import MoeloopError
+
+SERVER_MESSAGE_CHARS = 300
+RUN_LABEL = "moeloop.dev/run"
+FAILED_PHASES = frozenset({"Failed", "Error"})
+# A run's listing leaves out the per-node status, the bulk of a finished Workflow (Argo's `fields` filter:
+# a leading "-" excludes the comma-separated paths). Hera's model needs `spec`, so it stays.
+RUN_LISTING_FIELDS = "-items.status.nodes,-items.status.storedTemplates"
+# The argo CLI's environment: ARGO_SERVER is host:port, over TLS unless ARGO_SECURE=false.
+HOST_ENV, SECURE_ENV, BASE_HREF_ENV = "ARGO_SERVER", "ARGO_SECURE", "ARGO_BASE_HREF"
+TOKEN_ENV, NAMESPACE_ENV, SKIP_VERIFY_ENV = "ARGO_TOKEN", "ARGO_NAMESPACE", "ARGO_INSECURE_SKIP_VERIFY"
+
+Answer = TypeVar("Answer", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ArgoServer:
+    host: str  # URL with scheme, and the base path if the server is behind one
+    namespace: str
+    token: str | None = None
+    verify_ssl: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.host.startswith(("http://", "https://")):
+            raise MoeloopError(f"Argo server {self.host}: the host must start with http:// or https://")
+
+
+def argo_server(
+    host: str | None,
+    namespace: str | None,
+    token: str | None,
+    insecure: bool,
+    environ: Mapping[str, str] = os.environ,
+) -> ArgoServer:
+    """The server from the flags, else from the argo CLI's environment variables."""
+    if host is None:
+        address = environ.get(HOST_ENV, "").strip()
+        if not address:
+            raise MoeloopError(f"no Argo server: give --host URL or set ${HOST_ENV}")
+        if "://" not in address:
+            plain = environ.get(SECURE_ENV, "").lower() in ("false", "0", "f")
+            address = ("http://" if plain else "https://") + address
+        base_path = environ.get(BASE_HREF_ENV, "").strip("/")
+        host = address.rstrip("/") + (f"/{base_path}" if base_path else "")
+    namespace = namespace or environ.get(NAMESPACE_ENV)
+    if not namespace:
+        raise MoeloopError(f"no namespace: give --namespace NS or set ${NAMESPACE_ENV}")
+    skip_verify = insecure or environ.get(SKIP_VERIFY_ENV, "").lower() in ("true", "1", "t")
+    return ArgoServer(host, namespace, token or environ.get(TOKEN_ENV) or None, verify_ssl=not skip_verify)
+
+
+class ArgoRefusal(MoeloopError):
+    """The server answered with an HTTP error status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ArgoSession:
+    """One HTTP session with one Argo server, in one namespace."""
+
+    def __init__(self, server: ArgoServer) -> None:
+        self.server = server
+        session = requests.Session()
+        # Raise on an HTTP error status before Hera reads the body (it assumes a `message` key).
+        session.hooks["response"].append(lambda response, **_: response.raise_for_status())
+        # Hera joins "api/v1/..." onto the host: without a trailing slash a base path such as /argo would be dropped.
+        self._service = WorkflowsService(
+            host=server.host.rstrip("/") + "/",
+            token=server.token,
+            verify_ssl=server.verify_ssl,
+            namespace=server.namespace,
+            session=session,
+        )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._service.close()
+
+    def submit(self, document: dict) -> str:
+        """Create the Workflow; returns the name the server gave it."""
+        workflow = m.Workflow.model_validate(self._in_namespace(document))
+        request = m.WorkflowCreateRequest(namespace=self.server.namespace, workflow=workflow)
+        created = self._call(f"create {self._object(document)}", lambda: self._service.create_workflow(request))
+        return self._name_of(created, "created a Workflow")
+
+    def register(self, document: dict) -> str:
+        """Create the WorkflowTemplate, or replace the one of that name; returns "created" or "updated"."""
+        namespace = self.server.namespace
+        return self._create_or_update(
+            document,
+            m.WorkflowTemplate,
+            create=lambda template: self._service.create_workflow_template(
+                m.WorkflowTemplateCreateRequest(namespace=namespace, template=template)
+            ),
+            get=self._service.get_workflow_template,
+            update=lambda name, template: self._service.update_workflow_template(
+                name, m.WorkflowTemplateUpdateRequest(namespace=namespace, template=template)
+            ),
+        )
+
+    def schedule(self, document: dict) -> str:
+        """Create the CronWorkflow, or replace the one of that name; returns "created" or "updated"."""
+        namespace = self.server.namespace
+        return self._create_or_update(
+            document,
+            m.CronWorkflow,
+            create=lambda cron: self._service.create_cron_workflow(
+                m.CreateCronWorkflowRequest(namespace=namespace, cron_workflow=cron)
+            ),
+            get=self._service.get_cron_workflow,
+            update=lambda name, cron: self._service.update_cron_workflow(
+                name, m.UpdateCronWorkflowRequest(namespace=namespace, cron_workflow=cron)
+            ),
+        )
+
+    def workflow(self, name: str) -> m.Workflow:
+        return self._call(f"get Workflow {self.server.namespace}/{name}", lambda: self._service.get_workflow(name))
+
+    def run_workflows(self, run_name: str) -> list[m.Workflow]:
+        """The Workflows labelled with the run, oldest first, without their per-node status."""
+        listed = self._call(
+            f"list the Workflows of run {run_name} in {self.server.namespace}",
+            lambda: self._service.list_workflows(label_selector=f"{RUN_LABEL}={run_name}", fields=RUN_LISTING_FIELDS),
+        )
+        return sorted(listed.items or [], key=lambda workflow: _timestamp(workflow.metadata.creation_timestamp))
+
+    def resubmit(self, name: str, memoized: bool) -> str:
+        """Argo's resubmit: a new Workflow from the old one's spec (with `memoized`, succeeded nodes are reused)."""
+        namespace = self.server.namespace
+        request = m.WorkflowResubmitRequest(name=name, namespace=namespace, memoized=memoized)
+        created = self._call(
+            f"resubmit Workflow {namespace}/{name}", lambda: self._service.resubmit_workflow(name, request)
+        )
+        return self._name_of(created, f"resubmitted {name}")
+
+    def _create_or_update(
+        self,
+        document: dict,
+        model: type[Answer],
+        create: Callable[[Answer], Answer],
+        get: Callable[[str], Answer],
+        update: Callable[[str, Answer], Answer],
+    ) -> str:
+        """Argo has no apply: create; on 409 AlreadyExists, replace it at the resourceVersion just read."""
+        document = self._in_namespace(document)
+        name, described = document["metadata"]["name"], self._object(document)
+        new = model.model_validate(document)
+        try:
+            self._call(f"create {described}", lambda: create(new))
+            return "created"
+        except ArgoRefusal as refusal:
+            if refusal.status != HTTPStatus.CONFLICT:
+                raise
+        existing = self._call(f"get {described}", lambda: get(name))
+        if not existing.metadata.resource_version:
+            raise MoeloopError(f"Argo server {self.server.host} returned {described} without a resourceVersion")
+        metadata = {**document["metadata"], "resourceVersion": existing.metadata.resource_version}
+        replacement = model.model_validate({**document, "metadata": metadata})
+        self._call(f"update {described}", lambda: update(name, replacement))
+        return "updated"
+
+    def _call(self, what: str, request: Callable[[], Answer]) -> Answer:
+        """Send one request: `what` ("create WorkflowTemplate ns/name") names it in any error."""
+        host = self.server.host
+        try:
+            return request()
+        except requests.HTTPError as error:
+            refusal = _refusal(host, what, error.response)
+            raise ArgoRefusal(self._redact(refusal), error.response.status_code) from None
+        except (requests.JSONDecodeError, ValidationError):  # a 2xx body that is not JSON, or not the object
+            raise MoeloopError(f"Argo server {host} did not answer {what} with the expected object") from None
+        except requests.RequestException as error:
+            unreachable = f"cannot reach the Argo server at {host} to {what}: {_root_cause(error)}"
+            raise MoeloopError(self._redact(unreachable)) from None
+
+    def _in_namespace(self, document: dict) -> dict:
+        # Kubernetes refuses a body whose namespace differs from the URL's.
+        return {**document, "metadata": {**document["metadata"], "namespace": self.server.namespace}}
+
+    def _object(self, document: dict) -> str:
+        metadata = document["metadata"]
+        return f"{document['kind']} {self.server.namespace}/{metadata.get('name') or metadata['generateName']}"
+
+    def _name_of(self, created: m.Workflow, what: str) -> str:
+        if not created.metadata.name:
+            raise MoeloopError(f"Argo server {self.server.host} {what} but did not say its name")
+        return created.metadata.name
+
+    def _redact(self, message: str) -> str:
+        """Never show the token, even if a server or proxy echoes it back; given as "Bearer X", X is the secret."""
+        token = self.server.token
+        secret = token.split()[-1] if token and token.strip() else ""
+        return message.replace(secret, "<token>") if secret else message
+
+
+def _refusal(host: str, what: str, response: requests.Response) -> str:
+    try:
+        body = response.json()
+        detail = body["message"] if isinstance(body, dict) and "message" in body else response.text
+    except ValueError:
+        detail = response.text
+    detail = " ".join(str(detail).split())[:SERVER_MESSAGE_CHARS]
+    hint = f" (check --token or ${TOKEN_ENV})" if response.status_code == HTTPStatus.UNAUTHORIZED else ""
+    status = f"HTTP {response.status_code} {response.reason}"
+    return f"Argo server {host} could not {what}: {status}" + (f": {detail}" if detail else "") + hint
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost reason of a requests error (e.g. `Connection refused`), on one line."""
+    while (inner := error.__cause__ or error.__context__) is not None:
+        error = inner
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return " ".join(reason.split()) or type(error).__name__
+
+
+def _timestamp(time: m.Time | None) -> str:
+    return time.root.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if time is not None else "-"
+
+
+def has_failed(workflow: m.Workflow) -> bool:
+    return workflow.status is not None and workflow.status.phase in FAILED_PHASES
+
+
+def status_lines(workflow: m.Workflow) -> list[str]:
+    """The workflow's phase, progress, times, message and each failed step with its message, one line each."""
+    status = workflow.status or m.WorkflowStatus()
+    lines = [
+        f"name      {workflow.metadata.name}",
+        f"phase     {status.phase or 'Pending'}",
+        f"progress  {status.progress or '-'}",
+        f"started   {_timestamp(status.started_at)}",
+        f"finished  {_timestamp(status.finished_at)}",
+    ]
+    if status.message:
+        lines.append(f"message   {_one_line(status.message)}")
+    for node in _failed_steps(status.nodes or {}):
+        lines.append(f"failed    {node.display_name or node.name}: {node.phase}: {_one_line(node.message or '-')}")
+    return lines
+
+
+def _failed_steps(nodes: Mapping[str, m.NodeStatus]) -> list[m.NodeStatus]:
+    """Failed leaves (pods, resource steps) not recovered by a retry, in the order they started.
+    Their DAG and retry parents fail with "child ... failed", which says nothing more."""
+    parent_of = {child: node for node in nodes.values() for child in node.children or ()}
+    failed = [
+        node
+        for node_id, node in nodes.items()
+        if node.phase in FAILED_PHASES
+        and not node.children
+        and not (node_id in parent_of and parent_of[node_id].phase == "Succeeded")
+    ]
+    return sorted(failed, key=lambda node: _timestamp(node.started_at))
+
+
+def run_table(workflows: list[m.Workflow]) -> list[str]:
+    """One line per workflow of a run: name, phase, progress, start, finish, message."""
+    rows = [("NAME", "PHASE", "PROGRESS", "STARTED", "FINISHED", "MESSAGE")]
+    for workflow in workflows:
+        status = workflow.status or m.WorkflowStatus()
+        rows.append(
+            (
+                workflow.metadata.name or "-",
+                status.phase or "Pending",
+                status.progress or "-",
+                _timestamp(status.started_at),
+                _timestamp(status.finished_at),
+                _one_line(status.message or ""),
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+    return ["  ".join([*(cell.ljust(width) for cell, width in zip(row, widths)), row[-1]]).rstrip() for row in rows]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
