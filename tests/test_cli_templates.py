@@ -210,3 +210,19 @@ def test_existing_object_without_a_resource_version_is_an_error(kind: Kind) -> N
     with argo_stand_in(routes) as (host, recorded), pytest.raises(MoeloopError, match="without a resourceVersion"):
         send(kind, host)
     assert [r.method for r in recorded] == ["POST", "GET"]  # nothing sent that could overwrite blindly
+
+
+def test_an_invalid_manifest_is_not_sent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workflows import cli, render
+
+    def misspelled(config: MoeloopConfig, run_uri: str) -> dict:
+        document = render_cron_workflow(config, run_uri)
+        return {**document, "spec": {**document["spec"], "schedulez": ["0 * * * *"]}}
+
+    monkeypatch.setattr(render, "render_cron_workflow", misspelled)
+    arguments = cli.parser().parse_args(["schedule", str(write_config(tmp_path)), "--namespace", NAMESPACE])
+    with argo_stand_in({}) as (host, recorded):
+        arguments.host = host
+        with pytest.raises(MoeloopError, match=r"^refusing to send an invalid manifest: .*schedulez"):
+            arguments.handler(arguments)
+    assert recorded == []

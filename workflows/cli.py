@@ -186,7 +186,9 @@ def parser() -> argparse.ArgumentParser:
         )
     )
     status.add_argument("name", nargs="?", help="the workflow's name")
-    status.add_argument("--run", help="list the workflows labelled moeloop.dev/run=RUN instead")
+    status.add_argument(
+        "--run", metavar="RUN_NAME", help="list the workflows labelled moeloop.dev/run=RUN_NAME instead"
+    )
     status.set_defaults(handler=command_status)
 
     resubmit = with_server(commands.add_parser("resubmit", help="Argo's resubmit of a workflow; prints the new name"))
