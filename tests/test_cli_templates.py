@@ -164,11 +164,12 @@ def test_command_updates_the_object_when_it_exists(kind: Kind, tmp_path: Path) -
     assert replacement == {**rendered, "metadata": {**rendered["metadata"], "resourceVersion": STORED_VERSION}}
 
 
-# (step that fails, its answer, the routes before it); the object has to exist for the get and the update.
+# The step that fails and its answer; the object exists for the get and the update to be reached.
 FAILURES = {
     "create": (403, '{resource} is forbidden: User "system:serviceaccount:argo:ci" cannot create resource'),
     "get": (404, '{resource} "{name}" not found'),
-    "update": (500, 'Operation cannot be fulfilled on {resource} "{name}": the object has been modified'),
+    # Someone updated it between our get and update: Kubernetes' Conflict, which Argo answers with 409 too.
+    "update": (409, 'Operation cannot be fulfilled on {resource} "{name}": the object has been modified'),
 }
 
 
@@ -191,7 +192,7 @@ def test_a_refused_step_is_one_line_naming_server_step_and_object(kind: Kind, st
     with argo_stand_in(routes) as (host, recorded), pytest.raises(MoeloopError) as raised:
         send(kind, host)
 
-    reason = {403: "Forbidden", 404: "Not Found", 500: "Internal Server Error"}[status]
+    reason = {403: "Forbidden", 404: "Not Found", 409: "Conflict"}[status]
     expected = (
         f"Argo server {host} could not {step} {kind.kind} {NAMESPACE}/{kind.name}: HTTP {status} {reason}: {message}"
     )

@@ -191,3 +191,7 @@ def test_connection_refused_is_one_line() -> None:
         f"cannot reach the Argo server at {host} to create Workflow {NAMESPACE}/cluster-test-: Connection refused"
     )
     assert str(raised.value) == expected
+
+
+def test_the_token_stays_out_of_the_server_repr() -> None:
+    assert TOKEN not in repr(ArgoServer("https://argo.example.com", NAMESPACE, TOKEN))

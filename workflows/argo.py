@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC
 from http import HTTPStatus
 from typing import Self, TypeVar
@@ -38,7 +38,7 @@ Answer = TypeVar("Answer", bound=BaseModel)
 class ArgoServer:
     host: str  # URL with scheme, and the base path if the server is behind one
     namespace: str
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # kept out of reprs, as out of messages
     verify_ssl: bool = True
 
     def __post_init__(self) -> None:
