@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ from steps.errors import MoeloopError, run_cli
 from workflows.dag import run_uri
 
 if TYPE_CHECKING:
-    from workflows.argo import ArgoServer
+    from workflows.argo import ArgoServer, ArgoSession
 
 EXIT_WORKFLOW_FAILED = 1  # status: the server answered, and the workflow failed (2 stays "could not ask")
 
@@ -72,34 +73,42 @@ def _checked(document: dict) -> dict:
     return document
 
 
+def _render_and_send(
+    args: argparse.Namespace,
+    render: Callable[[MoeloopConfig, str], dict],
+    send: Callable[[ArgoSession, dict], str],
+) -> tuple[dict, str]:
+    """Render the config's object, lint it, and send it; returns the object and what `send` returned."""
+    from workflows.argo import ArgoSession
+
+    config = _config(args)
+    document = _checked(render(config, run_uri(config, args.root)))
+    with ArgoSession(_server(args)) as argo:
+        return document, send(argo, document)
+
+
 def command_submit(args: argparse.Namespace) -> None:
     from workflows.argo import ArgoSession
     from workflows.render import render_workflow
 
-    config = _config(args)
-    document = _checked(render_workflow(config, run_uri(config, args.root)))
-    with ArgoSession(_server(args)) as argo:
-        print(argo.submit(document))
+    _, name = _render_and_send(args, render_workflow, ArgoSession.submit)
+    print(name)
 
 
 def command_register(args: argparse.Namespace) -> None:
     from workflows.argo import ArgoSession
     from workflows.render import render_workflow_template
 
-    config = _config(args)
-    document = _checked(render_workflow_template(config, run_uri(config, args.root)))
-    with ArgoSession(_server(args)) as argo:
-        print(document["metadata"]["name"], argo.register(document))
+    template, outcome = _render_and_send(args, render_workflow_template, ArgoSession.register)
+    print(template["metadata"]["name"], outcome)
 
 
 def command_schedule(args: argparse.Namespace) -> None:
     from workflows.argo import ArgoSession
     from workflows.render import render_cron_workflow
 
-    config = _config(args)
-    document = _checked(render_cron_workflow(config, run_uri(config, args.root)))
-    with ArgoSession(_server(args)) as argo:
-        print(document["metadata"]["name"], argo.schedule(document))
+    cron, outcome = _render_and_send(args, render_cron_workflow, ArgoSession.schedule)
+    print(cron["metadata"]["name"], outcome)
 
 
 def command_status(args: argparse.Namespace) -> None:
