@@ -4,7 +4,8 @@
   newest minor version EKS runs (June 2026) and that kubernetes-validate 1.37 ships schemas for;
 - Karpenter objects (and any JobSet / Kubeflow Trainer object): the CRDs' openAPIV3Schema in
   ../shared/schemas/k8s-crds, with objects closed wherever the CRD declares properties and does not
-  preserve unknown fields (a structural CRD prunes unknown fields, which would silently drop a typo);
+  preserve unknown fields (a structural CRD prunes unknown fields, which would silently drop a typo), then
+  the CRDs' CEL rules (x-kubernetes-validations) with cel-python;
 - the Argo controller ConfigMap: each key against the controller's Config struct (CONTROLLER_CONFIG_KEYS),
   each value parsed and validated against Argo's JSON schema where it has a definition;
 - kustomize: every file a kustomization names exists and every object file is named; where `kubectl` is
@@ -29,6 +30,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import celpy
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -135,15 +137,61 @@ def crd_group_kinds() -> dict[tuple[str, str], dict[str, Any]]:
     return found
 
 
-@cache
-def crd_validator(group: str, kind: str, version: str) -> jsonschema.Draft4Validator:
+def crd_schema(group: str, kind: str, version: str) -> dict[str, Any]:
     crd = crd_group_kinds()[(group, kind)]
     served = [v for v in crd["spec"]["versions"] if v["name"] == version and v.get("served")]
     if not served:
         raise LookupError(f"the {kind} CRD does not serve {group}/{version}")
-    schema = copy.deepcopy(served[0]["schema"]["openAPIV3Schema"])
+    return served[0]["schema"]["openAPIV3Schema"]
+
+
+@cache
+def crd_validator(group: str, kind: str, version: str) -> jsonschema.Draft4Validator:
+    schema = copy.deepcopy(crd_schema(group, kind, version))
     close_structural(schema)
     return jsonschema.Draft4Validator(schema)
+
+
+# The CRDs' x-kubernetes-validations rules, in CEL, evaluated with cel-python. Kubernetes adds two string
+# functions these rules use: `find` (first match of a regex) and `split` (the strings extension).
+def cel_find(text: Any, pattern: Any) -> celpy.celtypes.StringType:
+    match = re.search(str(pattern), str(text))
+    return celpy.celtypes.StringType(match.group(0) if match else "")
+
+
+def cel_split(text: Any, separator: Any) -> celpy.celtypes.ListType:
+    return celpy.celtypes.ListType([celpy.celtypes.StringType(part) for part in str(text).split(str(separator))])
+
+
+CEL_FUNCTIONS = {"find": cel_find, "split": cel_split}
+
+
+@cache
+def cel_program(rule: str) -> Any:
+    environment = celpy.Environment()
+    return environment.program(environment.compile(rule), functions=CEL_FUNCTIONS)
+
+
+def cel_findings(schema: dict[str, Any], value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
+    """(field path, message) for every rule that fails where the object has a value. Transition rules
+    (those reading oldSelf) only apply to updates and are skipped; a rule that errors fails, as in Kubernetes."""
+    for validation in schema.get("x-kubernetes-validations", []):
+        if "oldSelf" in validation["rule"]:
+            continue
+        try:
+            holds = bool(cel_program(validation["rule"]).evaluate({"self": celpy.json_to_cel(value)}))
+        except celpy.CELEvalError as error:
+            holds, validation = False, {"message": f"{validation['rule']}: {error.args[0]}"}
+        if not holds:
+            yield dotted(list(path)), validation.get("message", validation["rule"])
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = schema.get("properties", {}).get(key) or schema.get("additionalProperties")
+            if isinstance(sub, dict):
+                yield from cel_findings(sub, item, (*path, key))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            yield from cel_findings(schema["items"], item, (*path, str(index)))
 
 
 def close_structural(schema: dict[str, Any]) -> None:
@@ -174,7 +222,11 @@ def schema_errors(source: str, doc: Doc) -> list[str]:
     group, _, version = str(doc.get("apiVersion", "")).rpartition("/")
     if (group, doc.get("kind")) in crd_group_kinds():
         validator = crd_validator(group, doc["kind"], version)
-        return [f"{where}: {dotted(e.absolute_path)}: {e.message}" for e in validator.iter_errors(doc)]
+        errors = [f"{where}: {dotted(e.absolute_path)}: {e.message}" for e in validator.iter_errors(doc)]
+        return errors or [
+            f"{where}: {path}: {message}"
+            for path, message in cel_findings(crd_schema(group, doc["kind"], version), doc)
+        ]
     if "." in group and not group.endswith(".k8s.io"):
         return [f"{where}: no schema for {doc.get('apiVersion')} {doc.get('kind')} in {rel(CRDS)}"]
     try:
@@ -611,3 +663,27 @@ def test_key_material_is_found() -> None:
         "f.yaml:2: an AWS access key id",
         "f.yaml:3: a 40-character secret-looking value",
     ]
+
+
+def test_crd_cel_rules_are_enforced() -> None:
+    both = mutated("EC2NodeClass", "moeloop-cpu", lambda d: d["spec"].update(instanceProfile="moeloop-nodes"))
+    assert schema_errors(*only(both, "EC2NodeClass", "moeloop-cpu")) == [
+        (
+            "manifests/base/karpenter/ec2nodeclasses.yaml: EC2NodeClass/moeloop-cpu: spec: "
+            "must specify exactly one of ['role', 'instanceProfile']"
+        )
+    ]
+
+    def restricted_label(doc: Doc) -> None:
+        doc["spec"]["template"]["spec"]["requirements"].append({"key": "karpenter.sh/gpu", "operator": "Exists"})
+
+    (error,) = schema_errors(
+        *only(mutated("NodePool", "moeloop-reward", restricted_label), "NodePool", "moeloop-reward")
+    )
+    assert error == (
+        "manifests/base/karpenter/nodepools.yaml: NodePool/moeloop-reward: spec.template.spec.requirements.3.key: "
+        'label domain "karpenter.sh" is restricted'
+    )
+    empty_in = mutated("NodePool", "moeloop-cpu", lambda d: requirement(d, "kubernetes.io/arch").update(values=[]))
+    (error,) = schema_errors(*only(empty_in, "NodePool", "moeloop-cpu"))
+    assert error.endswith("spec.template.spec.requirements: requirements with operator 'In' must have a value defined")
