@@ -249,18 +249,42 @@ def argo_validator(definition: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator({"$ref": f"#/definitions/{definition}", "definitions": _definitions()})
 
 
+def as_the_controller_reads_it(data: dict[str, str]) -> Any:
+    """The controller's parseConfigMap (config/controller.go) without a `config` key: each key's value
+    appended as YAML, multi-line values indented by two spaces, then one strict unmarshal."""
+    lines = []
+    for name, value in data.items():
+        if "\n" in value:
+            lines.append(f"{name}:\n  " + "\n  ".join(value.strip("\n").split("\n")))
+        else:
+            lines.append(f"{name}: {value}")
+    return yaml.safe_load("\n".join(lines) + "\n")
+
+
 def controller_config_errors(source: str, doc: Doc) -> list[str]:
     where = f"{source}: {label(doc)}"
-    errors = []
-    for key, text in (doc.get("data") or {}).items():
+    data = doc.get("data") or {}
+    if "config" in data:  # the other layout: everything nested under `config`, which must then be alone
+        if len(data) != 1:
+            return [f"{where}: data.config: must be the only key when present"]
+        data = {key: yaml.safe_dump(value) for key, value in yaml.safe_load(data["config"]).items()}
+    values, errors = {}, []
+    for key, text in data.items():
+        try:
+            values[key] = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            errors.append(f"{where}: data.{key}: not YAML: {str(error).splitlines()[0]}")
+    if errors:
+        return errors
+    try:
+        if as_the_controller_reads_it(data) != values:
+            return [f"{where}: data: the controller reads these values differently from each value alone"]
+    except yaml.YAMLError as error:
+        return [f"{where}: data: the controller cannot parse it: {str(error).splitlines()[0]}"]
+    for key, value in values.items():
         field = f"data.{key}"
         if key not in CONTROLLER_CONFIG_KEYS:
             errors.append(f"{where}: {field}: not a key of Argo's controller config")
-            continue
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            errors.append(f"{where}: {field}: not YAML: {str(error).splitlines()[0]}")
             continue
         checks: list[tuple[str, Any, str]] = []
         if key in CONTROLLER_CONFIG_DEFINITIONS:
@@ -644,6 +668,9 @@ def test_a_misspelled_controller_setting_is_rejected() -> None:
     assert any(e.startswith(f"{where}: data.artifactRepository.s3:") and "useSdkCreds" in e for e in errors)
     assert any(e.startswith(f"{where}: data.workflowDefaults.spec:") and "ttlStrategey" in e for e in errors)
     assert len(errors) == 3
+    doc["data"] = {"executor": "resources: [unclosed"}
+    (error,) = controller_config_errors(source, doc)
+    assert error.startswith(f"{where}: data.executor: not YAML:")
 
 
 def test_kustomization_problems_are_rejected(tmp_path: Path) -> None:
