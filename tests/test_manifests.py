@@ -714,3 +714,101 @@ def test_crd_cel_rules_are_enforced() -> None:
     empty_in = mutated("NodePool", "moeloop-cpu", lambda d: requirement(d, "kubernetes.io/arch").update(values=[]))
     (error,) = schema_errors(*only(empty_in, "NodePool", "moeloop-cpu"))
     assert error.endswith("spec.template.spec.requirements: requirements with operator 'In' must have a value defined")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rendered workflows against these manifests: every pod lands on a NodePool of its role and runs as its
+# role's service account; every JobSet the workflow creates validates against its CRD.
+
+
+def tolerates(tolerations: list[Doc], taint: Doc) -> bool:
+    return any(
+        (t.get("key") == taint["key"] or (not t.get("key") and t.get("operator") == "Exists"))
+        and (t.get("operator") == "Exists" or t.get("value") == taint.get("value"))
+        and t.get("effect") in (None, "", taint["effect"])
+        for t in tolerations
+    )
+
+
+def pools_for(objects: list[tuple[str, Doc]], node_selector: dict[str, str], tolerations: list[Doc]) -> list[str]:
+    """The NodePools a pod with this nodeSelector and these tolerations can be placed on."""
+    fitting = []
+    for name, (_, pool) in of_kind(objects, "NodePool").items():
+        template = pool["spec"]["template"]
+        offered = {key: {value} for key, value in (template.get("metadata") or {}).get("labels", {}).items()}
+        for item in template["spec"].get("requirements", []):
+            if item["operator"] == "In":
+                offered.setdefault(item["key"], set()).update(item["values"])
+        labels_fit = all(value in offered.get(key, set()) for key, value in node_selector.items())
+        if labels_fit and all(tolerates(tolerations, taint) for taint in template["spec"].get("taints", [])):
+            fitting.append(name)
+    return fitting
+
+
+def pod_specs(document: Doc) -> Iterator[tuple[str, str, Doc]]:
+    """(where, role, pod-level fields) for every pod the document makes: Argo templates and JobSet pods."""
+    spec = document["spec"].get("workflowSpec", document["spec"])
+    for template in spec.get("templates", []):
+        where = f"{document['kind']}/{document['metadata'].get('name') or document['metadata'].get('generateName')}"
+        where += f" template {template['name']}"
+        role = (template.get("metadata") or {}).get("labels", {}).get(ROLE_LABEL, "")
+        if "container" in template or "script" in template:
+            yield (
+                where,
+                role,
+                {
+                    "nodeSelector": template.get("nodeSelector", spec.get("nodeSelector", {})),
+                    "tolerations": template.get("tolerations", []) + spec.get("tolerations", []),
+                    "serviceAccountName": template.get("serviceAccountName", spec.get("serviceAccountName")),
+                    "priorityClassName": template.get("priorityClassName", spec.get("podPriorityClassName")),
+                },
+            )
+        manifest = (template.get("resource") or {}).get("manifest")
+        if manifest and yaml.safe_load(manifest).get("kind") == "JobSet":
+            jobset = yaml.safe_load(manifest)
+            for job in jobset["spec"]["replicatedJobs"]:
+                pod = job["template"]["spec"]["template"]["spec"]
+                labels = job["template"]["spec"]["template"].get("metadata", {}).get("labels", {})
+                yield f"{where} JobSet job {job['name']}", labels.get(ROLE_LABEL, "train"), pod
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="placement by role (nodeSelector/tolerations/service account per role) lands with the `argo` branch; "
+    "lead: remove this mark at the merge (strict: an unexpected pass fails the suite)",
+)
+def test_every_rendered_pod_lands_on_its_roles_nodes_as_its_roles_service_account() -> None:
+    from tests.conftest import small_config
+    from workflows.render import render
+
+    objects, errors, placed = cluster_objects(), [], 0
+    priority_classes = set(of_kind(objects, "PriorityClass"))
+    for name, document in render(small_config(), "s3://acme-rl/runs/tiny").items():
+        for template in document["spec"].get("templates", []):
+            manifest = (template.get("resource") or {}).get("manifest")
+            if manifest:
+                errors += schema_errors(f"rendered {name}", yaml.safe_load(manifest))
+        for where, role, pod in pod_specs(document):
+            pools = pools_for(objects, pod.get("nodeSelector") or {}, pod.get("tolerations") or [])
+            if pools != [f"moeloop-{role}"]:
+                errors.append(f"rendered {name}: {where}: role {role!r} would land on {pools or 'no NodePool'}")
+            if pod.get("serviceAccountName") != f"moeloop-{role}":
+                errors.append(f"rendered {name}: {where}: runs as {pod.get('serviceAccountName')}, not moeloop-{role}")
+            if pod.get("priorityClassName") not in priority_classes:
+                errors.append(
+                    f"rendered {name}: {where}: priority class {pod.get('priorityClassName')!r} not in manifests"
+                )
+            placed += 1
+    assert placed and not errors, "\n".join(errors)
+
+
+def test_the_placement_matcher_itself() -> None:
+    objects = cluster_objects()
+    gpu = [{"key": ROLE_LABEL, "operator": "Equal", "value": "rollout", "effect": "NoSchedule"}]
+    gpu.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+    assert pools_for(objects, {ROLE_LABEL: "rollout"}, gpu) == ["moeloop-rollout"]
+    assert pools_for(objects, {ROLE_LABEL: "rollout", "karpenter.sh/capacity-type": "on-demand"}, gpu) == []
+    assert pools_for(objects, {ROLE_LABEL: "rollout"}, gpu[:1]) == []  # the GPU taint is not tolerated
+    everything = [{"operator": "Exists"}]
+    assert pools_for(objects, {}, everything) == [f"moeloop-{role}" for role in ROLES]
+    assert pools_for(objects, {"karpenter.sh/capacity-type": "spot"}, everything) == ["moeloop-rollout"]
