@@ -135,7 +135,9 @@ def test_chunk_slots_are_the_local_runners_tasks(config: MoeloopConfig, document
         slot = int(re.match(r"slot(\d+)", name)[1])
         assert task["when"] == f"{{{{tasks.plan.outputs.parameters.count}}}} >= {slot}"
         container = templates[task["template"]]["container"]
-        argv = [fill(a, values | {f"inputs.parameters.{n}": v for n, v in arguments.items()}) for a in container["args"]]
+        argv = [
+            fill(a, values | {f"inputs.parameters.{n}": v for n, v in arguments.items()}) for a in container["args"]
+        ]
         assert local_argv(expected, run_values(config, RUN_URI)) == [sys.executable, *container["command"][1:], *argv]
 
 
@@ -219,7 +221,9 @@ def test_train_runs_under_torchrun_at_the_configured_world_size(tmp_path: Path, 
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert templates["publish"]["container"]["command"] == ["python", "-m", "steps.publish"]
     train = next(t for t in loop_tasks(distributed) if t.step is TRAIN)
-    filled = [fill(a, {"workflow.parameters.run": "/runs/x", "inputs.parameters.iteration": "1"}) for a in container["args"]]
+    filled = [
+        fill(a, {"workflow.parameters.run": "/runs/x", "inputs.parameters.iteration": "1"}) for a in container["args"]
+    ]
     assert local_argv(train, {"run": "/runs/x"}) == [sys.executable, *container["command"][1:], *filled]
     single = next(t for t in loop_tasks(config) if t.step is TRAIN)
     assert local_argv(single, {"run": "/runs/x"}) == [sys.executable, "-m", "steps.train", "--run", "/runs/x"] + [
@@ -281,7 +285,9 @@ def test_workflow_and_cron_workflow_refer_to_the_template(config: MoeloopConfig,
 
 def test_schedule_comes_from_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    scheduled = make_config(tmp_path, cluster={"schedule": {"schedules": ["0 2 * * *", "0 14 * * *"], "timezone": "Europe/Paris"}})
+    scheduled = make_config(
+        tmp_path, cluster={"schedule": {"schedules": ["0 2 * * *", "0 14 * * *"], "timezone": "Europe/Paris"}}
+    )
     cron = render(scheduled, RUN_URI)["cron-workflow.yaml"]["spec"]
     assert (cron["schedules"], cron["timezone"]) == (["0 2 * * *", "0 14 * * *"], "Europe/Paris")
 
@@ -299,7 +305,7 @@ def test_next_chunk_is_this_workflows_parameters_on_the_same_template(
         "iterations": "10000",
         "model": "",
         "chain": "true",
-        "config": json.dumps({"a": "it's: #1 \"quoted\"", "b": [1, {"c": None}]}),
+        "config": json.dumps({"a": 'it\'s: #1 "quoted"', "b": [1, {"c": None}]}),
     }
     substituted = fill(
         next_chunk["resource"]["manifest"],
@@ -320,22 +326,31 @@ def test_next_chunk_is_this_workflows_parameters_on_the_same_template(
 
 def test_label_task_marks_the_workflow_with_its_iterations(documents: dict[str, dict]) -> None:
     template = documents["workflow-template.yaml"]
-    label = templates_by_name(template)["label"]["resource"]
-    assert (label["action"], label["mergeStrategy"]) == ("patch", "merge")
-    patch = yaml.safe_load(label["manifest"])
+    label = templates_by_name(template)["label"]
+    assert (label["resource"]["action"], label["resource"]["mergeStrategy"]) == ("patch", "merge")
+    patch = yaml.safe_load(label["resource"]["manifest"])
     assert patch["metadata"]["name"] == "{{workflow.name}}"
     assert patch["metadata"]["labels"] == {
-        "moeloop.dev/first-iteration": "{{tasks.plan.outputs.parameters.first}}",
-        "moeloop.dev/last-iteration": (
-            "{{=asInt(tasks.plan.outputs.parameters.first) + asInt(tasks.plan.outputs.parameters.count) - 1}}"
-        ),
+        "moeloop.dev/first-iteration": "{{inputs.parameters.first}}",
+        "moeloop.dev/last-iteration": "{{inputs.parameters.last}}",
     }
-    assert chunk_tasks_by_name(template)["label"]["when"] == "{{tasks.plan.outputs.parameters.count}} >= 1"
+    # plan's outputs reach the template as arguments: a template cannot see the DAG's tasks.
+    task = chunk_tasks_by_name(template)["label"]
+    assert task["arguments"]["parameters"] == [
+        {"name": "first", "value": "{{tasks.plan.outputs.parameters.first}}"},
+        {
+            "name": "last",
+            "value": "{{=asInt(tasks.plan.outputs.parameters.first) + asInt(tasks.plan.outputs.parameters.count) - 1}}",
+        },
+    ]
+    assert task["when"] == "{{tasks.plan.outputs.parameters.count}} >= 1"
     # Pods carry their iteration.
     for step in STEPS:
         labels = templates_by_name(template)[step.name]["metadata"]["labels"]
         assert labels["moeloop.dev/step"] == step.name
-        assert labels.get("moeloop.dev/iteration") == ("{{inputs.parameters.iteration}}" if step not in (PLAN,) else None)
+        assert labels.get("moeloop.dev/iteration") == (
+            "{{inputs.parameters.iteration}}" if step not in (PLAN,) else None
+        )
 
 
 def test_steps_expose_their_figures_as_output_parameters(documents: dict[str, dict]) -> None:

@@ -15,7 +15,6 @@ from jsonschema import Draft4Validator
 
 from steps.config import MoeloopConfig, parse_config
 from steps.errors import MoeloopError
-from workflows.dag import loop_tasks
 from workflows.submit import submit_workflow
 
 SWAGGER = Path(__file__).resolve().parents[1].parent / "shared" / "schemas" / "argo-server-swagger.json"
@@ -106,9 +105,8 @@ def test_submit_against_local_stand_in_for_argo_server(config: MoeloopConfig) ->
     assert create_request_errors(request.body) == []
     workflow = request.body["workflow"]
     assert workflow["metadata"]["namespace"] == NAMESPACE  # the namespace asked for, not the config's
-    assert workflow["spec"]["entrypoint"] == "loop"
-    [loop] = [t for t in workflow["spec"]["templates"] if t["name"] == "loop"]
-    assert [task["name"] for task in loop["dag"]["tasks"]] == [task.name for task in loop_tasks(config)]
+    # The run's chunk lives in its registered WorkflowTemplate; the Workflow refers to it.
+    assert workflow["spec"]["workflowTemplateRef"] == {"name": f"moeloop-{config.run_name}"}
     assert {p["name"]: p["value"] for p in workflow["spec"]["arguments"]["parameters"]}["run"] == RUN_URI
 
 

@@ -448,7 +448,13 @@ def _chunk_dag(config: MoeloopConfig) -> dict[str, Any]:
                 _dag_task(start),
                 _dag_task(plan),
                 _dag_task(latest, when=f"{{{{{PLAN_OUTPUTS}.evaluate}}}} == true"),
-                {"name": "label", "template": "label", "dependencies": [PLAN.name], "when": _counted(1)},
+                {
+                    "name": "label",
+                    "template": "label",
+                    "arguments": {"parameters": [{"name": k, "value": v} for k, v in LABEL_INPUTS.items()]},
+                    "dependencies": [PLAN.name],
+                    "when": _counted(1),
+                },
                 *(_slot_task(task) for task in slots),
                 {
                     "name": "next-chunk",
@@ -468,22 +474,25 @@ def _counted(slot: int) -> str:
     return f"{{{{{PLAN_OUTPUTS}.count}}}} >= {slot}"
 
 
+LABEL_INPUTS = {
+    "first": f"{{{{{PLAN_OUTPUTS}.first}}}}",
+    "last": f"{{{{=asInt({PLAN_OUTPUTS}.first) + asInt({PLAN_OUTPUTS}.count) - 1}}}}",
+}
+
+
 def _label_template(config: MoeloopConfig) -> dict[str, Any]:
     """Labels the running Workflow with the iterations plan chose, so the UI finds a run's chunk by iteration."""
-    first = f"{PLAN_OUTPUTS}.first"
     patch = {
         "apiVersion": API_VERSION,
         "kind": "Workflow",
         "metadata": {
             "name": "{{workflow.name}}",
-            "labels": {
-                f"{LABEL}/first-iteration": f"{{{{{first}}}}}",
-                f"{LABEL}/last-iteration": f"{{{{=asInt({first}) + asInt({PLAN_OUTPUTS}.count) - 1}}}}",
-            },
+            "labels": {f"{LABEL}/{name}-iteration": f"{{{{inputs.parameters.{name}}}}}" for name in LABEL_INPUTS},
         },
     }
     return {
         "name": "label",
+        "inputs": {"parameters": [{"name": name} for name in LABEL_INPUTS]},
         **_orchestrator_pod(config),
         "resource": {"action": "patch", "mergeStrategy": "merge", "manifest": yaml.safe_dump(patch, sort_keys=False)},
     }
@@ -580,8 +589,9 @@ def _referring_spec(config: MoeloopConfig, run_uri: str, chain: bool) -> dict[st
     }
 
 
-def render_workflow(config: MoeloopConfig, run_uri: str) -> dict[str, Any]:
+def render_workflow(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -> dict[str, Any]:
     """An ad-hoc run: the template's chunk, chained until the target (the template must be registered)."""
+    config = with_target(config, iterations)
     return {
         "apiVersion": API_VERSION,
         "kind": "Workflow",
@@ -611,10 +621,13 @@ def render_cron_workflow(config: MoeloopConfig, run_uri: str) -> dict[str, Any]:
     }
 
 
+def with_target(config: MoeloopConfig, iterations: int | None) -> MoeloopConfig:
+    return config if iterations is None else config.model_copy(update={"iterations": iterations})
+
+
 def render(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -> dict[str, dict]:
     """Every object of the run, by file name. `iterations` sets the target (the chunks do not depend on it)."""
-    if iterations is not None:
-        config = config.model_copy(update={"iterations": iterations})
+    config = with_target(config, iterations)
     return {
         "workflow-template.yaml": render_workflow_template(config, run_uri),
         "workflow.yaml": render_workflow(config, run_uri),
@@ -659,4 +672,3 @@ def dag_tasks(document: dict) -> dict[str, tuple[str, ...]]:
     spec = document["spec"]
     dag = next(template["dag"] for template in spec["templates"] if template["name"] == spec["entrypoint"])
     return {task["name"]: tuple(sorted(task.get("dependencies", ()))) for task in dag["tasks"]}
-
