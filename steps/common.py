@@ -20,6 +20,7 @@ import yaml
 from steps.config import MoeloopConfig, parse_config
 from steps.errors import MoeloopError
 from steps.experience import read_rollout_shard
+from steps.outputs import write_outputs
 from steps.storage import RunStorage, read_jsonl, sha256_file
 
 # Single-object outputs, checked before a step skips its work because they exist.
@@ -147,22 +148,7 @@ def quiet_libraries() -> None:
     logging.set_verbosity_error()
 
 
-# Set in Argo pods: each scalar of a step's report is written to <dir>/<key>, which the step's template reads
-# as output parameters (`valueFrom.path`), so the UI shows a step's figures.
-OUTPUTS_ENV = "MOELOOP_OUTPUTS"
-
-
 def print_json(report: dict[str, Any]) -> None:
-    """Print the step's report as one JSON line and, under Argo, write its scalars as output files."""
+    """Print the step's report as one JSON line; under Argo also write its scalars as output parameters."""
     print(json.dumps(report, sort_keys=True))
-    directory = os.environ.get(OUTPUTS_ENV)
-    if not directory:
-        return
-    os.makedirs(directory, exist_ok=True)
-    for key, value in report.items():
-        if isinstance(value, (str, int, float, bool)):
-            text = value if isinstance(value, str) else json.dumps(value)
-            descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=f".{key}.")
-            with os.fdopen(descriptor, "w") as stream:
-                stream.write(text)
-            os.replace(temporary, os.path.join(directory, key))
+    write_outputs(report)

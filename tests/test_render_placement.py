@@ -12,11 +12,11 @@ import pytest
 import yaml
 from jsonschema import Draft4Validator
 
-from steps.config import MoeloopConfig, parse_config
+from steps.config import MoeloopConfig, load_config, parse_config
 from steps.errors import MoeloopError
 from workflows.dag import STEPS
-from workflows.lint import lint_documents
-from workflows.render import EFA_ENV, render, render_jobset
+from workflows.lint import lint_documents, lint_paths
+from workflows.render import EFA_ENV, render, render_jobset, write_rendered
 
 REPO = Path(__file__).resolve().parents[1]
 JOBSET_CRD = REPO.parent / "shared" / "schemas" / "k8s-crds" / "jobset.x-k8s.io_jobsets.yaml"
@@ -374,3 +374,11 @@ def test_no_secret_in_any_rendered_object(tmp_path: Path) -> None:
     leaked = copy.deepcopy(documents["workflow-template.yaml"])
     leaked["spec"]["templates"][1]["container"]["env"].append({"name": "AWS_SECRET_ACCESS_KEY", "value": "x"})
     assert walk(leaked, "WorkflowTemplate")
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "eks.yaml"])
+def test_shipped_configs_render_and_lint(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # the prompts lie in the repo, which is the images' WORKDIR
+    config = load_config(REPO / "configs" / name)
+    paths = write_rendered(render(config, "s3://moeloop-runs/runs/" + config.run_name), tmp_path)
+    assert lint_paths(paths) == []

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from steps.common import OUTPUTS_ENV, print_json
+from steps.common import print_json
 from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
+from steps.outputs import OUTPUTS_ENV
 from steps.plan import plan
 from steps.start import with_run_arguments
 from steps.storage import RunStorage

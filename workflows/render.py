@@ -29,9 +29,9 @@ from typing import Any
 
 import yaml
 
-from steps.common import OUTPUTS_ENV
 from steps.config import MoeloopConfig, Resources, RolePlacement, Toleration
 from steps.errors import MoeloopError
+from steps.outputs import OUTPUTS_ENV
 from workflows.dag import EVALUATE, PLAN, START, STEPS, TRAIN, Step, Task, iteration_tasks, run_values
 from workflows.lint import lint_documents
 
