@@ -388,6 +388,15 @@ def _orchestrator_pod(config: MoeloopConfig) -> dict[str, Any]:
 # The chunk: start -> plan -> K iteration slots -> next chunk
 
 
+# The chunk's tasks besides its iteration slots.
+FIXED_CHUNK_TASKS = ("start", "plan", "eval-latest", "label", "next-chunk")
+# The label task's inputs: the iterations plan chose (a template cannot see the DAG's tasks).
+LABEL_INPUTS = {
+    "first": f"{{{{{PLAN_OUTPUTS}.first}}}}",
+    "last": f"{{{{=asInt({PLAN_OUTPUTS}.first) + asInt({PLAN_OUTPUTS}.count) - 1}}}}",
+}
+
+
 def template_name(config: MoeloopConfig) -> str:
     return f"moeloop-{config.run_name}"
 
@@ -417,6 +426,11 @@ def slot_iteration(slot: int) -> str:
     return f"{{{{{first}}}}}" if slot == 1 else f"{{{{=asInt({first}) + {slot - 1}}}}}"
 
 
+def _counted(slot: int) -> str:
+    """Slot j runs when plan's count reaches j: short chunks and the target skip the rest."""
+    return f"{{{{{PLAN_OUTPUTS}.count}}}} >= {slot}"
+
+
 def _dag_task(task: Task, **fields: Any) -> dict[str, Any]:
     arguments = [{"name": p, "value": v} for p, v in task.arguments]
     dag_task: dict[str, Any] = {"name": task.name, "template": task.step.name}
@@ -440,7 +454,6 @@ def _chunk_dag(config: MoeloopConfig) -> dict[str, Any]:
     plan = Task(PLAN.name, PLAN, 0, (("chunk", str(chunk_size(config))),), (START.name,))
     latest = Task("eval-latest", EVALUATE, 0, (("iteration", f"{{{{{PLAN_OUTPUTS}.latest}}}}"),), (PLAN.name,))
     slots = chunk_tasks(config)
-    last_slot = chunk_size(config)
     return {
         "name": ENTRYPOINT,
         "dag": {
@@ -459,25 +472,12 @@ def _chunk_dag(config: MoeloopConfig) -> dict[str, Any]:
                 {
                     "name": "next-chunk",
                     "template": "next-chunk",
-                    "dependencies": [f"slot{last_slot}-eval"],
+                    "dependencies": [f"slot{slots[-1].iteration}-eval"],
                     "when": f"{{{{{PLAN_OUTPUTS}.more}}}} == true && {{{{workflow.parameters.chain}}}} == true",
                 },
             ]
         },
     }
-
-
-FIXED_CHUNK_TASKS = ("start", "plan", "eval-latest", "label", "next-chunk")
-
-
-def _counted(slot: int) -> str:
-    return f"{{{{{PLAN_OUTPUTS}.count}}}} >= {slot}"
-
-
-LABEL_INPUTS = {
-    "first": f"{{{{{PLAN_OUTPUTS}.first}}}}",
-    "last": f"{{{{=asInt({PLAN_OUTPUTS}.first) + asInt({PLAN_OUTPUTS}.count) - 1}}}}",
-}
 
 
 def _label_template(config: MoeloopConfig) -> dict[str, Any]:
