@@ -28,7 +28,7 @@ class Step:
     params: tuple[str, ...]  # per-task parameters, passed as --<param> VALUE
     run_params: tuple[str, ...] = ("run",)  # per-run parameters (workflow arguments)
     torchrun: bool = False  # launched by torchrun as trainer.world_size processes (one plain process at 1)
-    outputs: tuple[str, ...] = ()  # report keys exposed as Argo output parameters (steps.common.print_json)
+    outputs: tuple[str, ...] = ()  # report keys exposed as Argo output parameters (steps/outputs.py)
 
     def processes(self, config: MoeloopConfig) -> int:
         return config.trainer.world_size if self.torchrun else 1
