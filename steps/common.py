@@ -20,6 +20,7 @@ import yaml
 from steps.config import MoeloopConfig, parse_config
 from steps.errors import MoeloopError
 from steps.experience import read_rollout_shard
+from steps.outputs import write_outputs
 from steps.storage import RunStorage, read_jsonl, sha256_file
 
 # Single-object outputs, checked before a step skips its work because they exist.
@@ -147,5 +148,7 @@ def quiet_libraries() -> None:
     logging.set_verbosity_error()
 
 
-def print_json(value: dict[str, Any]) -> None:
-    print(json.dumps(value, sort_keys=True))
+def print_json(report: dict[str, Any]) -> None:
+    """Print the step's report as one JSON line; under Argo also write its scalars as output parameters."""
+    print(json.dumps(report, sort_keys=True))
+    write_outputs(report)

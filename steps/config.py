@@ -154,11 +154,21 @@ class Toleration(Strict):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
 
 
+ROLES = ("rollout", "reward", "train", "cpu", "memory")
+
+
 class RolePlacement(Strict):
-    image: str | None = None  # None: the cluster's default image
-    node_selector: dict[str, str] = {}
-    tolerations: list[Toleration] = []
-    resources: Resources = Resources()
+    """Where a role's pods run and as what. None takes the role's default (workflows/render.py:role_defaults),
+    which matches manifests/: nodes labelled and tainted `moeloop.dev/role=<role>`, service account
+    `moeloop-<role>`, the role's image."""
+
+    image: str | None = None
+    service_account: str | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[Toleration] | None = None
+    resources: Resources | None = None
+    env: dict[str, str] | None = None
+    shm_size: str | None = None  # a memory-backed /dev/shm of this size; "" for none
 
 
 class SpotRetry(Strict):
@@ -170,15 +180,33 @@ class SpotRetry(Strict):
     max_backoff_seconds: int = Field(1800, gt=0)
 
 
+class Schedule(Strict):
+    """The CronWorkflow's schedules: each tick runs one chunk from LATEST, nothing once the target is reached."""
+
+    schedules: list[str] = Field(["0 * * * *"], min_length=1)
+    timezone: str = "UTC"
+
+
 class ClusterConfig(Strict):
     namespace: str = "moeloop"
-    service_account: str | None = None
-    image: str = "ghcr.io/moeloop/moeloop-cpu:0.1.0"
-    # Where each role's pods go: rollout (Spot GPU), reward, train (on-demand GPU), cpu (start, publish, evaluate).
+    # Images are <image_registry>/moeloop-{rollout,trainer,cpu}:<image_tag> unless a role names its own.
+    image_registry: str = "ghcr.io/moeloop"
+    image_tag: str = "0.1.0"
+    # The workflow's own service account, also used by resource templates (next chunk, JobSet, labels).
+    orchestrator_service_account: str = "moeloop-orchestrator"
+    # Iterations per Workflow: a run of any length is a chain of Workflows of this many iterations.
+    # None: 20, or fewer where rollout shards are many (workflows/render.py:chunk_size).
+    chunk_iterations: int | None = Field(None, gt=0)
+    # Pods of the multi-node trainer (a JobSet when > 1); trainer.world_size processes are split over them.
+    train_nodes: int = Field(1, gt=0)
+    schedule: Schedule = Schedule()
+    # Where each role's pods go: rollout (Spot GPU), reward (GPU reward models), train (on-demand GPU, EFA),
+    # cpu (start, plan, rule rewards, evaluate), memory (publish: checkpoint caching).
     rollout: RolePlacement = RolePlacement()
     reward: RolePlacement = RolePlacement()
     train: RolePlacement = RolePlacement()
     cpu: RolePlacement = RolePlacement()
+    memory: RolePlacement = RolePlacement()
     spot_retry: SpotRetry = SpotRetry()
 
 
@@ -212,6 +240,15 @@ class MoeloopConfig(Strict):
             raise ValueError(
                 f"a minibatch of {smallest} samples does not split over trainer.world_size {self.trainer.world_size}"
                 " ranks; choose a minibatch_size (and a batch) whose every minibatch has at least world_size samples"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _train_nodes_split_world(self) -> MoeloopConfig:
+        if self.trainer.world_size % self.cluster.train_nodes:
+            raise ValueError(
+                f"trainer.world_size {self.trainer.world_size} does not split over cluster.train_nodes"
+                f" {self.cluster.train_nodes} nodes"
             )
         return self
 

@@ -133,11 +133,23 @@ def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
 def main() -> None:
     parser = step_parser(__doc__)
     parser.add_argument("--config", required=True, help="config YAML file, or the config as JSON text")
+    parser.add_argument("--iterations", type=int, help="the run's iteration count (default: the config's)")
+    parser.add_argument("--model", default="", help="checkpoint URI to start from (default: model.checkpoint)")
     args = parser.parse_args()
     if args.iteration != 0:
         raise MoeloopError(f"start builds iteration 0, not {args.iteration}")
     quiet_libraries()
-    print_json(start(args.run, load_config_argument(args.config)))
+    print_json(start(args.run, with_run_arguments(load_config_argument(args.config), args.iterations, args.model)))
+
+
+def with_run_arguments(config: MoeloopConfig, iterations: int | None, model: str) -> MoeloopConfig:
+    """The config with the run's parameters (Argo's submit form) applied; re-validated."""
+    data = config.model_dump(mode="json")
+    if iterations is not None:
+        data["iterations"] = iterations
+    if model:
+        data["model"]["checkpoint"] = model
+    return parse_config(data, "--iterations/--model")
 
 
 if __name__ == "__main__":

@@ -467,3 +467,28 @@ def test_schema_dir_not_found_names_where_it_looked(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(lint.SCHEMA_ENV, str(tmp_path))
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         lint.find_schema_dir()
+
+
+@pytest.mark.parametrize(
+    "reference", ["{{tasks.plan.outputs.parameters.first}}", "{{=asInt(tasks.plan.outputs.parameters.first) + 1}}"]
+)
+def test_task_reference_outside_a_dag_is_an_error(reference: str) -> None:
+    """A container template cannot see a DAG's tasks (Argo fails to resolve it at run time): pass an input."""
+    doc = first_source(with_template(has_container))
+    path, template = first_template(doc, has_container)
+    args = template["container"].setdefault("args", [])
+    args.append(reference)
+    messages = errors_at(lint_document(doc), f"{path}.container.args[{len(args) - 1}]")
+    assert len(messages) == 1 and "only a DAG can refer to its tasks; pass an input" in messages[0]
+
+
+def test_expression_naming_a_missing_task_is_an_error() -> None:
+    doc = first_source(with_template(has_dag))
+    path, template = first_template(doc, has_dag)
+    tasks = template["dag"]["tasks"]
+    tasks[-1].setdefault("arguments", {}).setdefault("parameters", []).append(
+        {"name": "n", "value": "{{=asInt(tasks['ghost-task'].outputs.result) + 1}}"}
+    )
+    errors = lint_document(doc)
+    assert len(errors) == 1 and "unknown task 'ghost-task'" in errors[0].message
+    assert errors[0].path.startswith(f"{path}.dag.tasks[{len(tasks) - 1}].arguments.parameters[")

@@ -4,6 +4,7 @@ checkpoints that transformers loads with the trainer's logits."""
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 from pathlib import Path
 
@@ -19,9 +20,9 @@ from steps.start import start
 from steps.storage import RunStorage
 from steps.train import train, update_policy
 from tests.conftest import small_config
-from workflows.dag import loop_tasks, run_uri
+from workflows.dag import loop_tasks, run_uri, run_values
 from workflows.local import run_local
-from workflows.render import dag_tasks, render_workflow, step_placeholders
+from workflows.render import dag_tasks, render_workflow_template, step_placeholders
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,11 @@ def rendered_commands(document: dict) -> dict[str, list[str]]:
     return {name: t["container"]["command"] + t["container"].get("args", []) for name, t in templates.items()}
 
 
+def rendered_chunk(document: dict) -> dict[str, dict]:
+    [chunk] = [t for t in document["spec"]["templates"] if t["name"] == document["spec"]["entrypoint"]]
+    return {task["name"]: task for task in chunk["dag"]["tasks"]}
+
+
 def substitute(argv: list[str], values: dict[str, str]) -> list[str]:
     for name, value in values.items():
         argv = [
@@ -54,15 +60,28 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: P
     uri = run_uri(config, str(run_root))
     executed = run_local(config, uri, tmp_path / "logs", progress=False)
 
-    document = render_workflow(config, uri)
-    assert {t.name: tuple(sorted(t.dependencies)) for t in executed} == dag_tasks(document)
-    # The same commands: the rendered template's argv with the task's arguments filled in.
+    # The Argo chunk (a WorkflowTemplate whose slot j runs LATEST + j; plan stands for what came before) has
+    # the executed tasks, edges and commands: a new run's chunk runs iterations 1, 2, ... in slots 1, 2, ...
+    document = render_workflow_template(config, uri)
+    chunk, chunk_dag = rendered_chunk(document), dag_tasks(document)
+
+    def slot(name: str) -> str:
+        return re.sub(r"^it(\d+)-", r"slot\1-", name)
+
+    iterations = [t for t in executed if t.name not in ("start", "eval-0")]
+    assert {
+        slot(t.name): tuple(sorted(slot(d) if d.startswith("it") else "plan" for d in t.dependencies))
+        for t in iterations
+    } == {slot(t.name): chunk_dag[slot(t.name)] for t in iterations}
     commands = rendered_commands(document)
     tasks = {t.name: t for t in loop_tasks(config)}
-    run_values = {"run": uri, "config": config.to_json()}
+    values = run_values(config, uri)
     for done in executed:
         task = tasks[done.name]
-        assert list(done.argv) == substitute(commands[task.step.name], {**run_values, **dict(task.arguments)})
+        arguments = dict(task.arguments)
+        if done.name.startswith("it"):
+            assert chunk[slot(done.name)]["when"] == f"{{{{tasks.plan.outputs.parameters.count}}}} >= {task.iteration}"
+        assert list(done.argv) == substitute(commands[task.step.name], {**values, **arguments})
     # Every step of the DAG has a template whose argv is the step's own.
     for task in tasks.values():
         assert commands[task.step.name] == task.step.argv(step_placeholders(task.step))

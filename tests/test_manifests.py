@@ -772,11 +772,6 @@ def pod_specs(document: Doc) -> Iterator[tuple[str, str, Doc]]:
                 yield f"{where} JobSet job {job['name']}", labels.get(ROLE_LABEL, "train"), pod
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="placement by role (nodeSelector/tolerations/service account per role) lands with the `argo` branch; "
-    "lead: remove this mark at the merge (strict: an unexpected pass fails the suite)",
-)
 def test_every_rendered_pod_lands_on_its_roles_nodes_as_its_roles_service_account() -> None:
     from tests.conftest import small_config
     from workflows.render import render

@@ -1,57 +1,53 @@
-"""The Argo render: derived from workflows/dag.py, placed by role, lint-clean, written only when valid."""
+"""The Argo render: a chunk template derived from workflows/dag.py, the Workflow and CronWorkflow that run it,
+placed by role, lint-clean, written only when valid and small."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from hera.workflows import Workflow, WorkflowTemplate
+from hera.workflows import CronWorkflow, Workflow, WorkflowTemplate
 
 from steps.config import MoeloopConfig, parse_config
 from steps.errors import MoeloopError
-from workflows.dag import STEPS, loop_tasks
-from workflows.lint import lint_document
+from workflows import render as render_module
+from workflows.dag import PLAN, START, STEPS, TRAIN, loop_tasks, run_values
+from workflows.lint import lint_documents
 from workflows.local import local_argv
-from workflows.render import dag_tasks, render, step_placeholders, write_rendered
+from workflows.render import (
+    MAX_CHUNK_TASKS,
+    MAX_OBJECT_BYTES,
+    chunk_size,
+    dag_tasks,
+    next_chunk_manifest,
+    object_bytes,
+    render,
+    step_placeholders,
+    write_rendered,
+)
 
 RUN_URI = "s3://moeloop-runs/runs/render-test"
-SPOT = {"karpenter.sh/capacity-type": "spot"}
-GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+FILES = ("workflow-template.yaml", "workflow.yaml", "cron-workflow.yaml")
+ROLE_TAINT = "moeloop.dev/role"
 
 
-def make_config(tmp_path: Path, **task: str) -> MoeloopConfig:
+def make_config(tmp_path: Path, cluster: dict | None = None, **task: str) -> MoeloopConfig:
     prompts = tmp_path / "data"
     return parse_config(
         {
             "run_name": "render-test",
-            "iterations": 2,
+            "iterations": 7,
             "task": {
                 "train_prompts": str(prompts / "train.jsonl"),
                 "eval_prompts": str(prompts / "eval.jsonl"),
                 **task,
             },
             "reward": {"functions": [{"path": "steps.rewards:reverse_positions"}]},
-            "cluster": {
-                "namespace": "rl",
-                "service_account": "moeloop-runner",
-                "image": "ghcr.io/moeloop/moeloop-cpu:0.1.0",
-                "rollout": {
-                    "image": "ghcr.io/moeloop/moeloop-gpu:0.1.0",
-                    "node_selector": SPOT,
-                    "tolerations": [GPU_TOLERATION],
-                    "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"nvidia.com/gpu": "1"}},
-                },
-                "train": {
-                    "image": "ghcr.io/moeloop/moeloop-gpu:0.1.0",
-                    "node_selector": {"karpenter.sh/capacity-type": "on-demand"},
-                    "tolerations": [GPU_TOLERATION],
-                    "resources": {"limits": {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"}},
-                },
-                "cpu": {"resources": {"requests": {"cpu": "1"}}},
-            },
+            "cluster": {"namespace": "rl", "chunk_iterations": 3, **(cluster or {})},
         },
         "test",
     )
@@ -72,144 +68,323 @@ def templates_by_name(document: dict) -> dict[str, dict]:
     return {template["name"]: template for template in document["spec"]["templates"]}
 
 
-def run_parameters(document: dict) -> dict[str, dict]:
-    return {p["name"]: p for p in document["spec"]["arguments"]["parameters"]}
+def chunk_tasks_by_name(document: dict) -> dict[str, dict]:
+    return {task["name"]: task for task in templates_by_name(document)["chunk"]["dag"]["tasks"]}
 
 
-def test_both_documents_pass_lint(documents: dict[str, dict]) -> None:
-    assert set(documents) == {"workflow.yaml", "workflow-template.yaml"}
-    for name, document in documents.items():
-        assert lint_document(document, source=name) == []
+def parameters(spec: dict) -> dict[str, dict]:
+    return {p["name"]: p for p in spec["arguments"]["parameters"]}
 
 
-def test_documents_round_trip_through_hera(documents: dict[str, dict]) -> None:
-    assert Workflow.from_dict(documents["workflow.yaml"]).to_dict() == documents["workflow.yaml"]
+def test_every_object_passes_lint(documents: dict[str, dict]) -> None:
+    assert tuple(documents) == FILES
+    assert [d["kind"] for d in documents.values()] == ["WorkflowTemplate", "Workflow", "CronWorkflow"]
+    assert lint_documents(documents.values()) == []
+
+
+def test_objects_round_trip_through_hera(documents: dict[str, dict]) -> None:
+    for kind, name in ((WorkflowTemplate, "workflow-template.yaml"), (Workflow, "workflow.yaml")):
+        assert kind.from_dict(documents[name]).to_dict() == documents[name]
+    assert CronWorkflow.from_dict(documents["cron-workflow.yaml"]).to_dict() == documents["cron-workflow.yaml"]
+
+
+# ---------------------------------------------------------------------------------------------
+# One definition: the chunk's slots are dag.py's iterations
+
+
+def fill(text: str, values: dict[str, str]) -> str:
+    """Argo's substitution of {{name}} tags, for the names given (others stay)."""
+    return re.sub(r"\{\{\s*([^}]+?)\s*\}\}", lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def slot_iteration(value: str, first: int) -> int:
+    """The value of a slot's iteration argument when plan says `first` (the two forms the render writes)."""
+    plain = "{{tasks.plan.outputs.parameters.first}}"
+    if value == plain:
+        return first
+    match = re.fullmatch(r"\{\{=asInt\(tasks\.plan\.outputs\.parameters\.first\) \+ (\d+)\}\}", value)
+    assert match, value
+    return first + int(match[1])
+
+
+@pytest.mark.parametrize("first", [1, 4])
+def test_chunk_slots_are_the_local_runners_tasks(config: MoeloopConfig, documents: dict[str, dict], first: int) -> None:
+    """Slot j of a chunk whose plan says `first` is iteration first+j-1: the same tasks, edges and pod argv as
+    the local runner's loop_tasks for those iterations (the chunk's root, plan, stands for what came before)."""
     template = documents["workflow-template.yaml"]
-    assert WorkflowTemplate.from_dict(template).to_dict() == template
+    k = chunk_size(config)
+    local = {t.name: t for t in loop_tasks(config, first + k - 1) if t.iteration >= first}
+    templates = templates_by_name(template)
+    values = {f"workflow.parameters.{n}": v for n, v in run_values(config, RUN_URI).items()}
+
+    def local_name(slot_task: str) -> str:
+        slot, rest = re.fullmatch(r"slot(\d+)-(.*)", slot_task).groups()
+        return f"it{int(slot) + first - 1}-{rest}"
+
+    rendered = {name: task for name, task in chunk_tasks_by_name(template).items() if name.startswith("slot")}
+    assert sorted(map(local_name, rendered)) == sorted(local)
+    for name, task in rendered.items():
+        expected = local[local_name(name)]
+        dependencies = {local_name(d) if d.startswith("slot") else d for d in task["dependencies"]}
+        before = {d for d in expected.dependencies if d not in local}  # outside the chunk: plan's side
+        assert dependencies == (set(expected.dependencies) - before) | ({PLAN.name} if before else set())
+        assert task["template"] == expected.step.name
+        arguments = {p["name"]: p["value"] for p in task["arguments"]["parameters"]}
+        arguments["iteration"] = str(slot_iteration(arguments["iteration"], first))
+        assert arguments == dict(expected.arguments)
+        slot = int(re.match(r"slot(\d+)", name)[1])
+        assert task["when"] == f"{{{{tasks.plan.outputs.parameters.count}}}} >= {slot}"
+        container = templates[task["template"]]["container"]
+        argv = [
+            fill(a, values | {f"inputs.parameters.{n}": v for n, v in arguments.items()}) for a in container["args"]
+        ]
+        assert local_argv(expected, run_values(config, RUN_URI)) == [sys.executable, *container["command"][1:], *argv]
 
 
-def test_dag_is_loop_tasks(config: MoeloopConfig, documents: dict[str, dict]) -> None:
-    expected = {task.name: tuple(sorted(task.dependencies)) for task in loop_tasks(config)}
-    for document in documents.values():
-        assert document["spec"]["entrypoint"] == "loop"
-        assert dag_tasks(document) == expected
-        rendered = {task["name"]: task for task in templates_by_name(document)["loop"]["dag"]["tasks"]}
-        for task in loop_tasks(config):
-            assert rendered[task.name]["template"] == task.step.name
-            assert [(p["name"], p["value"]) for p in rendered[task.name]["arguments"]["parameters"]] == list(
-                task.arguments
-            )
+def test_chunk_starts_with_start_and_plan_and_ends_with_the_next_chunk(
+    config: MoeloopConfig, documents: dict[str, dict]
+) -> None:
+    template = documents["workflow-template.yaml"]
+    tasks = chunk_tasks_by_name(template)
+    deps = dag_tasks(template)
+    assert deps["start"] == () and deps["plan"] == ("start",)
+    # LATEST's evaluation (eval-0 on a new run), only when plan found its metrics missing.
+    assert tasks["eval-latest"]["template"] == "evaluate" and deps["eval-latest"] == ("plan",)
+    assert tasks["eval-latest"]["when"] == "{{tasks.plan.outputs.parameters.evaluate}} == true"
+    assert tasks["eval-latest"]["arguments"]["parameters"] == [
+        {"name": "iteration", "value": "{{tasks.plan.outputs.parameters.latest}}"}
+    ]
+    assert tasks["plan"]["arguments"]["parameters"] == [{"name": "chunk", "value": "3"}]
+    assert deps["next-chunk"] == ("slot3-eval",)
+    assert tasks["next-chunk"]["when"] == (
+        "{{tasks.plan.outputs.parameters.more}} == true && {{workflow.parameters.chain}} == true"
+    )
+    assert len(tasks) == 4 + 3 * (config.rollout.num_shards + 4) + 1
 
 
-def test_iterations_override_the_config(config: MoeloopConfig) -> None:
-    documents = render(config, RUN_URI, iterations=5)
-    assert "it5-eval" in dag_tasks(documents["workflow.yaml"])
-    assert "it6-reward" not in dag_tasks(documents["workflow-template.yaml"])
+def test_the_chunk_does_not_grow_with_the_run(config: MoeloopConfig) -> None:
+    short, long = render(config, RUN_URI, iterations=2), render(config, RUN_URI, iterations=10_000)
+    for name in FILES:
+        assert long[name] != short[name]  # the target differs ...
+        assert abs(object_bytes(long[name]) - object_bytes(short[name])) < 100  # ... and nothing else grows
+    assert parameters(long["workflow-template.yaml"]["spec"])["iterations"]["default"] == "10000"
+
+
+@pytest.mark.parametrize("shards", [2, 64])
+def test_ten_thousand_iterations_stay_well_under_a_megabyte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: int
+) -> None:
+    """The largest chunk the render allows, for a narrow and a wide run of 10,000 iterations."""
+    monkeypatch.chdir(tmp_path)
+    config = make_config(tmp_path, cluster={"chunk_iterations": None})
+    config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"num_shards": shards})})
+    documents = render(config, RUN_URI, iterations=10_000)
+    assert chunk_size(config) == {2: 20, 64: 7}[shards]  # 20 by default; fewer when an iteration has many tasks
+    assert len(dag_tasks(documents["workflow-template.yaml"])) <= MAX_CHUNK_TASKS
+    largest = max(object_bytes(document) for document in documents.values())
+    assert largest < MAX_OBJECT_BYTES // 2, largest
+
+
+def test_a_chunk_over_the_task_bound_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = make_config(tmp_path, cluster={"chunk_iterations": 100})
+    with pytest.raises(MoeloopError, match=r"^cluster.chunk_iterations 100 makes a Workflow of more than 500 tasks"):
+        render(config, RUN_URI)
+
+
+def test_write_rendered_refuses_an_object_over_the_size_limit(
+    documents: dict[str, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(render_module, "MAX_OBJECT_BYTES", 10_000)
+    with pytest.raises(MoeloopError, match=r"^workflow-template.yaml: \d+ bytes is over the 10000-byte object limit"):
+        write_rendered(documents, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_container_argv_is_the_steps_argv(documents: dict[str, dict]) -> None:
-    for document in documents.values():
-        templates = templates_by_name(document)
-        for step in STEPS:
-            container = templates[step.name]["container"]
-            assert container["command"] + container["args"] == step.argv(step_placeholders(step))
-            assert [p["name"] for p in templates[step.name].get("inputs", {}).get("parameters", [])] == list(
-                step.params
-            )
+    templates = templates_by_name(documents["workflow-template.yaml"])
+    for step in STEPS:
+        container = templates[step.name]["container"]
+        assert container["command"] + container["args"] == step.argv(step_placeholders(step))
+        assert [p["name"] for p in templates[step.name].get("inputs", {}).get("parameters", [])] == list(step.params)
 
 
-def test_train_runs_under_torchrun_at_the_configured_world_size(config: MoeloopConfig) -> None:
+def test_train_runs_under_torchrun_at_the_configured_world_size(tmp_path: Path, config: MoeloopConfig) -> None:
     """The rendered train template and the local runner start the same torchrun command; world_size 1 none."""
     distributed = config.model_copy(update={"trainer": config.trainer.model_copy(update={"world_size": 2})})
-    templates = {t["name"]: t for t in render(distributed, RUN_URI)["workflow.yaml"]["spec"]["templates"]}
+    templates = templates_by_name(render(distributed, RUN_URI)["workflow-template.yaml"])
     container = templates["train"]["container"]
     assert container["command"] + container["args"] == [
         *("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "steps.train", "--"),
         *("--run", "{{workflow.parameters.run}}", "--iteration", "{{inputs.parameters.iteration}}"),
     ]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert templates["publish"]["container"]["command"] == ["python", "-m", "steps.publish"]
-    train = next(t for t in loop_tasks(distributed) if t.step.name == "train")
+    train = next(t for t in loop_tasks(distributed) if t.step is TRAIN)
     filled = [
-        a.replace("{{workflow.parameters.run}}", "/runs/x").replace("{{inputs.parameters.iteration}}", "1")
-        for a in container["args"]
+        fill(a, {"workflow.parameters.run": "/runs/x", "inputs.parameters.iteration": "1"}) for a in container["args"]
     ]
     assert local_argv(train, {"run": "/runs/x"}) == [sys.executable, *container["command"][1:], *filled]
-    single = next(t for t in loop_tasks(config) if t.step.name == "train")
-    assert local_argv(single, {"run": "/runs/x"}) == [
-        sys.executable,
-        "-m",
-        "steps.train",
-        "--run",
-        "/runs/x",
+    single = next(t for t in loop_tasks(config) if t.step is TRAIN)
+    assert local_argv(single, {"run": "/runs/x"}) == [sys.executable, "-m", "steps.train", "--run", "/runs/x"] + [
         "--iteration",
         "1",
     ]
 
 
-def test_placement_follows_the_steps_role(documents: dict[str, dict]) -> None:
-    templates = templates_by_name(documents["workflow.yaml"])
-    rollout = templates["rollout"]
-    assert rollout["nodeSelector"] == SPOT
-    assert rollout["tolerations"] == [GPU_TOLERATION]
-    assert rollout["container"]["image"] == "ghcr.io/moeloop/moeloop-gpu:0.1.0"
-    assert rollout["container"]["resources"] == {
-        "requests": {"cpu": "8", "memory": "64Gi"},
-        "limits": {"nvidia.com/gpu": "1"},
-    }
-    train_limits = templates["train"]["container"]["resources"]["limits"]
-    assert train_limits == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"}
-    for step in STEPS:
-        template = templates[step.name]
-        assert template["metadata"]["labels"] == {"moeloop.dev/step": step.name, "moeloop.dev/role": step.role}
-        assert template["container"]["imagePullPolicy"] == "IfNotPresent"
-        if step.role == "cpu":
-            assert "nodeSelector" not in template and "tolerations" not in template
-            assert template["container"]["image"] == "ghcr.io/moeloop/moeloop-cpu:0.1.0"
-            assert template["container"]["resources"] == {"requests": {"cpu": "1"}}
-    # The reward role has no placement: the cluster image, nothing else.
-    assert templates["reward"]["container"]["image"] == "ghcr.io/moeloop/moeloop-cpu:0.1.0"
-    assert "resources" not in templates["reward"]["container"]
+# ---------------------------------------------------------------------------------------------
+# The objects: parameters, labels, chaining, schedule
 
 
-def test_only_rollout_shards_retry_spot_preemption(documents: dict[str, dict]) -> None:
-    templates = templates_by_name(documents["workflow.yaml"])
-    retry = templates["rollout"]["retryStrategy"]
-    assert retry["retryPolicy"] == "Always" and retry["limit"] == 10
-    assert retry["backoff"] == {"duration": "30s", "factor": 2, "cap": "1800s"}
-    # Lost pods (Error) and signals (143 SIGTERM, 137 SIGKILL) are retried; a step's own error is not.
-    assert retry["expression"] == 'lastRetry.status == "Error" || asInt(lastRetry.exitCode) in [137, 143]'
-    assert all("retryStrategy" not in t for name, t in templates.items() if name != "rollout")
+def test_template_parameters_fill_the_submit_form(config: MoeloopConfig, documents: dict[str, dict]) -> None:
+    template = parameters(documents["workflow-template.yaml"]["spec"])
+    assert list(template) == ["run", "iterations", "model", "chain", "config"]
+    for parameter in template.values():
+        assert parameter["default"] == parameter["value"] and parameter["description"]
+    assert template["run"]["default"] == RUN_URI
+    assert template["iterations"]["default"] == "7"
+    assert template["model"]["default"] == ""  # the tiny model
+    assert template["chain"]["enum"] == ["true", "false"] and template["chain"]["default"] == "true"
+    assert parse_config(json.loads(template["config"]["default"]), "rendered").run_name == "render-test"
+    # start applies iterations and model over the config; plan reads the stored config start adopted.
+    templates = templates_by_name(documents["workflow-template.yaml"])
+    assert templates["start"]["container"]["args"] == [
+        *("--run", "{{workflow.parameters.run}}", "--config", "{{workflow.parameters.config}}"),
+        *("--iterations", "{{workflow.parameters.iterations}}", "--model", "{{workflow.parameters.model}}"),
+        *("--iteration", "{{inputs.parameters.iteration}}"),
+    ]
 
 
-def test_workflow_metadata_and_run_parameters(config: MoeloopConfig, documents: dict[str, dict]) -> None:
-    workflow, template = documents["workflow.yaml"], documents["workflow-template.yaml"]
-    assert workflow["kind"] == "Workflow" and workflow["metadata"]["generateName"] == "render-test-"
-    assert template["kind"] == "WorkflowTemplate" and template["metadata"]["name"] == "moeloop-render-test"
+def test_workflow_and_cron_workflow_refer_to_the_template(config: MoeloopConfig, documents: dict[str, dict]) -> None:
+    template, workflow, cron = (documents[name] for name in FILES)
+    assert template["metadata"]["name"] == "moeloop-render-test"
+    assert workflow["metadata"]["generateName"] == "render-test-"
+    for spec in (workflow["spec"], cron["spec"]["workflowSpec"]):
+        assert spec["workflowTemplateRef"] == {"name": "moeloop-render-test"}
+        assert "templates" not in spec  # the DAG exists once, in the template
+        values = {name: p["value"] for name, p in parameters(spec).items()}
+        assert values == {name: p["default"] for name, p in parameters(template["spec"]).items()} | {
+            "chain": values["chain"]
+        }
+    assert parameters(workflow["spec"])["chain"]["value"] == "true"
+    # The schedule is the chain: each tick one chunk from LATEST; none while the last one runs.
+    assert parameters(cron["spec"]["workflowSpec"])["chain"]["value"] == "false"
+    assert cron["spec"]["schedules"] == ["0 * * * *"] and cron["spec"]["timezone"] == "UTC"
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
     for document in documents.values():
         assert document["metadata"]["namespace"] == "rl"
         assert document["metadata"]["labels"] == {"app.kubernetes.io/name": "moeloop", "moeloop.dev/run": "render-test"}
-        assert document["spec"]["serviceAccountName"] == "moeloop-runner"
-        assert run_parameters(document)["run"]["value"] == RUN_URI
-    # The template's parameters carry defaults, which the UI's submit form shows.
-    assert {name: p.get("default") for name, p in run_parameters(template).items()} == {
-        name: p["value"] for name, p in run_parameters(workflow).items()
+    # Workflows made from the template, whoever submits them, carry the run label; so do their pods.
+    spec = template["spec"]
+    assert spec["workflowMetadata"]["labels"]["moeloop.dev/run"] == "render-test"
+    assert spec["podMetadata"]["labels"] == {"moeloop.dev/run": "render-test"}
+    # One chunk of a run at a time: a chained chunk waits for the one that created it.
+    assert spec["synchronization"] == {"mutexes": [{"name": "moeloop-run-render-test"}]}
+    assert spec["serviceAccountName"] == "moeloop-orchestrator"
+
+
+def test_schedule_comes_from_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    scheduled = make_config(
+        tmp_path, cluster={"schedule": {"schedules": ["0 2 * * *", "0 14 * * *"], "timezone": "Europe/Paris"}}
+    )
+    cron = render(scheduled, RUN_URI)["cron-workflow.yaml"]["spec"]
+    assert (cron["schedules"], cron["timezone"]) == (["0 2 * * *", "0 14 * * *"], "Europe/Paris")
+
+
+def test_next_chunk_is_this_workflows_parameters_on_the_same_template(
+    config: MoeloopConfig, documents: dict[str, dict]
+) -> None:
+    template = documents["workflow-template.yaml"]
+    next_chunk = templates_by_name(template)["next-chunk"]
+    assert next_chunk["resource"]["action"] == "create" and "setOwnerReference" not in next_chunk["resource"]
+    assert next_chunk["serviceAccountName"] == "moeloop-orchestrator"
+    # Values Argo substitutes into the manifest's text: quotes, colons, hashes and JSON must survive.
+    tricky = {
+        "run": "s3://bucket/runs/render-test",
+        "iterations": "10000",
+        "model": "",
+        "chain": "true",
+        "config": json.dumps({"a": 'it\'s: #1 "quoted"', "b": [1, {"c": None}]}),
     }
+    substituted = fill(
+        next_chunk["resource"]["manifest"],
+        {f"workflow.parameters.{n}": v for n, v in tricky.items()} | {"workflow.name": "render-test-abcde"},
+    )
+    created = yaml.safe_load(substituted)
+    assert created["kind"] == "Workflow" and created["metadata"]["generateName"] == "render-test-"
+    assert created["metadata"]["labels"] == {
+        "app.kubernetes.io/name": "moeloop",
+        "moeloop.dev/run": "render-test",
+        "moeloop.dev/chained-from": "render-test-abcde",
+    }
+    assert created["spec"]["workflowTemplateRef"] == {"name": "moeloop-render-test"}
+    assert {name: p["value"] for name, p in parameters(created["spec"]).items()} == tricky
+    assert lint_documents([template, created]) == []
+    assert next_chunk["resource"]["manifest"] == next_chunk_manifest(config)
+
+
+def test_label_task_marks_the_workflow_with_its_iterations(documents: dict[str, dict]) -> None:
+    template = documents["workflow-template.yaml"]
+    label = templates_by_name(template)["label"]
+    assert (label["resource"]["action"], label["resource"]["mergeStrategy"]) == ("patch", "merge")
+    patch = yaml.safe_load(label["resource"]["manifest"])
+    assert patch["metadata"]["name"] == "{{workflow.name}}"
+    assert patch["metadata"]["labels"] == {
+        "moeloop.dev/first-iteration": "{{inputs.parameters.first}}",
+        "moeloop.dev/last-iteration": "{{inputs.parameters.last}}",
+    }
+    # plan's outputs reach the template as arguments: a template cannot see the DAG's tasks.
+    task = chunk_tasks_by_name(template)["label"]
+    assert task["arguments"]["parameters"] == [
+        {"name": "first", "value": "{{tasks.plan.outputs.parameters.first}}"},
+        {
+            "name": "last",
+            "value": "{{=asInt(tasks.plan.outputs.parameters.first) + asInt(tasks.plan.outputs.parameters.count) - 1}}",
+        },
+    ]
+    assert task["when"] == "{{tasks.plan.outputs.parameters.count}} >= 1"
+    # Pods carry their iteration.
+    for step in STEPS:
+        labels = templates_by_name(template)[step.name]["metadata"]["labels"]
+        assert labels["moeloop.dev/step"] == step.name
+        assert labels.get("moeloop.dev/iteration") == (
+            "{{inputs.parameters.iteration}}" if step not in (PLAN,) else None
+        )
+
+
+def test_steps_expose_their_figures_as_output_parameters(documents: dict[str, dict]) -> None:
+    templates = templates_by_name(documents["workflow-template.yaml"])
+    for step in STEPS:
+        outputs = templates[step.name]["outputs"]["parameters"]
+        assert [p["name"] for p in outputs] == list(step.outputs) and step.outputs
+        for parameter in outputs:
+            assert parameter["valueFrom"]["path"] == f"/tmp/outputs/{parameter['name']}"
+            # A step that skipped its work reports no figures: not a failure. Plan's outputs steer the DAG.
+            assert parameter["valueFrom"].get("default") == (None if step is PLAN else "none")
+        assert {"name": "MOELOOP_OUTPUTS", "value": "/tmp/outputs"} in templates[step.name]["container"]["env"]
+    assert {"first", "count", "more", "latest", "evaluate"} <= set(PLAN.outputs)
+    assert "eval_reward_mean" in [p["name"] for p in templates["evaluate"]["outputs"]["parameters"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths the pods read, writing
 
 
 def shipped_config(document: dict) -> MoeloopConfig:
-    """The config the pods get, from the workflow's `config` parameter."""
-    return parse_config(json.loads(run_parameters(document)["config"]["value"]), "rendered")
+    """The config the pods get, from the template's `config` parameter."""
+    return parse_config(json.loads(parameters(document["spec"])["config"]["value"]), "rendered")
 
 
 def test_prompt_paths_under_cwd_become_relative(documents: dict[str, dict]) -> None:
-    shipped = shipped_config(documents["workflow.yaml"])
+    shipped = shipped_config(documents["workflow-template.yaml"])
     assert (shipped.task.train_prompts, shipped.task.eval_prompts) == ("data/train.jsonl", "data/eval.jsonl")
 
 
 def test_uris_and_relative_paths_pass_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     config = make_config(tmp_path, train_prompts="s3://bucket/train.jsonl", eval_prompts="data/eval.jsonl")
-    shipped = shipped_config(render(config, RUN_URI)["workflow.yaml"])
+    shipped = shipped_config(render(config, RUN_URI)["workflow-template.yaml"])
     assert (shipped.task.train_prompts, shipped.task.eval_prompts) == ("s3://bucket/train.jsonl", "data/eval.jsonl")
 
 
@@ -229,8 +404,8 @@ def test_local_checkpoint_outside_cwd_is_refused(config: MoeloopConfig) -> None:
 def test_write_rendered_writes_valid_documents(documents: dict[str, dict], tmp_path: Path) -> None:
     out_dir = tmp_path / "out" / "manifests"
     paths = write_rendered(documents, out_dir)
-    assert paths == [out_dir / "workflow.yaml", out_dir / "workflow-template.yaml"]
-    assert sorted(p.name for p in out_dir.iterdir()) == ["workflow-template.yaml", "workflow.yaml"]
+    assert paths == [out_dir / name for name in FILES]
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(FILES)
     for path in paths:
         assert yaml.safe_load(path.read_text()) == documents[path.name]
 
@@ -243,3 +418,9 @@ def test_write_rendered_refuses_an_invalid_document_and_writes_nothing(
     with pytest.raises(MoeloopError, match="^refusing to write an invalid manifest: .*imagePulPolicy"):
         write_rendered(documents, out_dir)
     assert not out_dir.exists()
+
+
+def test_start_is_a_plain_cpu_step(documents: dict[str, dict]) -> None:
+    start = templates_by_name(documents["workflow-template.yaml"])[START.name]
+    assert start["container"]["command"] == ["python", "-m", "steps.start"]
+    assert start["nodeSelector"] == {ROLE_TAINT: "cpu"}

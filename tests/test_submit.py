@@ -57,6 +57,8 @@ def test_submit_sends_the_rendered_workflow() -> None:
     # Exactly the rendered Workflow, in the namespace asked for rather than the config's.
     rendered = render_workflow(cluster_config(), RUN_URI)
     assert workflow == {**rendered, "metadata": {**rendered["metadata"], "namespace": NAMESPACE}}
+    # The run's chunk lives in its registered WorkflowTemplate; the Workflow refers to it.
+    assert workflow["spec"]["workflowTemplateRef"] == {"name": "moeloop-cluster-test"}
 
 
 def test_submit_command_prints_the_workflow_name(tmp_path: Path) -> None:

@@ -156,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=command_run)
 
-    render = with_config("render", "write the Argo Workflow and WorkflowTemplate as YAML")
+    render = with_config("render", "write the WorkflowTemplate, Workflow and CronWorkflow as YAML")
     render.add_argument("-o", "--output", type=Path, required=True, help="folder to write into")
     render.set_defaults(handler=command_render)
 

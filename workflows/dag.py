@@ -5,11 +5,15 @@
                                         it1-publish -> it2-rollout-{0..K-1} -> ...
 
 Evaluation hangs off publish, so it runs while the next iteration's rollouts do.
+
+On Argo a run is a chain of Workflows of `cluster.chunk_iterations` iterations each (workflows/render.py):
+one chunk is `start -> plan -> iteration_tasks(slots 1..K, root="plan")`, where `plan` decides at run time
+which iteration slot 1 is (LATEST + 1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from steps.config import MoeloopConfig
@@ -20,33 +24,52 @@ class Step:
     """A step: a module `steps.<name>` run as a CLI in a pod of the given placement role."""
 
     name: str
-    role: str  # rollout | reward | train | cpu: selects cluster.<role> placement
+    role: str  # rollout | reward | train | cpu | memory: selects cluster.<role> placement
     params: tuple[str, ...]  # per-task parameters, passed as --<param> VALUE
     run_params: tuple[str, ...] = ("run",)  # per-run parameters (workflow arguments)
     torchrun: bool = False  # launched by torchrun as trainer.world_size processes (one plain process at 1)
+    outputs: tuple[str, ...] = ()  # report keys exposed as Argo output parameters (steps/outputs.py)
 
     def processes(self, config: MoeloopConfig) -> int:
         return config.trainer.world_size if self.torchrun else 1
 
-    def argv(self, values: Mapping[str, str], processes: int = 1) -> list[str]:
-        """The pod's command; values are concrete locally and Argo placeholders in the render."""
+    def argv(self, values: Mapping[str, str], processes: int = 1, rendezvous: Sequence[str] = ()) -> list[str]:
+        """The pod's command; values are concrete locally and Argo placeholders in the render.
+
+        Several processes run under torchrun: on this node alone (`--standalone`), or as one node of several
+        given the `rendezvous` flags (the multi-node trainer's JobSet)."""
         argv = ["python", "-m", f"steps.{self.name}"]
-        if processes > 1:
+        if processes > 1 or rendezvous:
             # `--` ends torchrun's options: it would take --run for an abbreviation of its own --run-path.
-            argv[2:2] = ["torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m"]
+            launcher = list(rendezvous) or ["--standalone"]
+            argv[2:2] = ["torch.distributed.run", *launcher, f"--nproc-per-node={processes}", "-m"]
             argv.append("--")
         for param in self.run_params + self.params:
             argv += [f"--{param.replace('_', '-')}", values[param]]
         return argv
 
 
-START = Step("start", "cpu", ("iteration",), run_params=("run", "config"))
-ROLLOUT = Step("rollout", "rollout", ("iteration", "shard", "num_shards"))
-REWARD = Step("reward", "reward", ("iteration",))
-TRAIN = Step("train", "train", ("iteration",), torchrun=True)
-PUBLISH = Step("publish", "cpu", ("iteration",))
-EVALUATE = Step("evaluate", "cpu", ("iteration",))
-STEPS = (START, ROLLOUT, REWARD, TRAIN, PUBLISH, EVALUATE)
+START = Step("start", "cpu", ("iteration",), ("run", "config", "iterations", "model"), outputs=("source", "seconds"))
+PLAN = Step("plan", "cpu", ("chunk",), outputs=("latest", "first", "count", "more", "target", "evaluate"))
+ROLLOUT = Step(
+    "rollout",
+    "rollout",
+    ("iteration", "shard", "num_shards"),
+    outputs=("samples", "response_tokens", "tokens_per_second", "engine", "seconds"),
+)
+# Rule rewards run on CPU; reward models (when configured) belong on the `reward` role's GPUs.
+REWARD = Step("reward", "cpu", ("iteration",), outputs=("samples", "reward_mean", "seconds"))
+TRAIN = Step(
+    "train",
+    "train",
+    ("iteration",),
+    torchrun=True,
+    outputs=("loss", "kl", "grad_norm", "clip_fraction", "train_tokens_per_second", "seconds"),
+)
+# Publish copies the checkpoint the next rollouts load: on memory-optimized nodes, which cache it.
+PUBLISH = Step("publish", "memory", ("iteration",), outputs=("seconds",))
+EVALUATE = Step("evaluate", "cpu", ("iteration",), outputs=("eval_reward_mean", "reward_mean", "kl", "loss"))
+STEPS = (START, PLAN, ROLLOUT, REWARD, TRAIN, PUBLISH, EVALUATE)
 
 
 @dataclass(frozen=True)
@@ -71,21 +94,41 @@ def _task(config: MoeloopConfig, step: Step, name: str, iteration: int, depends:
 def loop_tasks(config: MoeloopConfig, iterations: int | None = None) -> list[Task]:
     """Every task of the run in a topological order, for iterations 1..N after the start (iteration 0)."""
     last = config.iterations if iterations is None else iterations
+    start = _task(config, START, "start", 0, [])
+    return [start, _task(config, EVALUATE, "eval-0", 0, [start.name]), *iteration_tasks(config, last, start.name)]
+
+
+def iteration_tasks(config: MoeloopConfig, last: int, root: str, prefix: str = "it") -> list[Task]:
+    """Tasks of iterations 1..last, named <prefix><i>-<step>; what has no earlier iteration depends on `root`.
+
+    The local run's root is start; a chunk's is plan, and its iterations are slots (slot i: LATEST + i)."""
     shards = config.rollout.num_shards
-    tasks = [_task(config, START, "start", 0, []), _task(config, EVALUATE, "eval-0", 0, ["start"])]
-    policy_ready = "start"
+    tasks: list[Task] = []
+    published: dict[int, str] = {}
     for i in range(1, last + 1):
+        # Rollouts of iteration i load the policy iteration i-1 published (checkpoint 0 for i = 1: the root).
+        policy_ready = published.get(i - 1, root)
         rollouts = [
-            _task(config, ROLLOUT, f"it{i}-rollout-{k}", i, [policy_ready], shard=k, num_shards=shards)
+            _task(config, ROLLOUT, f"{prefix}{i}-rollout-{k}", i, [policy_ready], shard=k, num_shards=shards)
             for k in range(shards)
         ]
-        reward = _task(config, REWARD, f"it{i}-reward", i, [t.name for t in rollouts])
-        train = _task(config, TRAIN, f"it{i}-train", i, [reward.name])
-        publish = _task(config, PUBLISH, f"it{i}-publish", i, [train.name])
-        evaluate = _task(config, EVALUATE, f"it{i}-eval", i, [publish.name])
+        reward = _task(config, REWARD, f"{prefix}{i}-reward", i, [t.name for t in rollouts])
+        train = _task(config, TRAIN, f"{prefix}{i}-train", i, [reward.name])
+        publish = _task(config, PUBLISH, f"{prefix}{i}-publish", i, [train.name])
+        evaluate = _task(config, EVALUATE, f"{prefix}{i}-eval", i, [publish.name])
         tasks += [*rollouts, reward, train, publish, evaluate]
-        policy_ready = publish.name
+        published[i] = publish.name
     return tasks
+
+
+def run_values(config: MoeloopConfig, run_uri: str) -> dict[str, str]:
+    """The run parameters' values (the Argo workflow's arguments; the local runner's argv)."""
+    return {
+        "run": run_uri,
+        "config": config.to_json(),
+        "iterations": str(config.iterations),
+        "model": config.model.checkpoint or "",
+    }
 
 
 def run_uri(config: MoeloopConfig, root: str | None = None) -> str:

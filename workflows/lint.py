@@ -435,6 +435,7 @@ _SIMPLE_NODE = re.compile(r"\s*(tasks|steps)\.([-\w]+)\.\S+\s*")  # {{tasks.T.â€
 _EXPRESSION_PARAMETER = re.compile(
     r"(?<![\w.])(inputs|workflow)\.parameters(?:\.([A-Za-z_]\w*)|\[\s*(['\"])(.*?)\3\s*\])"
 )
+_EXPRESSION_NODE = re.compile(r"(?<![\w.])(tasks|steps)(?:\.([A-Za-z_]\w*)|\[\s*(['\"])(.*?)\3\s*\])\.")
 _DEPENDS_TERM = re.compile(r"([A-Za-z0-9_][-\w]*)(?:\.(\w+))?")
 _PLAIN_KEY = re.compile(r"[A-Za-z_][-\w]*")
 
@@ -492,6 +493,10 @@ def _template_findings(template: YamlMap, path: str, scope: _SpecScope) -> Itera
         elif reference.scope == "inputs" and reference.name not in declared_inputs:
             what = f"undeclared input parameter {reference.name!r}"
             yield string_path, f"{reference.text} refers to {what} (template declares: {_listing(declared_inputs)})"
+        elif reference.scope in node_names and not node_names[reference.scope]:
+            # Only a DAG's tasks (a steps template's steps) see each other; other templates get inputs.
+            kind = "a DAG" if reference.scope == "tasks" else "a steps template"
+            yield string_path, f"{reference.text}: only {kind} can refer to its {reference.scope}; pass an input"
         elif (known := node_names.get(reference.scope)) and reference.name not in known:
             what = f"unknown {reference.scope[:-1]} {reference.name!r}"
             yield string_path, f"{reference.text} refers to {what} ({reference.scope}: {_listing(known)})"
@@ -624,8 +629,9 @@ def _references(node: YamlMap, path: str) -> Iterator[tuple[str, _Reference]]:
 def _tag_references(body: str) -> Iterator[_Reference]:
     """Parameter and node references in one {{...}} tag; unrecognised forms are not checked."""
     if body.lstrip().startswith("="):
-        for match in _EXPRESSION_PARAMETER.finditer(body):
-            yield _Reference(match.group(1), match.group(2) or match.group(4), match.group(0))
+        for pattern in (_EXPRESSION_PARAMETER, _EXPRESSION_NODE):
+            for match in pattern.finditer(body):
+                yield _Reference(match.group(1), match.group(2) or match.group(4), match.group(0))
         return
     for pattern in (_SIMPLE_PARAMETER, _SIMPLE_NODE):
         simple = pattern.fullmatch(body)

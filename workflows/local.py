@@ -22,7 +22,7 @@ from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
 from steps.reward import reward_functions
 from steps.storage import RunStorage, read_prompt_file
-from workflows.dag import EVALUATE, ROLLOUT, START, Task, loop_tasks
+from workflows.dag import EVALUATE, ROLLOUT, START, Task, loop_tasks, run_values
 
 POLL_SECONDS = 0.05
 
@@ -74,7 +74,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
     storage = RunStorage(run_uri)
     latest = storage.latest() if storage.exists(RunStorage.CONFIG) else None
     tasks = pending_tasks(loop_tasks(config), latest["iteration"] if latest else None)
-    run_values = {"run": run_uri, "config": config.to_json()}
+    values = run_values(config, run_uri)
     log_dir.mkdir(parents=True, exist_ok=True)
     # Steps run side by side on few cores: one thread each keeps them from fighting over them.
     environment = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // config.local.parallelism))}
@@ -92,7 +92,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 if len(running) >= config.local.parallelism:
                     break
                 waiting.remove(task)
-                argv = local_argv(task, run_values)
+                argv = local_argv(task, values)
                 log_path = log_dir / f"{task.name}.log"
                 log_path.write_bytes(b"")
                 if config.local.reuse_engines and task.step == ROLLOUT:
@@ -119,7 +119,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                     )
                 finished.add(name)
                 executed.append(
-                    ExecutedTask(name, task.dependencies, tuple(task.argv(run_values)), time.perf_counter() - started)
+                    ExecutedTask(name, task.dependencies, tuple(task.argv(values)), time.perf_counter() - started)
                 )
                 bar.update()
                 if task.step == EVALUATE:

@@ -1,0 +1,47 @@
+"""plan: which iterations the next chunk of an Argo run runs, decided from LATEST at run time.
+
+A run of any length is a chain of Workflows of `cluster.chunk_iterations` iterations (workflows/render.py).
+Each starts here, after start has adopted the submitted iteration count: the chunk runs iterations
+LATEST+1 .. LATEST+count, and `more` says whether iterations remain after it. Re-running a chunk (Argo's
+retry or resubmit, the CronWorkflow's next tick) therefore continues where the run stands.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from steps.common import open_run, print_json
+from steps.errors import MoeloopError, run_cli
+
+
+def plan(run_uri: str, chunk: int) -> dict[str, Any]:
+    if chunk < 1:
+        raise MoeloopError(f"--chunk must be at least 1, not {chunk}")
+    storage, config = open_run(run_uri)
+    latest = storage.latest()
+    if latest is None:
+        raise MoeloopError(f"run {storage.uri} has no LATEST: its start has not finished")
+    done = latest["iteration"]
+    count = max(0, min(chunk, config.iterations - done))
+    return {
+        "latest": done,
+        "first": done + 1,
+        "count": count,
+        "more": done + count < config.iterations,
+        "target": config.iterations,
+        # LATEST's evaluation may have been cut short (a failed or stopped chunk): run it again if so.
+        "evaluate": not storage.exists(storage.metrics(done)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run", required=True, help="the run's folder URI (local path or s3://...)")
+    parser.add_argument("--chunk", required=True, type=int, help="iterations per chunk (cluster.chunk_iterations)")
+    args = parser.parse_args()
+    print_json(plan(args.run, args.chunk))
+
+
+if __name__ == "__main__":
+    run_cli(main)
