@@ -169,6 +169,7 @@ class RolePlacement(Strict):
     resources: Resources | None = None
     env: dict[str, str] | None = None
     shm_size: str | None = None  # a memory-backed /dev/shm of this size; "" for none
+    priority_class: str | None = None  # a PriorityClass of manifests/ (moeloop-<role>): who is preempted first
 
 
 class SpotRetry(Strict):

@@ -121,5 +121,5 @@ def test_a_broken_command_would_be_caught() -> None:
     assert moeloop_command_errors(broken) == [
         "`moeloop submit configs/my-run.yaml --host` does not parse",
         "`moeloop render configs/my-run.yaml --output-dir rendered/` does not parse",
-        "`moeloop deploy` is in neither the CLI nor the contract",
+        "`moeloop deploy` is not a command of the CLI",
     ]

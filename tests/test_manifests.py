@@ -780,9 +780,10 @@ def test_every_rendered_pod_lands_on_its_roles_nodes_as_its_roles_service_accoun
     priority_classes = set(of_kind(objects, "PriorityClass"))
     for name, document in render(small_config(), "s3://acme-rl/runs/tiny").items():
         for template in document["spec"].get("templates", []):
-            manifest = (template.get("resource") or {}).get("manifest")
-            if manifest:
-                errors += schema_errors(f"rendered {name}", yaml.safe_load(manifest))
+            manifest = yaml.safe_load((template.get("resource") or {}).get("manifest") or "null")
+            # Argo's own kinds (the next chunk's Workflow) are `moeloop lint`'s; the rest must match their CRDs.
+            if manifest and not manifest["apiVersion"].startswith("argoproj.io/"):
+                errors += schema_errors(f"rendered {name}", manifest)
         for where, role, pod in pod_specs(document):
             pools = pools_for(objects, pod.get("nodeSelector") or {}, pod.get("tolerations") or [])
             if pools != [f"moeloop-{role}"]:

@@ -121,6 +121,7 @@ def role_defaults(config: MoeloopConfig, role: str) -> RolePlacement:
         resources=resources,
         env=EFA_ENV if role == "train" else {},
         shm_size={"rollout": "32Gi", "reward": "32Gi", "train": "256Gi"}.get(role, ""),
+        priority_class=f"moeloop-{role}",
     )
 
 
@@ -218,6 +219,7 @@ def _pod_placement(config: MoeloopConfig, role: str) -> dict[str, Any]:
     where = placement(config, role)
     fields: dict[str, Any] = {
         "serviceAccountName": where.service_account,
+        "priorityClassName": where.priority_class,
         "nodeSelector": where.node_selector,
         "tolerations": [t.model_dump(exclude_none=True) for t in where.tolerations or ()],
         "securityContext": pod_security(role),
