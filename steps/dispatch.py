@@ -193,15 +193,18 @@ class AllToAllDispatcher(TokenDispatcher[AllToAllMeta]):
         recv_counts_E = torch.empty_like(tokens_per_expert_E)  # [P * e]: rows from rank p for local expert j
         dist.all_to_all_single(recv_counts_E, tokens_per_expert_E, group=self.group)
         recv_counts_Pe = recv_counts_E.view(self.ep_size, self.num_local_experts)
-        send_splits = tokens_per_expert_E.view(self.ep_size, -1).sum(1).tolist()
-        recv_splits = recv_counts_Pe.sum(1).tolist()
+        # The one host sync of the dispatch: the split sizes all_to_all_single takes as lists.
+        send_splits, recv_splits = torch.stack(
+            [tokens_per_expert_E.view(self.ep_size, -1).sum(1), recv_counts_Pe.sum(1)]
+        ).tolist()
         sent = ExpertRows(token_N, row_of_TK, weight_N, x_TH.shape[0])
         recv_x_NH = all_to_all_single_autograd(permute_rows(x_TH, sent), recv_splits, send_splits, self.group)
         # The routing weights travel with their rows, since the experts (on the receiving rank) apply them.
         recv_weight_N = all_to_all_single_autograd(weight_N.contiguous(), recv_splits, send_splits, self.group)
         # Received rows come rank by rank, each rank's in expert order; the grouped GEMM wants expert by expert.
         local_experts_Pe = torch.arange(self.num_local_experts, device=x_TH.device).repeat(self.ep_size)
-        expert_of_row_N = torch.repeat_interleave(local_experts_Pe, recv_counts_E)
+        # output_size known on the host: no device sync to size the output
+        expert_of_row_N = torch.repeat_interleave(local_experts_Pe, recv_counts_E, output_size=sum(recv_splits))
         expert_order_N = torch.argsort(expert_of_row_N, stable=True)
         meta = AllToAllMeta(
             token_N, row_of_TK, recv_weight_N[expert_order_N], x_TH.shape[0], send_splits, recv_splits, expert_order_N

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the gather-sum kernel accumulates in fp32
 
@@ -45,6 +46,10 @@ def gather_sum_torch(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Te
 
 def gather_sum_triton(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:
     """`gather_sum` in one Triton pass: a program per (token, 1024-column tile) sums the token's K rows in fp32."""
+    if isinstance(rows_NH, AsyncCollectiveTensor):
+        # The output of a functional collective (all-to-all) is a wrapper with no storage of its own, and Triton
+        # reads raw pointers: wait for the collective and take the tensor it wrote.
+        rows_NH = rows_NH.wait()
     rows_NH, row_of_TK = rows_NH.contiguous(), row_of_TK.contiguous()
     num_tokens, top_k = row_of_TK.shape
     hidden = rows_NH.shape[1]

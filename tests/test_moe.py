@@ -326,8 +326,7 @@ def test_fused_kernels_equal_torch_on_cuda(dtype: torch.dtype) -> None:
     torch.testing.assert_close(kernels.gather_sum_torch(rows_NH, row_of_TK).double().cpu(), expected_TH, **tolerance)
 
     generator = torch.Generator().manual_seed(4)
-    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    for rows in (300, 301):  # a second row count must not need a recompile per count (dynamic dim 0)
+    for rows in (300, 301):  # two row counts: the compiled function is compiled for any (dim 0 dynamic)
         gate_up_N2I = torch.randn(rows, 2 * 96, generator=generator).to("cuda", dtype)
         weight_N = torch.rand(rows, generator=generator).to("cuda", dtype)
         grad_NI = torch.randn(rows, 96, generator=generator).to("cuda", dtype)
@@ -338,7 +337,11 @@ def test_fused_kernels_equal_torch_on_cuda(dtype: torch.dtype) -> None:
             out_NI.backward(grad_NI)
             results.append((out_NI.detach(), inputs[0].grad, inputs[1].grad))
         for fused, eager in zip(*results, strict=True):
-            torch.testing.assert_close(fused, eager, **tolerance)
+            if dtype == torch.float32:
+                torch.testing.assert_close(fused, eager)
+            else:  # the compiled SwiGLU rounds to bf16 once, the eager one after every operation
+                error = float((fused.float() - eager.float()).norm() / eager.float().norm())
+                assert error < 1e-2, f"relative error {error:.2e}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
