@@ -12,21 +12,25 @@ Rows, all measured in the same run:
 - dense: one bf16 matmul 8192 x 8192 x 8192 (the chip's practical ceiling), and one of the experts' total
   shape, [T*K, H] @ [H, 2I] then [T*K, I] @ [I, H] forward + backward as plain matmuls (no grouping);
 - bare grouped SwiGLU: `steps.moe.GroupedExperts` on T*K rows already sorted by expert, perfectly balanced
-  (T*K/E rows each): what the experts cost with no routing at all;
-- ours: `steps.moe.MoeBlock` with the `local` dispatcher and `grouped_mm` experts (HF's router included);
-- ours, fused permutation (benchmark-only `FastMoeBlock` below, same parameters): the fixes proposed for
-  steps/moe.py and steps/dispatch.py, measured here by substitution;
+  (T*K/E rows each): what the experts cost with no routing at all; with the eager SwiGLU (the issue's
+  reference) and with the compiled one that `GroupedExperts` uses on CUDA;
+- ours: `steps.moe.MoeBlock` as landed, `local` dispatcher, `grouped_mm` experts (HF's router included), which
+  on CUDA uses `steps.kernels`' compiled SwiGLU and Triton gather-sum; and the same block with those two
+  swapped for their eager torch versions (the CPU path), to show what they are worth;
 - HF transformers' `Qwen3MoeSparseMoeBlock` with `experts_implementation="grouped_mm"`, and "eager".
+Every routed row is checked against HF grouped_mm on the same weights, input and upstream gradient (relative
+error of the output, x.grad, the experts' and the router's weight gradients; "ok" below 1e-2, bf16).
 Prints Markdown tables; with --profile-dir, writes torch.profiler kernel tables there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,94 +42,22 @@ from torch import nn
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from steps import dispatch as dispatch_module
-from steps.dispatch import ExpertRows, make_dispatcher, permute_rows, sort_by_expert, sum_by_token
+from steps import kernels
+from steps.dispatch import make_dispatcher
 from steps.moe import GroupedExperts, MoeBlock
 
 NOMINAL_DENSE_BF16 = 989.0  # TFLOP/s, H100/H200 SXM datasheet, dense
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The proposed fix, as a benchmark-only block: permutation and combine as pure gathers (no atomics, no sort in
-# backward, no host sync), the routing weight folded into the SwiGLU output (I wide, not H wide).
-# ---------------------------------------------------------------------------------------------------------------
-
-
-_gather_sum_kernel: Any = None
-
-
-def _build_gather_sum_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gather_sum_kernel(rows_ptr, row_of_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-        token = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = cols < H
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k in tl.static_range(K):
-            row = tl.load(row_of_ptr + token * K + k).to(tl.int64)
-            acc += tl.load(rows_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + token.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    return gather_sum_kernel
-
-
-def _gather_sum_triton(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:
-    """The same sum in one pass (reads the K rows, writes the token; fp32 accumulation), no T*K intermediate."""
-    global _gather_sum_kernel
-    if _gather_sum_kernel is None:
-        _gather_sum_kernel = _build_gather_sum_kernel()
-    rows_NH, row_of_TK = rows_NH.contiguous(), row_of_TK.contiguous()
-    num_tokens, top_k = row_of_TK.shape
-    hidden = rows_NH.shape[1]
-    out_TH = torch.empty(num_tokens, hidden, device=rows_NH.device, dtype=rows_NH.dtype)
-    block_h = min(1024, 1 << (hidden - 1).bit_length())
-    grid = (num_tokens, -(-hidden // block_h))
-    _gather_sum_kernel[grid](rows_NH, row_of_TK, out_TH, hidden, K=top_k, BLOCK_H=block_h, num_warps=4)
-    return out_TH
-
-
-# steps.dispatch's permutation calls its module-level gather_sum: FastMoeBlock swaps in the one it measures.
-GATHER_SUM = {"torch": dispatch_module.gather_sum, "triton": _gather_sum_triton}
-
-
-def swiglu_weighted(gate_up_N2I: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
-    gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-    return F.silu(gate_NI) * up_NI * weight_N.unsqueeze(1).to(gate_up_N2I.dtype)
-
-
-class FastMoeBlock(nn.Module):
-    """MoeBlock's function (HF router, grouped_mm experts, weighted combine) with the cheap fixes applied.
-
-    Shares the router and expert parameters of the MoeBlock it is made from.
-    """
-
-    def __init__(
-        self, block: MoeBlock, swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], gather_sum: str = "torch"
-    ) -> None:
-        super().__init__()
-        self.gate, self.experts, self.swiglu, self.gather_sum = block.gate, block.experts, swiglu, gather_sum
-        self.num_experts = block.experts.gate_up_proj.shape[0]
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dispatch_module.gather_sum = GATHER_SUM[self.gather_sum]
-        x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
-        _, weight_TK, expert_TK = self.gate(x_TH)
-        token_N, row_of_TK, weight_N, tokens_per_expert_E = sort_by_expert(
-            expert_TK, weight_TK, self.num_experts, expert_TK.numel()
-        )
-        rows = ExpertRows(token_N, row_of_TK, weight_N, x_TH.shape[0])
-        offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
-        x_NH = permute_rows(x_TH, rows)
-        gate_up_N2I = F.grouped_mm(x_NH, self.experts.gate_up_proj.transpose(1, 2), offs=offs_E)
-        h_NI = self.swiglu(gate_up_N2I, weight_N)
-        y_NH = F.grouped_mm(h_NI, self.experts.down_proj.transpose(1, 2), offs=offs_E)
-        return sum_by_token(y_NH, rows).reshape(hidden_states.shape)
-
-
-# ---------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def eager_kernels() -> Iterator[None]:
+    """steps.kernels' CPU paths on any device: eager SwiGLU, index_select + sum gather-sum."""
+    fused = kernels.swiglu, kernels.gather_sum
+    kernels.swiglu, kernels.gather_sum = kernels.swiglu_eager, kernels.gather_sum_torch
+    try:
+        yield
+    finally:
+        kernels.swiglu, kernels.gather_sum = fused
 
 
 def sync(device: torch.device) -> None:
@@ -208,32 +140,18 @@ def dense_swiglu_ms(pairs: int, H: int, I: int, device: torch.device, warmup: in
 
 
 def bare_rows(
-    reference: Qwen3MoeSparseMoeBlock,
-    pairs: int,
-    E: int,
-    H: int,
-    compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-    device: torch.device,
-    warmup: int,
-    reps: int,
+    reference: Qwen3MoeSparseMoeBlock, pairs: int, E: int, H: int, device: torch.device, warmup: int, reps: int
 ) -> list[tuple[str, float]]:
-    """Balanced, pre-permuted rows through the layer's own GroupedExperts; and with the compiled SwiGLU."""
+    """Balanced, pre-permuted rows through the layer's own GroupedExperts: eager SwiGLU, then as landed."""
     experts = GroupedExperts.from_hf(reference.experts, 0, 1, "grouped_mm")
     x_NH = torch.randn(pairs, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_NH = torch.randn(pairs, H, device=device, dtype=torch.bfloat16)
     balanced_E = torch.full((E,), pairs // E, device=device, dtype=torch.int64)
     bare = fwd_bwd(experts, x_NH, grad_NH, balanced_E)
-    rows = [("bare grouped SwiGLU (balanced, pre-permuted)", time_ms(bare, device, warmup, reps))]
-    if compiled is not None:
-        offs_E = torch.cumsum(balanced_E, 0, dtype=torch.int32)
-        ones_N = torch.ones(pairs, device=device, dtype=torch.bfloat16)
-
-        def bare_fused() -> None:
-            x_NH.grad = experts.gate_up_proj.grad = experts.down_proj.grad = None
-            gate_up = F.grouped_mm(x_NH, experts.gate_up_proj.transpose(1, 2), offs=offs_E)
-            F.grouped_mm(compiled(gate_up, ones_N), experts.down_proj.transpose(1, 2), offs=offs_E).backward(grad_NH)
-
-        rows.append(("bare grouped SwiGLU, torch.compile'd SwiGLU", time_ms(bare_fused, device, warmup, reps)))
+    with eager_kernels():
+        rows = [("bare grouped SwiGLU (balanced, pre-permuted), eager SwiGLU", time_ms(bare, device, warmup, reps))]
+    if device.type == "cuda":
+        rows.append(("bare grouped SwiGLU, compiled SwiGLU (steps.kernels)", time_ms(bare, device, warmup, reps)))
     return rows
 
 
@@ -267,7 +185,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--dense-size", type=int, default=8192)
     parser.add_argument("--eager-reps", type=int, default=3, help="0 skips HF's eager loop")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd SwiGLU variant")
     parser.add_argument("--profile-dir", type=Path, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -281,45 +198,36 @@ def main() -> None:
 
     dense = dense_tflops(device, args.dense_size, w, r)
     torch.manual_seed(0)
-
-    compiled = None
-    if not args.no_compile and device.type == "cuda":
-        compiled = torch.compile(swiglu_weighted, dynamic=False, fullgraph=True)
     results.append(("dense SwiGLU, experts' total shape, no grouping", dense_swiglu_ms(pairs, H, I, device, w, r)))
     reference = hf_block(args, device, "grouped_mm")
-    results += bare_rows(reference, pairs, E, H, compiled, device, w, r)
+    results += bare_rows(reference, pairs, E, H, device, w, r)
     x_BSH = torch.randn(1, T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_BSH = torch.randn(1, T, H, device=device, dtype=torch.bfloat16)
 
     ours = MoeBlock.from_hf_block(reference, make_dispatcher("local", E), "grouped_mm")
-    fast = FastMoeBlock(ours, swiglu_weighted)
-    variants: list[tuple[str, nn.Module]] = [
-        ("ours: MoeBlock, local dispatcher, grouped_mm (as landed)", ours),
-        ("ours + gather permutation, weight folded into SwiGLU (FastMoeBlock)", fast),
-    ]
-    if compiled is not None:
-        variants.append(("... + torch.compile'd SwiGLU", FastMoeBlock(ours, compiled)))
-        variants.append(
-            ("... + Triton one-pass gather-sum (combine, permute backward)", FastMoeBlock(ours, compiled, "triton"))
-        )
-    variants.append(("HF Qwen3MoeSparseMoeBlock, experts_implementation=grouped_mm", reference))
+    hf_name = "HF Qwen3MoeSparseMoeBlock, experts_implementation=grouped_mm"
+    variants: list[tuple[str, nn.Module, contextlib.AbstractContextManager[None]]] = [
+        ("**ours: MoeBlock as landed** (local dispatcher, grouped_mm, compiled SwiGLU, Triton gather-sum)",
+         ours, contextlib.nullcontext()),
+        ("ours with steps.kernels' eager paths (eager SwiGLU, index_select + sum)", ours, eager_kernels()),
+        (hf_name, reference, contextlib.nullcontext()),
+    ]  # fmt: skip
 
-    outputs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for name, module in variants:
+    outputs: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name, module, context in variants:
         step = fwd_bwd(module, x_BSH, grad_BSH)
-        try:
+        with context:
             results.append((name, time_ms(step, device, w, r)))
-        except Exception as error:  # noqa: BLE001 -- e.g. a compile failure: report, keep the other rows
-            print(f"{name}: failed: {type(error).__name__}: {str(error).splitlines()[0]}", file=sys.stderr)
-            continue
-        out = step()
-        gate_up = next(p for n, p in module.named_parameters() if n.endswith("gate_up_proj"))
-        outputs[name] = (out.detach().clone(), x_BSH.grad.clone(), gate_up.grad.clone())
+            out = step()
+        grads = dict(module.named_parameters())
+        outputs[name] = (out.detach().clone(), x_BSH.grad.clone()) + tuple(
+            grads[p].grad.clone() for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")
+        )
 
     if args.eager_reps:
         reference.experts.config._experts_implementation = "eager"
         eager_ms = time_ms(fwd_bwd(reference, x_BSH, grad_BSH), device, 1, args.eager_reps)
-        results.append(("HF Qwen3MoeSparseMoeBlock, eager (per-expert loop)", eager_ms))
+        results.append((f"HF Qwen3MoeSparseMoeBlock, eager (per-expert loop), {args.eager_reps} iterations", eager_ms))
         reference.experts.config._experts_implementation = "grouped_mm"
 
     with torch.no_grad():
@@ -328,20 +236,19 @@ def main() -> None:
 
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
-        for tag, module in (("ours", ours), ("fastest", variants[-2][1]), ("hf_grouped_mm", reference)):
+        for tag, module in (("ours", ours), ("hf_grouped_mm", reference)):
             table = profile(tag, fwd_bwd(module, x_BSH, grad_BSH), args.profile_dir, device)
             print(f"\n### profile: {tag} (3 iterations; top 12)\n" + "\n".join(table.splitlines()[:15]))
 
-    ref_name = variants[-1][0]
     bare_ms = results[1][1]
-    hf_ms = dict(results)[ref_name]
+    hf_ms = dict(results)[hf_name]
     print(f"\n## MoE layer forward + backward: T={T} tokens, H={H}, I={I}, E={E}, top-{K}, bf16")
     print(
         f"\n{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
         f"transformers {__import__('transformers').__version__}; expert FLOPs per fwd+bwd {flops / 1e12:.3f} T; "
         f"{balance}; median of {r} after {w} warm-up\n"
     )
-    print("| row | ms | TFLOP/s | % dense 8192^3 | vs bare grouped | vs HF grouped_mm |")
+    print(f"| row | ms | TFLOP/s | % dense {args.dense_size}^3 | vs bare grouped (eager SwiGLU) | vs HF grouped_mm |")
     print("|---|---|---|---|---|---|")
     print(f"| dense bf16 matmul {args.dense_size}^3 | | {dense:.0f} | 100% | | |")
     for name, ms in results:
@@ -353,17 +260,14 @@ def main() -> None:
         f"\nnominal dense bf16 {NOMINAL_DENSE_BF16:.0f} TFLOP/s; measured dense is {100 * dense / NOMINAL_DENSE_BF16:.0f}% of it"
     )
 
-    if ref_name in outputs:
-        ref = outputs[ref_name]
-        print(
-            "\n| vs HF grouped_mm (same weights, input, upstream grad) | rel err out | rel err x.grad | rel err gate_up.grad |"
-        )
-        print("|---|---|---|---|")
-        for name, got in outputs.items():
-            if name != ref_name:
-                print(
-                    f"| {name} | {rel_err(got[0], ref[0]):.1e} | {rel_err(got[1], ref[1]):.1e} | {rel_err(got[2], ref[2]):.1e} |"
-                )
+    ref = outputs[hf_name]
+    print("\n| vs HF grouped_mm (same weights, input, upstream grad; bf16) | out | x.grad | gate_up.grad | down.grad "
+          "| router.grad | ok (all < 1e-2) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, got in outputs.items():
+        if name != hf_name:
+            errors = [rel_err(a, b) for a, b in zip(got, ref, strict=True)]
+            print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errors) + f" | {max(errors) < 1e-2} |")
 
 
 if __name__ == "__main__":

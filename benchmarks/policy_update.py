@@ -6,10 +6,15 @@ The model is a `Qwen3MoeForCausalLM` built from a `Qwen3MoeConfig` sized to ~1B 
 shape scaled down: hidden 1024, 12 layers, 64 experts of intermediate 384, top-8, 16 query heads and 4 KV
 heads of 128, every layer sparse, untied embeddings, vocabulary 32768), random init, bf16 weights, SDPA
 attention. One update = zero_grad, forward with labels (HF's causal-LM loss), backward, fused
-`torch.optim.AdamW` step (bf16 states, as the parameters). Same batch, loss and optimizer for every row:
-- HF: transformers' model with `experts_implementation="grouped_mm"`;
-- ours: the same model after `steps.moe.replace_moe_blocks(model, make_dispatcher("local", E), "grouped_mm")`;
-- ours + fixes: the MoE blocks swapped for benchmarks/moe_layer.py's `FastMoeBlock` (the proposed fixes).
+`torch.optim.AdamW` step (bf16 states, as the parameters). Same initial weights (each row updates its own
+copy), batch, loss and optimizer for every row:
+- HF: transformers' model with `experts_implementation="grouped_mm"`; and the same with every decoder layer
+  `torch.compile`'d (`layer.compile()`, HF's MoE block inside the compiled layer);
+- ours: the same model after `steps.moe.replace_moe_blocks(model, make_dispatcher("local", E), "grouped_mm")`
+  (on CUDA: compiled SwiGLU, Triton gather-sum); and the same after `steps.moe.compile_decoder_layers(model)`
+  (the rest of each decoder layer compiled, the MoE block eager), as the trainer runs it.
+Each row's model is first checked against HF's on the first batch: the loss, and the relative error of all
+gradients together (‖g − g_HF‖ / ‖g_HF‖ over every parameter, bf16).
 tokens/s is batch * seq over the median update time of --reps after --warmup. MFU = model FLOPs per update /
 time / peak, model FLOPs = 6 * active parameters * tokens (active: every matmul weight except the expert
 weights, plus top_k / num_experts of those; the embedding lookup is not a matmul) + causal attention
@@ -20,19 +25,21 @@ is the dense bf16 matmul measured in the same run, and the 989 TFLOP/s datasheet
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from moe_layer import NOMINAL_DENSE_BF16, FastMoeBlock, dense_tflops, profile, swiglu_weighted, time_ms
+from moe_layer import NOMINAL_DENSE_BF16, dense_tflops, profile, time_ms
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from steps.dispatch import make_dispatcher
-from steps.moe import MoeBlock, replace_moe_blocks
+from steps.moe import compile_decoder_layers, replace_moe_blocks
 
 
 def build_config(args: argparse.Namespace) -> Qwen3MoeConfig:
@@ -90,9 +97,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--dense-size", type=int, default=8192)
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd SwiGLU variant")
+    parser.add_argument("--no-compile", action="store_true", help="skip the rows with compiled decoder layers")
     parser.add_argument(
-        "--profile-dir", type=Path, default=None, help="kernel tables of HF's and the last row's update"
+        "--profile-dir", type=Path, default=None, help="kernel tables of HF's update and of ours, compiled"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -101,52 +108,55 @@ def main() -> None:
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    model.train()
-    assert model.config._experts_implementation == "grouped_mm", model.config._experts_implementation
-    total, active = active_parameters(model, config)
+        initial = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    initial.train()
+    assert initial.config._experts_implementation == "grouped_mm", initial.config._experts_implementation
+    total, active = active_parameters(initial, config)
     tokens = args.batch * args.seq
     input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     model_flops = 6 * active * tokens + 6 * args.layers * args.batch * args.seq**2 * args.heads * args.head_dim
     dense = dense_tflops(device, args.dense_size, 3, 10)
 
-    rows: list[tuple[str, float, float, float]] = []  # (name, ms, loss, peak GiB)
+    def hf(model: torch.nn.Module) -> None:
+        pass
 
-    def measure(name: str, tag: str) -> None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-        losses = []
+    def hf_compiled(model: torch.nn.Module) -> None:
+        for layer in model.model.layers:
+            layer.compile()
 
-        def update() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.detach())
+    def ours(model: torch.nn.Module) -> None:
+        replace_moe_blocks(model, make_dispatcher("local", args.experts), "grouped_mm")
 
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        ms = time_ms(update, device, args.warmup, args.reps)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        rows.append((name, ms, float(losses[0]), peak))
-        if args.profile_dir is not None and tag in ("hf", "last"):
-            args.profile_dir.mkdir(parents=True, exist_ok=True)
-            profile(f"update_{tag}", update, args.profile_dir, device)
-        model.zero_grad(set_to_none=True)
-        gc.collect()
+    def ours_compiled(model: torch.nn.Module) -> None:
+        ours(model)
+        assert compile_decoder_layers(model) == args.layers
 
-    measure("HF transformers, experts_implementation=grouped_mm", "hf")
-    replace_moe_blocks(model, make_dispatcher("local", args.experts), "grouped_mm")
-    measure("ours: replace_moe_blocks(local, grouped_mm), as landed", "ours")
-    landed = [layer.mlp for layer in model.model.layers]
-    assert all(isinstance(block, MoeBlock) for block in landed)
-    fixes = [("ours + gather permutation, weight folded into SwiGLU (FastMoeBlock)", swiglu_weighted, "torch")]
+    configurations: list[tuple[str, str, Callable[[torch.nn.Module], None]]] = [
+        ("HF transformers, experts_implementation=grouped_mm", "hf", hf),
+        ("ours: replace_moe_blocks(local, grouped_mm), as landed", "ours", ours),
+    ]
     if not args.no_compile and device.type == "cuda":
-        compiled = torch.compile(swiglu_weighted, dynamic=False, fullgraph=True)
-        fixes.append(("... + torch.compile'd SwiGLU + Triton one-pass gather-sum", compiled, "triton"))
-    for index, (name, swiglu, gather_sum) in enumerate(fixes):
-        for layer, block in zip(model.model.layers, landed, strict=True):
-            layer.mlp = FastMoeBlock(block, swiglu, gather_sum)
-        measure(name, "last" if index == len(fixes) - 1 else "fix")
+        configurations.insert(1, ("HF grouped_mm, decoder layers torch.compile'd", "hf_compiled", hf_compiled))
+        configurations.append(
+            ("**ours + compile_decoder_layers (the trainer's configuration)**", "last", ours_compiled)
+        )
+
+    rows: list[tuple[str, float, float, str]] = []  # (name, ms, peak GiB, check)
+    reference_grads: dict[str, torch.Tensor] = {}
+    for name, tag, prepare in configurations:
+        model = copy.deepcopy(initial)
+        try:
+            prepare(model)
+            check = check_against(model, input_ids, reference_grads)
+        except Exception as error:  # noqa: BLE001 -- e.g. a compile failure: report it, keep the other rows
+            print(f"{name}: failed: {type(error).__name__}: {str(error).splitlines()[0]}", file=sys.stderr)
+            continue
+        ms, peak = time_updates(model, input_ids, args, device, tag if tag in ("hf", "last") else None)
+        rows.append((name, ms, peak, check))
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     print(
         f"\n## Policy update: Qwen3-MoE {total / 1e9:.2f} B parameters ({active / 1e6:.0f} M active), "
@@ -161,16 +171,62 @@ def main() -> None:
         f"transformers {__import__('transformers').__version__}\n"
     )
     print(
-        "| model | ms / update | tokens/s | vs HF | TFLOP/s | MFU (measured dense) | MFU (989 nominal) | loss, 1st warm-up update | peak GiB |"
+        "| model | ms / update | tokens/s | vs HF | TFLOP/s | MFU (measured dense) | MFU (989 nominal) | peak GiB "
+        "| check vs HF: loss, grad rel err |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     hf_ms = rows[0][1]
-    for name, ms, loss, peak in rows:
+    for name, ms, peak, check in rows:
         tflops = model_flops / ms / 1e9
         print(
             f"| {name} | {ms:.1f} | {tokens / ms * 1e3:,.0f} | {hf_ms / ms:.2f}x | {tflops:.0f} | "
-            f"{100 * tflops / dense:.1f}% | {100 * tflops / NOMINAL_DENSE_BF16:.1f}% | {loss:.4f} | {peak:.1f} |"
+            f"{100 * tflops / dense:.1f}% | {100 * tflops / NOMINAL_DENSE_BF16:.1f}% | {peak:.1f} | {check} |"
         )
+
+
+def time_updates(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    profile_tag: str | None,
+) -> tuple[float, float]:
+    """Median ms per update (zero_grad, forward with labels, backward, fused AdamW step) and peak GiB; with a
+    profile_tag and --profile-dir, a kernel table of 3 more updates."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def update() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = time_ms(update, device, args.warmup, args.reps)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    if profile_tag is not None and args.profile_dir is not None:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        profile(f"update_{profile_tag}", update, args.profile_dir, device)
+    return ms, peak
+
+
+def check_against(model: torch.nn.Module, input_ids: torch.Tensor, reference_grads: dict[str, torch.Tensor]) -> str:
+    """Loss and gradients of model on the batch; the first call stores them as the reference (HF's)."""
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    loss = loss.detach()
+    grads = {name: p.grad.float() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    if not reference_grads:
+        reference_grads.update(grads, loss=loss.detach().float())
+        return f"{float(loss):.4f} (reference)"
+    assert grads.keys() == reference_grads.keys() - {"loss"}, "parameter names differ from HF's"
+    squared_error = sum(float((grads[n] - reference_grads[n]).square().sum()) for n in grads)
+    squared_norm = sum(float(reference_grads[n].square().sum()) for n in grads)
+    relative = (squared_error / squared_norm) ** 0.5
+    loss_error = abs(float(loss) - float(reference_grads["loss"]))
+    verdict = "ok" if relative < 2e-2 and loss_error < 1e-2 else "MISMATCH"
+    return f"{float(loss):.4f}, {relative:.1e}: {verdict}"
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ One interface, selected by name (`make_dispatcher`):
     y_TH = dispatcher.combine(expert_y_NH, meta)               # sum over k of the (weighted) expert outputs
 
 The experts apply the routing weights (`meta.weight_N`, one per expert row) themselves, folded into the SwiGLU;
-dispatch and combine are adjoint gathers through the inverse permutation (no atomics, fp32 sums).
+dispatch and combine are adjoint gathers through the inverse permutation (no atomics, fp32 sums; on CUDA the
+sums are one Triton pass, `steps.kernels.gather_sum`).
 
 Shape letters: T tokens on this rank, K experts per token, H hidden size, E experts in all, e = E / EP local
 experts, N rows for the local experts, R tokens received from the EP group (DeepEP), P EP ranks.
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from steps import kernels
 from steps.errors import MoeloopError
 
 log = logging.getLogger(__name__)
@@ -81,20 +83,6 @@ def sort_by_expert(
     return slot_N // top_k, row_of_S.view(num_tokens, top_k), topk_weights_TK.flatten()[slot_N], tokens_per_expert_E
 
 
-def gather_sum(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:
-    """Each token's sum over its K rows, a gather then a sum accumulated in (at least) fp32, like HF's.
-
-    Indices equal to the number of rows (slots dropped here) read a zero row.
-    """
-    num_tokens, top_k = row_of_TK.shape
-    rows_NH = rows_NH.contiguous()
-    if rows_NH.shape[0] < row_of_TK.numel():  # some slots may be dropped: give them a zero row to read
-        rows_NH = torch.cat([rows_NH, rows_NH.new_zeros(1, rows_NH.shape[1])])
-    acc_dtype = torch.promote_types(rows_NH.dtype, torch.float32)
-    gathered_TKH = rows_NH.index_select(0, row_of_TK.flatten()).view(num_tokens, top_k, -1)
-    return gathered_TKH.sum(1, dtype=acc_dtype).to(rows_NH.dtype)
-
-
 class _Permute(torch.autograd.Function):
     """rows_NH = x_TH[token_N]; backward: each token's K row gradients gathered through row_of_TK and summed."""
 
@@ -106,7 +94,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_NH: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         (row_of_TK,) = ctx.saved_tensors
-        return gather_sum(grad_NH, row_of_TK), None, None
+        return kernels.gather_sum(grad_NH, row_of_TK), None, None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -115,7 +103,7 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows_NH: torch.Tensor, token_N: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(token_N)
-        return gather_sum(rows_NH, row_of_TK)
+        return kernels.gather_sum(rows_NH, row_of_TK)
 
     @staticmethod
     def backward(ctx: Any, grad_TH: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
@@ -205,15 +193,18 @@ class AllToAllDispatcher(TokenDispatcher[AllToAllMeta]):
         recv_counts_E = torch.empty_like(tokens_per_expert_E)  # [P * e]: rows from rank p for local expert j
         dist.all_to_all_single(recv_counts_E, tokens_per_expert_E, group=self.group)
         recv_counts_Pe = recv_counts_E.view(self.ep_size, self.num_local_experts)
-        send_splits = tokens_per_expert_E.view(self.ep_size, -1).sum(1).tolist()
-        recv_splits = recv_counts_Pe.sum(1).tolist()
+        # The one host sync of the dispatch: the split sizes all_to_all_single takes as lists.
+        send_splits, recv_splits = torch.stack(
+            [tokens_per_expert_E.view(self.ep_size, -1).sum(1), recv_counts_Pe.sum(1)]
+        ).tolist()
         sent = ExpertRows(token_N, row_of_TK, weight_N, x_TH.shape[0])
         recv_x_NH = all_to_all_single_autograd(permute_rows(x_TH, sent), recv_splits, send_splits, self.group)
         # The routing weights travel with their rows, since the experts (on the receiving rank) apply them.
         recv_weight_N = all_to_all_single_autograd(weight_N.contiguous(), recv_splits, send_splits, self.group)
         # Received rows come rank by rank, each rank's in expert order; the grouped GEMM wants expert by expert.
         local_experts_Pe = torch.arange(self.num_local_experts, device=x_TH.device).repeat(self.ep_size)
-        expert_of_row_N = torch.repeat_interleave(local_experts_Pe, recv_counts_E)
+        # output_size known on the host: no device sync to size the output
+        expert_of_row_N = torch.repeat_interleave(local_experts_Pe, recv_counts_E, output_size=sum(recv_splits))
         expert_order_N = torch.argsort(expert_of_row_N, stable=True)
         meta = AllToAllMeta(
             token_N, row_of_TK, recv_weight_N[expert_order_N], x_TH.shape[0], send_splits, recv_splits, expert_order_N

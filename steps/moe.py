@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
+from steps import kernels
 from steps.dispatch import TokenDispatcher
 
 ExpertsImpl = Literal["grouped_mm", "loop"]
@@ -58,24 +59,20 @@ class GroupedExperts(nn.Module):
         """Rows grouped by expert through their experts; with weight_N, each row's output scaled by its weight.
 
         The weight multiplies the SwiGLU output (I wide) before the down projection, which is linear, so this is
-        the weighted expert output without an H-wide multiply.
+        the weighted expert output without an H-wide multiply. On CUDA the SwiGLU is compiled (`steps.kernels`).
         """
         if self.impl == "grouped_mm":
             offs_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)  # end row of each expert; empty groups ok
             gate_up_N2I = F.grouped_mm(x_NH, self.gate_up_proj.transpose(1, 2), offs=offs_e)
-            return F.grouped_mm(self._swiglu(gate_up_N2I, weight_N), self.down_proj.transpose(1, 2), offs=offs_e)
+            hidden_NI = kernels.swiglu(gate_up_N2I, weight_N, self.act_fn)
+            return F.grouped_mm(hidden_NI, self.down_proj.transpose(1, 2), offs=offs_e)
         splits = tokens_per_expert_e.tolist()
         weights = weight_N.split(splits) if weight_N is not None else [None] * len(splits)
         outputs = []
         for expert, (x_nH, weight_n) in enumerate(zip(x_NH.split(splits), weights, strict=True)):
             gate_up_n2I = F.linear(x_nH, self.gate_up_proj[expert])
-            outputs.append(F.linear(self._swiglu(gate_up_n2I, weight_n), self.down_proj[expert]))
+            outputs.append(F.linear(kernels.swiglu(gate_up_n2I, weight_n, self.act_fn), self.down_proj[expert]))
         return torch.cat(outputs)
-
-    def _swiglu(self, gate_up_N2I: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
-        gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-        hidden_NI = self.act_fn(gate_NI) * up_NI
-        return hidden_NI if weight_N is None else hidden_NI * weight_N.unsqueeze(1).to(hidden_NI.dtype)
 
 
 class MoeBlock(nn.Module):
@@ -99,6 +96,9 @@ class MoeBlock(nn.Module):
         experts = GroupedExperts.from_hf(block.experts, dispatcher.ep_rank, dispatcher.ep_size, experts_impl)
         return cls(block.gate, experts, dispatcher)
 
+    # Kept out of torch.compile (see `compile_decoder_layers`): dispatchers sync with the host and call collectives
+    # and DeepEP; the parts worth fusing are fused in `steps.kernels`.
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
         _, topk_weights_TK, topk_idx_TK = self.gate(x_TH)
@@ -152,3 +152,19 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, MoeBlock):
             state[f"{name}.experts.gate_up_proj"], state[f"{name}.experts.down_proj"] = module.gather_experts()
     return state
+
+
+def compile_decoder_layers(model: nn.Module) -> int:
+    """On CUDA, `torch.compile` in place every module that holds a `MoeBlock` (HF's decoder layers); returns how many.
+
+    What is compiled is the rest of each layer: its RMSNorms (fp32), attention with q/k norms and RoPE, residual
+    adds, whose many small elementwise kernels dominate the policy update once the MoE block is fast. The MoE
+    block stays eager (the layer graph breaks around it). Layers of one class share their compiled code, and
+    batch shapes that vary recompile once into a dynamic-shape graph. On CPU this does nothing (returns 0).
+    """
+    if next(model.parameters()).device.type != "cuda":
+        return 0
+    layers = [parent for parent in model.modules() if any(isinstance(c, MoeBlock) for c in parent.children())]
+    for layer in layers:
+        layer.compile()
+    return len(layers)
