@@ -18,9 +18,12 @@ random router (near-balanced). Three parts, one table each, printed by rank 0:
    `local` dispatcher on all ranks' tokens in one process (every rank holds the whole reference block):
    relative errors of the output, the input gradient, the router gradient (summed over ranks) and the expert
    gradients (gathered); "ok" below 1e-2 (bf16).
-3. The policy update (benchmarks/policy_update.py's ~1B Qwen3-MoE, --update-layers layers): tokens/s over all
-   ranks with each dispatcher, the experts sharded over the ranks, dense gradients all-reduced, fused AdamW,
-   `compile_decoder_layers` as the trainer runs it (CUDA).
+3. The policy update (benchmarks/policy_update.py's ~1B Qwen3-MoE: its own layer shape, --update-hidden,
+   --update-intermediate, --update-experts, not part 1's; --update-layers layers): tokens/s over all ranks with
+   each dispatcher, the experts sharded over the ranks, dense gradients all-reduced, fused AdamW,
+   `compile_decoder_layers` as the trainer runs it (CUDA). --update-local adds the same update without expert
+   parallelism (every rank all experts, every gradient all-reduced: plain data parallelism), the like-for-like
+   reference; --profile adds, per row and rank, where an update's time goes (`profile_summary`).
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are
 set here, before NCCL or DeepEP start). `--dispatchers deepep` where DeepEP cannot run (not installed, CPU,
@@ -74,6 +77,12 @@ def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: in
         sync(device)
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
+
+
+def progress(text: str) -> None:
+    """Rank 0 shows a result as soon as it has it (stderr), should a later part not finish."""
+    if dist.get_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
 
 
 def slowest(value: float, device: torch.device) -> float:
@@ -199,13 +208,22 @@ def numerics_rows(
     return rows
 
 
-def update_rows(
-    args: argparse.Namespace, device: torch.device, dispatchers: dict[str, TokenDispatcher[Any]]
-) -> list[str]:
-    """Part 3: policy-update tokens/s over all ranks, per dispatcher, from the same initial weights."""
+def update_rows(args: argparse.Namespace, device: torch.device) -> tuple[list[str], list[str]]:
+    """Part 3: policy-update tokens/s over all ranks, per dispatcher, from the same initial weights; and with
+    --profile, each row's profile summary (every rank's). The model is policy_update.py's (its own layer shape,
+    the --update-* arguments), not the dispatch part's."""
     world = dist.get_world_size()
-    update_args = argparse.Namespace(**{**vars(args), "layers": args.update_layers})
+    update_args = argparse.Namespace(
+        **{
+            **vars(args),
+            "layers": args.update_layers,
+            "hidden": args.update_hidden,
+            "intermediate": args.update_intermediate,
+            "experts": args.update_experts,
+        }
+    )
     config = build_config(update_args)
+    dispatchers = {name: make_dispatcher(name, args.update_experts, dist.group.WORLD) for name in args.dispatchers}
     input_ids = torch.randint(
         0,
         args.vocab,
@@ -213,7 +231,9 @@ def update_rows(
         device=device,
         generator=torch.Generator(device).manual_seed(dist.get_rank()),
     )
-    rows = []
+    if args.update_local:  # no expert parallelism: every rank all experts, every gradient all-reduced
+        dispatchers = {**dispatchers, "local (no EP, data-parallel)": make_dispatcher("local", args.update_experts)}
+    rows, profiles = [], []
     for name, dispatcher in dispatchers.items():
         torch.manual_seed(0)  # every rank builds the same model, then keeps its experts
         with torch.device(device):
@@ -221,28 +241,95 @@ def update_rows(
         replace_moe_blocks(model, dispatcher, "grouped_mm")
         compile_decoder_layers(model)
         experts = {p for m in model.modules() if isinstance(m, MoeBlock) for p in m.experts.parameters()}
-        dense = [p for p in model.parameters() if p not in experts]
+        # Sharded experts keep their own gradients; replicated ones (the local row) are data-parallel too.
+        replicated = [p for p in model.parameters() if p not in experts or dispatcher.ep_size == 1]
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
-        update = functools.partial(dp_update, model, optimizer, dense, input_ids)
+        update = functools.partial(dp_update, model, optimizer, replicated, input_ids)
         ms = slowest(median_ms(update, device, args.update_warmup, args.update_reps), device)
         tokens = world * args.batch * args.seq
         rows.append(f"| {name} | {ms:.1f} | {tokens / ms * 1e3:,.0f} |")
+        progress(rows[-1])
+        if args.profile:
+            summaries: list[Any] = [None] * world
+            dist.all_gather_object(summaries, profile_summary(update, device))
+            profiles += [f"\n### {name}, rank {rank}\n\n{summary}" for rank, summary in enumerate(summaries)]
+            progress("\n".join(profiles[-world:]))
         del model, optimizer, update
-    if len(rows) == 2:
-        first, second = (float(row.split("|")[2]) for row in rows)
-        names = list(dispatchers)
-        rows.append(f"| {names[1]} vs {names[0]} | | {first / second:.2f}x |")
-    return rows
+    first_ms = float(rows[0].split("|")[2])
+    first = next(iter(dispatchers))
+    rows += [
+        f"| {row.split('|')[1].strip()} vs {first} | | {first_ms / float(row.split('|')[2]):.2f}x |" for row in rows[1:]
+    ]
+    return rows, profiles
+
+
+PROFILED_UPDATES = 2
+
+
+def profile_summary(update: Callable[[], Any], device: torch.device) -> str:
+    """Where an update's time goes on this rank, from torch.profiler over PROFILED_UPDATES updates (per update):
+    the GPU's busy time (kernels of any stream, overlaps counted once) and NCCL's share, the longest GPU idle
+    gaps with the kernels around them, the CUDA runtime calls the host waited in, and the top kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(PROFILED_UPDATES):
+            update()
+        sync(device)
+        wall_ms = (time.perf_counter() - started) * 1e3 / PROFILED_UPDATES
+    events = prof.events()
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    per = 1e3 * PROFILED_UPDATES  # profiler times are in us
+
+    def union_ms(spans: list[Any]) -> float:
+        busy, end = 0.0, float("-inf")
+        for e in spans:
+            start, stop = max(e.time_range.start, end), e.time_range.end
+            busy += max(stop - start, 0)
+            end = max(end, stop)
+        return busy / per
+
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    other = [e for e in kernels if "nccl" not in e.name.lower()]
+    lines = [
+        f"wall {wall_ms:.1f} ms/update (profiled); GPU busy {union_ms(kernels):.1f} ms: NCCL kernels "
+        + f"{union_ms(nccl):.1f} ms, other kernels {union_ms(other):.1f} ms"
+    ]
+    gaps, end, last = [], float("-inf"), None
+    for e in kernels:
+        if last is not None and e.time_range.start > end:
+            gaps.append((e.time_range.start - end, last.name, e.name))
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e
+    lines.append(f"GPU idle gaps: {len(gaps)}, {sum(g[0] for g in gaps) / per:.1f} ms/update; longest:")
+    lines += [f"  {us:,.0f} us after {a[:60]!r} before {b[:60]!r}" for us, a, b in sorted(gaps, reverse=True)[:8]]
+    averages = prof.key_averages()
+    waits = [a for a in averages if (a.key.startswith("cuda") and "Synchronize" in a.key) or a.key == "cudaMemcpyAsync"]
+    lines.append(
+        "host waits (CUDA runtime): "
+        + ", ".join(f"{a.key} {a.count // PROFILED_UPDATES}x {a.cpu_time_total / per:.1f} ms" for a in waits)
+    )
+    top = sorted((a for a in averages if a.device_type == DeviceType.CUDA), key=lambda a: -a.device_time_total)
+    lines.append("top kernels (ms/update, calls/update):")
+    lines += [f"  {a.device_time_total / per:7.2f} {a.count // PROFILED_UPDATES:5d}  {a.key[:90]}" for a in top[:14]]
+    host = sorted((a for a in averages if a.device_type == DeviceType.CPU), key=lambda a: -a.self_cpu_time_total)
+    lines.append("top host ops by self time (ms/update, calls/update):")
+    lines += [f"  {a.self_cpu_time_total / per:7.2f} {a.count // PROFILED_UPDATES:5d}  {a.key[:90]}" for a in host[:10]]
+    return "\n".join(lines)
 
 
 def dp_update(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dense: list[torch.Tensor], input_ids: torch.Tensor
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, replicated: list[torch.Tensor], input_ids: torch.Tensor
 ) -> None:
-    """One update; the dense parameters are data-parallel over the ranks: their gradients averaged in one bucket."""
+    """One update; the replicated parameters are data-parallel over the ranks: gradients averaged in one bucket."""
     optimizer.zero_grad(set_to_none=True)
     model(input_ids=input_ids, labels=input_ids).loss.backward()
-    grads = [p.grad for p in dense]
+    grads = [p.grad for p in replicated]
     bucket = torch.cat([grad.flatten() for grad in grads])
     dist.all_reduce(bucket)
     bucket /= dist.get_world_size()
@@ -263,6 +350,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--update-layers", type=int, default=12, help="0 skips the policy update")
+    parser.add_argument("--update-hidden", type=int, default=1024, help="the update's model: policy_update.py's")
+    parser.add_argument("--update-intermediate", type=int, default=384)
+    parser.add_argument("--update-experts", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank in the update")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=32768)
@@ -271,6 +361,10 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--update-warmup", type=int, default=3)
     parser.add_argument("--update-reps", type=int, default=10)
+    parser.add_argument(
+        "--update-local", action="store_true", help="also the update without EP: every rank all experts (DP)"
+    )
+    parser.add_argument("--profile", action="store_true", help="a profile summary of each update row, every rank")
     args = parser.parse_args()
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -301,7 +395,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     )
     dispatch = dispatch_rows(args, device, dispatchers)
     numerics = numerics_rows(args, device, dispatchers)
-    update = update_rows(args, device, dispatchers) if args.update_layers else []
+    update, profiles = update_rows(args, device) if args.update_layers else ([], [])
     if dist.get_rank() != 0:
         return
     print(f"\n## Dispatch + combine (forward), {header}; median of {args.reps} after {args.warmup}, slowest rank\n")
@@ -314,12 +408,16 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     print("\n".join(numerics))
     if update:
         print(
-            f"\n## Policy update, {args.update_layers} layers, {args.batch} x {args.seq} tokens per rank, "
+            f"\n## Policy update, {args.update_layers} layers of H={args.update_hidden}, "
+            f"E={args.update_experts} x I={args.update_intermediate}, {args.batch} x {args.seq} tokens per rank, "
             f"{world} ranks, median of {args.update_reps} after {args.update_warmup}, slowest rank\n"
         )
         print("| dispatcher | ms / update | tokens/s (all ranks) |")
         print("|---|---|---|")
         print("\n".join(update))
+    if profiles:
+        print(f"\n## Profiles of the policy update, {PROFILED_UPDATES} updates each, per update")
+        print("\n".join(profiles))
 
 
 if __name__ == "__main__":

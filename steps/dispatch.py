@@ -116,6 +116,12 @@ def permute_rows(x_TH: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
     return _Permute.apply(x_TH, rows.token_N, rows.row_of_TK)
 
 
+def reorder_rows(rows_NH: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Tensor) -> torch.Tensor:
+    """`rows_NH[order_N]` for a permutation order_N whose inverse is inverse_N: both ways one `index_select`
+    (plain indexing would scatter its gradient with a sort and atomics)."""
+    return _Permute.apply(rows_NH, order_N, inverse_N.unsqueeze(1))
+
+
 def sum_by_token(expert_y_NH: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
     """Sum each token's expert outputs (already weighted by the experts), in fp32; backward is a gather."""
     return _Unpermute.apply(expert_y_NH, rows.token_N, rows.row_of_TK)
@@ -169,6 +175,7 @@ class AllToAllMeta(ExpertRows):
     send_splits: list[int]  # rows this rank sends to each EP rank
     recv_splits: list[int]  # rows it receives from each EP rank
     expert_order_N: torch.Tensor  # received rows (rank by rank) reordered expert by expert
+    recv_row_of_N: torch.Tensor  # its inverse: where each expert row goes back to, rank by rank
 
 
 class AllToAllDispatcher(TokenDispatcher[AllToAllMeta]):
@@ -193,12 +200,14 @@ class AllToAllDispatcher(TokenDispatcher[AllToAllMeta]):
         recv_counts_E = torch.empty_like(tokens_per_expert_E)  # [P * e]: rows from rank p for local expert j
         dist.all_to_all_single(recv_counts_E, tokens_per_expert_E, group=self.group)
         recv_counts_Pe = recv_counts_E.view(self.ep_size, self.num_local_experts)
+        sent = ExpertRows(token_N, row_of_TK, weight_N, x_TH.shape[0])
+        # Queued before the host sync below: one launch fewer after it, while the drained GPU waits for the host.
+        send_x_NH = permute_rows(x_TH, sent)
         # The one host sync of the dispatch: the split sizes all_to_all_single takes as lists.
         send_splits, recv_splits = torch.stack(
             [tokens_per_expert_E.view(self.ep_size, -1).sum(1), recv_counts_Pe.sum(1)]
         ).tolist()
-        sent = ExpertRows(token_N, row_of_TK, weight_N, x_TH.shape[0])
-        recv_x_NH = all_to_all_single_autograd(permute_rows(x_TH, sent), recv_splits, send_splits, self.group)
+        recv_x_NH = all_to_all_single_autograd(send_x_NH, recv_splits, send_splits, self.group)
         # The routing weights travel with their rows, since the experts (on the receiving rank) apply them.
         recv_weight_N = all_to_all_single_autograd(weight_N.contiguous(), recv_splits, send_splits, self.group)
         # Received rows come rank by rank, each rank's in expert order; the grouped GEMM wants expert by expert.
@@ -206,13 +215,22 @@ class AllToAllDispatcher(TokenDispatcher[AllToAllMeta]):
         # output_size known on the host: no device sync to size the output
         expert_of_row_N = torch.repeat_interleave(local_experts_Pe, recv_counts_E, output_size=sum(recv_splits))
         expert_order_N = torch.argsort(expert_of_row_N, stable=True)
+        recv_row_of_N = torch.empty_like(expert_order_N)  # the inverse permutation: each received row's place
+        recv_row_of_N[expert_order_N] = torch.arange(expert_order_N.numel(), device=x_TH.device)
         meta = AllToAllMeta(
-            token_N, row_of_TK, recv_weight_N[expert_order_N], x_TH.shape[0], send_splits, recv_splits, expert_order_N
+            token_N,
+            row_of_TK,
+            recv_weight_N[expert_order_N],
+            x_TH.shape[0],
+            send_splits,
+            recv_splits,
+            expert_order_N,
+            recv_row_of_N,
         )
-        return recv_x_NH[expert_order_N], recv_counts_Pe.sum(0), meta
+        return reorder_rows(recv_x_NH, expert_order_N, recv_row_of_N), recv_counts_Pe.sum(0), meta
 
     def combine(self, expert_y_NH: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
-        recv_y_NH = torch.empty_like(expert_y_NH).index_copy(0, meta.expert_order_N, expert_y_NH)
+        recv_y_NH = reorder_rows(expert_y_NH, meta.recv_row_of_N, meta.expert_order_N)
         y_NH = all_to_all_single_autograd(recv_y_NH, meta.send_splits, meta.recv_splits, self.group)
         return sum_by_token(y_NH, meta)
 

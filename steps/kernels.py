@@ -40,7 +40,7 @@ def gather_sum_torch(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Te
     if rows_NH.shape[0] < row_of_TK.numel():  # some slots may be dropped: give them a zero row to read
         rows_NH = torch.cat([rows_NH, rows_NH.new_zeros(1, rows_NH.shape[1])])
     acc_dtype = torch.promote_types(rows_NH.dtype, torch.float32)
-    gathered_TKH = rows_NH.index_select(0, row_of_TK.flatten()).view(num_tokens, top_k, -1)
+    gathered_TKH = rows_NH.index_select(0, row_of_TK.flatten()).view(num_tokens, top_k, rows_NH.shape[1])
     return gathered_TKH.sum(1, dtype=acc_dtype).to(rows_NH.dtype)
 
 
