@@ -537,3 +537,60 @@ def test_varied_groups_marks_samples_of_groups_with_unequal_rewards() -> None:
     rewards = torch.tensor([0.5, 0.5, 1.0, 0.2, 0.2, 0.2, 0.0, 1.0, 0.3])
     groups = torch.tensor([3, 3, 3, 8, 8, 8, 1, 1, 5])  # group 5 has one sample: nothing varies
     assert varied_groups(rewards, groups).tolist() == [True, True, True, False, False, False, True, True, False]
+
+
+# ---------------------------------------------------------------------------------------------
+# The train step's update with each variant (tiny model, one optimizer step)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {},
+        {"loss_aggregation": "sequence"},
+        {"loss_aggregation": "dr_grpo", "scale_rewards": False},
+        {"clip_eps_high": 0.28},
+        {"drop_equal_groups": True},
+        {"behavior_weight_cap": None},
+        {"kl_coef": 0.1, "loss_aggregation": "sequence"},
+    ],
+    ids=["token", "sequence", "dr_grpo", "clip_higher", "drop_equal_groups", "no_behavior_weights", "kl"],
+)
+def test_every_variant_updates_the_policy_with_a_finite_loss(algorithm: dict, tmp_path) -> None:
+    import copy
+
+    from transformers import Qwen3MoeForCausalLM
+
+    from steps.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
+    from steps.train import make_optimizer, policy_update
+    from tests.conftest import small_config
+    from tests.test_moe import tiny_config
+    from tests.test_train_ep import experience
+
+    torch.manual_seed(0)
+    save_policy(Qwen3MoeForCausalLM(tiny_config()), build_tokenizer(["abc"]), tmp_path / "policy")
+    model, _ = load_policy_shard(tmp_path / "policy", "auto", "grouped_mm", None, torch.device("cpu"))
+    reference = copy.deepcopy(model)
+    config = small_config(iterations=1, algorithm=algorithm, trainer={"minibatch_size": 12, "epochs": 1})
+    before = [p.detach().clone() for p in model.parameters()]
+    report = policy_update(model, reference, make_optimizer(model, config.trainer), experience(), config, seed=0)
+
+    assert math.isfinite(report["loss"]) and math.isfinite(report["grad_norm"]) and report["optimizer_steps"] == 1
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    # experience(): 3 groups of 4, the last with equal rewards; the filter drops it and the batch shrinks to 8.
+    dropped = 4 if algorithm.get("drop_equal_groups") else 0
+    assert report["samples"] == 12 and report["dropped_samples"] == dropped
+    assert report["response_tokens"] == sum(2 + s % 5 for s in range(12) if s < 12 - dropped)
+    # The weights: min(exp(old - behaviour), cap) over the kept samples' response tokens, old from the start policy.
+    batch = experience()
+    kept = slice(0, 12 - dropped)
+    with torch.no_grad():
+        old_BT, _ = token_logprobs(reference.eval(), batch.input_ids_BT[kept], batch.attention_mask_BT[kept])
+    mask_BT = batch.response_mask_BT[kept]
+    ratios = torch.exp(old_BT - batch.behavior_logprobs_BT[kept])[mask_BT].tolist()
+    if algorithm.get("behavior_weight_cap", 2.0) is None:
+        assert "behavior_weight_mean" not in report
+    else:
+        weights = [min(ratio, 2.0) for ratio in ratios]
+        assert report["behavior_weight_mean"] == pytest.approx(sum(weights) / len(weights), rel=1e-4)
+        assert report["behavior_weight_truncated"] == pytest.approx(sum(r > 2.0 for r in ratios) / len(ratios))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from steps.config import MoeloopConfig
 from steps.demo_task import reverse_positions
@@ -85,8 +85,8 @@ def test_a_folder_that_is_not_a_model_or_has_more_labels_is_refused(tmp_path: Pa
         start(run_uri(config, str(run_root)), config)
 
     build_tiny_reward_model(small_config(), tmp_path / "two", seed=0)
-    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "two", num_labels=2)
-    model.save_pretrained(tmp_path / "two")
+    two_labels = AutoConfig.from_pretrained(tmp_path / "two", num_labels=2)
+    AutoModelForSequenceClassification.from_config(two_labels).save_pretrained(tmp_path / "two")
     with pytest.raises(MoeloopError, match="num_labels 2, not 1"):
         RewardModelScorer(tmp_path / "two", batch_size=2)
 
