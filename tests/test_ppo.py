@@ -273,3 +273,69 @@ def test_ppo_loop_commits_publishes_and_resumes_the_critic(run_root: Path, tmp_p
         values_BT, _ = token_values(trained.eval(), batch.input_ids_BT % 10, batch.attention_mask_BT)
     torch.testing.assert_close(values_BT[:, 1:], logits_BT.squeeze(-1)[:, :-1], rtol=1e-5, atol=1e-5)
     assert float(values_BT.abs().max()) > 0  # the head moved away from zero
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO under expert parallelism: the critic is sharded like the policy
+
+
+def ppo_ep_config():
+    return small_config(
+        iterations=1,
+        algorithm={"name": "ppo", "kl_coef": 0.05},
+        trainer={"minibatch_size": 6, "epochs": 1, "learning_rate": 1e-3, "world_size": 2, "expert_parallel": 2},
+    )
+
+
+def ppo_update_on(policy_dir: Path, parallel) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One PPO update (2 minibatches) on this rank's shards: (report, policy and critic weights gathered, HF names)."""
+    from steps.moe import hf_state_dict
+
+    config = ppo_ep_config()
+    shard = ("auto", "grouped_mm", parallel.ep_group, CPU)
+    model, _ = load_policy_shard(policy_dir, *shard)
+    reference, _ = load_policy_shard(policy_dir, *shard)
+    critic_model, _ = load_critic_shard(policy_dir, *shard, from_policy=True)
+    critic = Critic(critic_model, make_optimizer(critic_model, config.trainer, config.algorithm.critic_learning_rate))
+    optimizer = make_optimizer(model, config.trainer)
+    report = policy_update(model, reference, optimizer, experience(), config, 3, parallel, critic)
+    return report, hf_state_dict(model), hf_state_dict(critic.model)
+
+
+def ppo_rank(rank: int, port: int, policy_dir: Path, expected: tuple) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from steps.config import TrainerConfig
+    from steps.train import init_parallel
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    parallel = init_parallel(TrainerConfig(world_size=2, expert_parallel=2))
+    try:
+        report, policy, critic = ppo_update_on(policy_dir, parallel)
+    finally:
+        dist.destroy_process_group()
+    want_report, want_policy, want_critic = expected
+    for key in ("loss", "value_loss", "kl", "grad_norm", "critic_grad_norm", "value_clip_fraction", "return_mean"):
+        assert report[key] == pytest.approx(want_report[key], rel=1e-5, abs=1e-7), key
+    for got, want in ((policy, want_policy), (critic, want_critic)):
+        assert got.keys() == want.keys()
+        for name, tensor in got.items():
+            torch.testing.assert_close(tensor, want[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_ppo_update_with_ep2_equals_one_process(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from steps.train import Parallel
+    from tests.test_train_ep import free_port
+
+    policy_dir = tiny_policy(tmp_path)
+    expected = ppo_update_on(policy_dir, Parallel())
+    assert expected[0]["optimizer_steps"] == 2
+    mp.spawn(ppo_rank, args=(free_port(), policy_dir, expected), nprocs=2, join=True)
