@@ -339,3 +339,33 @@ def test_ppo_update_with_ep2_equals_one_process(tmp_path: Path) -> None:
     expected = ppo_update_on(policy_dir, Parallel())
     assert expected[0]["optimizer_steps"] == 2
     mp.spawn(ppo_rank, args=(free_port(), policy_dir, expected), nprocs=2, join=True)
+
+
+@pytest.mark.slow
+def test_ppo_demo_learns(tmp_path: Path) -> None:
+    """The loop issue's measure on configs/tiny-ppo.yaml, cut to 16 of its 24 iterations: greedy eval_reward_mean
+    beats the SFT checkpoint's by 0.2 (measured on the full run: 0.509 -> 0.746 after 10 iterations)."""
+    import subprocess
+    import sys
+
+    from steps.config import load_config
+    from tests.conftest import REPO
+
+    iterations = 16
+    config = load_config(REPO / "configs" / "tiny-ppo.yaml")
+    command = [
+        "run",
+        "configs/tiny-ppo.yaml",
+        "--root",
+        str(tmp_path),
+        "--iterations",
+        str(iterations),
+        "--no-progress",
+    ]
+    subprocess.run([sys.executable, "-m", "workflows.cli", *command], cwd=REPO, check=True)
+    storage = RunStorage(f"{tmp_path}/{config.run_name}")
+    start = storage.read_json(storage.metrics(0))["eval_reward_mean"]
+    last = storage.read_json(storage.metrics(iterations))["eval_reward_mean"]
+    print(f"PPO eval_reward_mean: SFT {start:.3f} -> iteration {iterations} {last:.3f}")
+    assert storage.is_committed(storage.critic(iterations))
+    assert last >= start + 0.2
