@@ -1,7 +1,9 @@
-"""train: one GRPO policy update on the iteration's experience; commits the trainer state (weights, optimizer).
+"""train: one GRPO or PPO update on the iteration's experience; commits the trainer state (weights, optimizer;
+with PPO the critic's too, in critic/).
 
-Starts from the trainer state of the previous iteration (checkpoint 0 for the first), so the optimizer's
-moments carry across iterations. The reference policy for the KL is checkpoint 0, the SFT start.
+Starts from the trainer state of the previous iteration (checkpoint 0 for the first, and for PPO a critic made
+from it), so the optimizer's moments carry across iterations. The reference policy for the KL is checkpoint 0,
+the SFT start. The losses and advantages are in steps/grpo.py and steps/ppo.py; README "Algorithms".
 
 With `trainer.world_size` > 1 it runs under torchrun over a (dp, ep) device mesh: each rank holds the dense
 weights and routers whole and its EP slice of the experts, and takes a distinct share of every minibatch's
