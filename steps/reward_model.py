@@ -24,7 +24,7 @@ from transformers import (
     Qwen3MoeForSequenceClassification,
 )
 
-from steps.common import fetch_committed, local_scratch
+from steps.common import fetch_committed, local_scratch, quiet_libraries
 from steps.config import MoeloopConfig, RewardModel, load_config
 from steps.errors import MoeloopError, run_cli
 from steps.policy import build_tokenizer, save_policy
@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the folder to write the reward model to")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    quiet_libraries()
     build_tiny_reward_model(load_config(args.like), Path(args.out), args.seed)
     print(f"wrote a random tiny reward model to {args.out}")
 
