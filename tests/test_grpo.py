@@ -594,3 +594,13 @@ def test_every_variant_updates_the_policy_with_a_finite_loss(algorithm: dict, tm
         weights = [min(ratio, 2.0) for ratio in ratios]
         assert report["behavior_weight_mean"] == pytest.approx(sum(weights) / len(weights), rel=1e-4)
         assert report["behavior_weight_truncated"] == pytest.approx(sum(r > 2.0 for r in ratios) / len(ratios))
+
+
+def test_a_last_minibatch_too_small_for_every_rank_joins_the_one_before() -> None:
+    from steps.train import minibatches
+
+    order = torch.arange(10)
+    assert [len(m) for m in minibatches(order, 4, world_size=2)] == [4, 4, 2]
+    assert [len(m) for m in minibatches(order, 4, world_size=3)] == [4, 6]
+    assert torch.cat(minibatches(order, 4, world_size=3)).tolist() == order.tolist()
+    assert [len(m) for m in minibatches(torch.arange(2), 4, world_size=3)] == [2]  # policy_update skips this batch
