@@ -63,6 +63,20 @@ class RewardModelScorer:
         return scores
 
 
+def check_reward_models(models: list[RewardModel]) -> None:
+    """Each configured reward model is an HF model folder (it has a config.json): checked before start writes."""
+    for index, settings in enumerate(models):
+        try:
+            fs, path = fsspec.core.url_to_fs(settings.path)
+            found = fs.isfile(f"{path.rstrip('/')}/config.json")
+        except (OSError, ValueError) as error:
+            raise MoeloopError(f"reward.models.{index}.path: cannot read {settings.path} ({error})") from None
+        if not found:
+            raise MoeloopError(
+                f"reward.models.{index}.path is not an HF model folder (no config.json): {settings.path}"
+            )
+
+
 def adopt_reward_models(storage: RunStorage, models: list[RewardModel]) -> None:
     """Commit a copy of each configured reward model into the run (a no-op for one already committed there).
     A local folder is committed as it is; a URI is downloaded first."""
@@ -74,13 +88,8 @@ def adopt_reward_models(storage: RunStorage, models: list[RewardModel]) -> None:
             source = Path(settings.path)
             if "://" in settings.path:
                 source = scratch / "model"
-                try:
-                    fs, path = fsspec.core.url_to_fs(settings.path)
-                    fs.get(path.rstrip("/") + "/", str(source), recursive=True)
-                except FileNotFoundError:
-                    raise MoeloopError(f"reward model not found: {settings.path}") from None
-            if not (source / "config.json").is_file():
-                raise MoeloopError(f"reward.models.{index}.path is not an HF model folder: {settings.path}")
+                fs, path = fsspec.core.url_to_fs(settings.path)
+                fs.get(path.rstrip("/") + "/", str(source), recursive=True)
             storage.commit_folder(folder, source, extra={"reward_model": index, "source": settings.path})
 
 

@@ -80,9 +80,11 @@ def test_reward_step_adds_the_weighted_model_score(reward_model: Path, run_root:
 
 def test_a_folder_that_is_not_a_model_or_has_more_labels_is_refused(tmp_path: Path, run_root: Path) -> None:
     (tmp_path / "empty").mkdir()
-    config = rm_config(tmp_path / "empty", functions=True)
-    with pytest.raises(MoeloopError, match="reward.models.0.path is not an HF model folder"):
-        start(run_uri(config, str(run_root)), config)
+    for missing in (tmp_path / "empty", tmp_path / "nowhere"):
+        config = rm_config(missing, functions=True)
+        with pytest.raises(MoeloopError, match="reward.models.0.path is not an HF model folder"):
+            start(run_uri(config, str(run_root)), config)
+        assert not list(run_root.iterdir())  # refused before anything was written
 
     build_tiny_reward_model(small_config(), tmp_path / "two", seed=0)
     two_labels = AutoConfig.from_pretrained(tmp_path / "two", num_labels=2)
