@@ -91,17 +91,21 @@ def cache_root() -> Path:
 
 
 def fetch_checkpoint(storage: RunStorage, iteration: int) -> Path:
-    """A committed checkpoint as a local folder, cached by checkpoint id (run, iteration, COMMIT digest).
+    """A committed checkpoint as a local folder, cached by checkpoint id (run, iteration, COMMIT digest)."""
+    return fetch_committed(storage, storage.checkpoint(iteration), f"checkpoint of iteration {iteration}")
+
+
+def fetch_committed(storage: RunStorage, folder: str, what: str = "folder") -> Path:
+    """A committed folder (a checkpoint, a reward model) as a local folder, cached by (run, folder, COMMIT digest).
 
     A download is verified against the COMMIT before it enters the cache, and a cached copy again before
     every use: a damaged copy is set aside and fetched anew."""
-    folder = storage.checkpoint(iteration)
     manifest = storage.manifest(folder)
     if manifest is None:
-        raise MoeloopError(f"checkpoint of iteration {iteration} is not committed: {storage.display(folder)}")
+        raise MoeloopError(f"{what} is not committed: {storage.display(folder)}")
     commit_digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
     run_digest = hashlib.sha256(storage.uri.encode()).hexdigest()[:16]
-    local = cache_root() / run_digest / f"{Path(folder).name}-{commit_digest}"
+    local = cache_root() / run_digest / f"{folder.replace('/', '-')}-{commit_digest}"
     if local.exists():
         if matches_manifest(local, manifest):
             return local

@@ -103,16 +103,66 @@ class RewardFunction(Strict):
         return value
 
 
+class RewardModel(Strict):
+    """An HF sequence-classification model (num_labels=1) that scores prompt + response."""
+
+    path: str  # a local folder or a URI (s3://...); fetched through the storage module, verified and cached
+    weight: float = 1.0
+    batch_size: int = Field(32, gt=0)  # samples per forward pass
+
+    @field_validator("path")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name a reward model folder or URI")
+        return value
+
+
 class RewardConfig(Strict):
-    functions: list[RewardFunction] = Field(min_length=1)
+    # The reward is sum(weight * function) + sum(weight * model score): rule rewards, reward models, or both.
+    functions: list[RewardFunction] = []
+    models: list[RewardModel] = []
+
+    @model_validator(mode="after")
+    def _some_reward(self) -> RewardConfig:
+        if not self.functions and not self.models:
+            raise ValueError("name at least one reward function or reward model")
+        return self
 
 
 class AlgorithmConfig(Strict):
-    name: Literal["grpo"] = "grpo"
-    clip_eps: float = Field(0.2, gt=0)
+    """The policy update: GRPO (group advantages, no value model) or PPO (a critic, GAE). README: "Algorithms"."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    clip_eps: float = Field(0.2, gt=0)  # the ratio's clip range is [1 - clip_eps, 1 + clip_eps_high]
+    clip_eps_high: float | None = Field(None, gt=0)  # DAPO clip-higher; None: clip_eps (symmetric)
+    # GRPO: coefficient of the k3 KL(policy || reference) added to the loss. PPO: of the per-token k1 KL penalty
+    # subtracted from the token rewards.
     kl_coef: float = Field(0.0, ge=0)
-    # Divide each group's centred rewards by the group's standard deviation.
+    # GRPO: divide each group's centred rewards by the group's standard deviation.
     scale_rewards: bool = True
+    # token: mean over the minibatch's tokens; sequence: mean over each sequence's tokens, then over sequences;
+    # dr_grpo: sum over each sequence's tokens / rollout.max_new_tokens, then mean over sequences (Dr. GRPO).
+    loss_aggregation: Literal["token", "sequence", "dr_grpo"] = "token"
+    # Leave out groups whose rewards are all equal (DAPO's dynamic-sampling filter): the batch shrinks.
+    drop_equal_groups: bool = False
+    # Decoupled objective: each token's surrogate is weighted by min(pi_old / pi_behavior, cap), the truncated
+    # importance weight of the trainer's policy at the start of the update against the one that sampled.
+    # None: no weight (pi_old is taken as the behaviour policy).
+    behavior_weight_cap: float | None = Field(2.0, gt=0)
+    # PPO: GAE over the response tokens, the critic's clipped value loss and its optimizer.
+    gae_gamma: float = Field(1.0, ge=0, le=1)
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    value_clip: float | None = Field(0.2, gt=0)  # None: the value loss is not clipped
+    critic_learning_rate: float = Field(1e-3, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmConfig:
+        if self.loss_aggregation == "dr_grpo" and self.scale_rewards:
+            raise ValueError(
+                "loss_aggregation dr_grpo uses advantages without std normalisation: set scale_rewards false"
+            )
+        return self
 
 
 class TrainerConfig(Strict):

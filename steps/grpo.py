@@ -1,8 +1,13 @@
-"""GRPO: group-normalised advantages and the clipped, token-level surrogate loss. Pure tensor math."""
+"""GRPO's group advantages and the clipped surrogate policy loss that GRPO and PPO share. Pure tensor math.
+
+The loss has the variants users ask for: token, sequence or Dr. GRPO aggregation, asymmetric clipping (DAPO's
+clip-higher) and truncated importance weights for a behaviour policy older than the trainer's (decoupled objective).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -19,11 +24,7 @@ def group_advantages(
     groups = int(group_index_N.max()) + 1
     counts_G = torch.bincount(group_index_N, minlength=groups).to(rewards_N.dtype)
     mean_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, rewards_N) / counts_G
-    low_G = torch.full((groups,), torch.inf, dtype=rewards_N.dtype).scatter_reduce(0, group_index_N, rewards_N, "amin")
-    high_G = torch.full((groups,), -torch.inf, dtype=rewards_N.dtype).scatter_reduce(
-        0, group_index_N, rewards_N, "amax"
-    )
-    varied_N = (high_G > low_G)[group_index_N]
+    varied_N = varied_groups(rewards_N, group_ids_N)
     centred_N = torch.where(varied_N, rewards_N - mean_G[group_index_N], torch.zeros_like(rewards_N))
     if not scale:
         return centred_N
@@ -32,40 +33,113 @@ def group_advantages(
     return centred_N / (std_G[group_index_N] + eps)
 
 
+def varied_groups(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
+    """Whether each sample's group has rewards that are not all equal (exact comparison: equal floats only)."""
+    _, group_index_N = torch.unique(group_ids_N, return_inverse=True)
+    groups = int(group_index_N.max()) + 1
+    low_G = torch.full((groups,), torch.inf, dtype=rewards_N.dtype).scatter_reduce(0, group_index_N, rewards_N, "amin")
+    high_G = torch.full((groups,), -torch.inf, dtype=rewards_N.dtype).scatter_reduce(
+        0, group_index_N, rewards_N, "amax"
+    )
+    return (high_G > low_G)[group_index_N]
+
+
+Aggregation = Literal["token", "sequence", "dr_grpo"]
+
+
+def aggregate(
+    values_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    aggregation: Aggregation,
+    max_length: int | None = None,
+    num_tokens: int | None = None,
+    num_sequences: int | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values over the masked tokens to one number.
+
+    token: the sum over all tokens / num_tokens (every token weighs the same; long answers weigh more).
+    sequence: each sequence's token mean, summed / num_sequences (every sequence weighs the same).
+    dr_grpo: each sequence's token sum / max_length (a constant), summed / num_sequences (Dr. GRPO, Liu et al.
+    2025, arXiv:2503.20783: no length normalisation, so a token's weight does not depend on its answer's length).
+    num_tokens and num_sequences are the whole minibatch's counts when it is split over ranks, so that the ranks'
+    results add up to the minibatch's; by default they are these rows' own.
+    """
+    mask = mask_BT.to(values_BT.dtype)
+    masked_BT = values_BT * mask
+    if aggregation == "token":
+        return masked_BT.sum() / (float(num_tokens) if num_tokens is not None else mask.sum().clamp(min=1))
+    sequences = float(num_sequences) if num_sequences is not None else float(len(values_BT))
+    if aggregation == "sequence":
+        per_sequence_B = masked_BT.sum(1) / mask.sum(1).clamp(min=1)
+    elif aggregation == "dr_grpo":
+        if max_length is None:
+            raise ValueError("dr_grpo aggregation needs max_length")
+        per_sequence_B = masked_BT.sum(1) / max_length
+    else:
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+    return per_sequence_B.sum() / sequences
+
+
+def behavior_weights(
+    old_logprobs_BT: torch.Tensor, behavior_logprobs_BT: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance weights min(pi_old / pi_behavior, cap) and whether each was truncated.
+
+    The decoupled PPO objective (Hilton et al. 2022, "Batch size-invariance for policy optimization",
+    arXiv:2110.00641) clips the ratio against a proximal policy pi_old (here: the trainer's policy at the start
+    of the update) and corrects for the behaviour policy that sampled (a stale checkpoint, or the rollout
+    engine's numerics) with pi_old / pi_behavior; truncating that weight at a cap bounds its variance, as
+    V-trace does (Espeholt et al. 2018, arXiv:1802.01561) and as asynchronous RL for LLMs does (AReaL, Fu et al.
+    2025, arXiv:2505.24298). Constants: no gradient flows through them.
+    """
+    ratio_BT = torch.exp(old_logprobs_BT - behavior_logprobs_BT).detach()
+    return ratio_BT.clamp(max=cap), ratio_BT > cap
+
+
 @dataclass(frozen=True)
 class LossTerms:
     loss: torch.Tensor  # what is minimised
     policy_loss: torch.Tensor
-    kl: torch.Tensor  # mean per-token KL(policy || reference), k3 estimator
+    kl: torch.Tensor  # KL(policy || reference), k3 estimator, aggregated like the policy loss
     clip_fraction: torch.Tensor  # share of tokens whose ratio was clipped
 
 
-def grpo_loss(
+def clipped_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
-    advantages_B: torch.Tensor,
+    advantages: torch.Tensor,
     mask_BT: torch.Tensor,
-    clip_eps: float,
+    clip_low: float,
+    clip_high: float | None = None,
+    aggregation: Aggregation = "token",
+    max_length: int | None = None,
+    num_tokens: int | None = None,
+    num_sequences: int | None = None,
+    weights_BT: torch.Tensor | None = None,
     ref_logprobs_BT: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    num_tokens: int | None = None,
 ) -> LossTerms:
-    """Clipped surrogate -min(r A, clip(r, 1-eps, 1+eps) A) plus kl_coef * KL, averaged over tokens.
+    """Clipped surrogate -w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), aggregated, plus kl_coef * k3 KL.
 
-    num_tokens is the denominator of the token mean: the token count of the whole batch when a batch is
-    split into minibatches, so that every token weighs the same whatever minibatch it falls in.
+    advantages is per sequence [B] (GRPO) or per token [B, T] (PPO). weights_BT are the behaviour importance
+    weights (None: 1). clip_high None is clip_low (symmetric); a larger one is DAPO's clip-higher (Yu et al. 2025,
+    arXiv:2503.14476), which lets unlikely tokens with A > 0 gain more before the clip stops them.
     """
+    clip_high = clip_low if clip_high is None else clip_high
     mask = mask_BT.to(logprobs_BT.dtype)
-    denominator = float(num_tokens) if num_tokens is not None else mask.sum().clamp(min=1)
+    advantages_BT = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
-    advantages_BT = advantages_B.unsqueeze(1)
     unclipped_BT = ratio_BT * advantages_BT
-    clipped_BT = torch.clamp(ratio_BT, 1 - clip_eps, 1 + clip_eps) * advantages_BT
-    policy_loss = (-torch.minimum(unclipped_BT, clipped_BT) * mask).sum() / denominator
+    clipped_BT = torch.clamp(ratio_BT, 1 - clip_low, 1 + clip_high) * advantages_BT
+    surrogate_BT = -torch.minimum(unclipped_BT, clipped_BT)
+    if weights_BT is not None:
+        surrogate_BT = surrogate_BT * weights_BT
+    counts = {"max_length": max_length, "num_tokens": num_tokens, "num_sequences": num_sequences}
+    policy_loss = aggregate(surrogate_BT, mask_BT, aggregation, **counts)
     clip_fraction = ((unclipped_BT != clipped_BT).to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
     if ref_logprobs_BT is None:
-        kl = torch.zeros((), dtype=logprobs_BT.dtype)
+        kl = torch.zeros((), dtype=logprobs_BT.dtype, device=logprobs_BT.device)
     else:
         log_ratio_BT = ref_logprobs_BT - logprobs_BT
-        kl = ((torch.exp(log_ratio_BT) - log_ratio_BT - 1) * mask).sum() / denominator
+        kl = aggregate(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT, aggregation, **counts)
     return LossTerms(policy_loss + kl_coef * kl, policy_loss, kl, clip_fraction)

@@ -10,13 +10,22 @@ import json
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3MoeForTokenClassification,
+)
 
 from steps.config import TinyModelConfig
 from steps.dispatch import make_dispatcher
@@ -84,23 +93,68 @@ def load_policy_shard(
 ) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokenizerFast]:
     """This EP rank's policy in fp32: the dense weights and routers whole, only its experts, read from the HF
     safetensors of directory. The model is built on the meta device, so no rank ever holds all experts."""
-    try:
-        config = AutoConfig.from_pretrained(directory)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
-    except (OSError, ValueError) as error:
-        raise MoeloopError(f"not a loadable HF checkpoint: {directory} ({str(error).splitlines()[0]})") from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    replace_moe_blocks(model, make_dispatcher(dispatcher, config.num_experts, ep_group), experts_impl)
-    model.to_empty(device=device)
+    config, tokenizer = read_config(directory)
+    model = shard_model(AutoModelForCausalLM, config, dispatcher, experts_impl, ep_group, device)
     model.load_state_dict(read_hf_shard(directory, model, device), strict=True)
-    # The rotary frequencies are a non-persistent buffer, in no checkpoint: to_empty left them uninitialised.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
     return model, tokenizer
 
 
-def read_hf_shard(directory: Path, model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """model's state dict from the HF checkpoint: every MoE block's local experts fused as `GroupedExperts` holds
+def load_critic_shard(
+    directory: Path,
+    dispatcher: str,
+    experts_impl: ExpertsImpl,
+    ep_group: dist.ProcessGroup | None,
+    device: torch.device,
+    from_policy: bool,
+) -> tuple[Qwen3MoeForTokenClassification, PreTrainedTokenizerFast]:
+    """This EP rank's share of the PPO critic: a Qwen3-MoE with a scalar value head per token, HF's
+    `Qwen3MoeForTokenClassification` with num_labels=1 (so `AutoModelForTokenClassification` loads its checkpoint).
+
+    from_policy: directory is a policy checkpoint; the critic takes its body (everything but the LM head) and a
+    zero value head, so every value starts at 0. Else directory is a critic checkpoint.
+    """
+    config, tokenizer = read_config(directory)
+    if from_policy:
+        config.architectures = [Qwen3MoeForTokenClassification.__name__]
+        config.num_labels = 1
+        config.classifier_dropout = 0.0  # values are deterministic, in training too
+    model = shard_model(AutoModelForTokenClassification, config, dispatcher, experts_impl, ep_group, device)
+    head = {"score.weight", "score.bias"} if from_policy else set()
+    state = read_hf_shard(directory, model, device, skip=head)
+    state.update({key: torch.zeros_like(model.state_dict()[key], device=device) for key in head})
+    model.load_state_dict(state, strict=True)
+    return model, tokenizer
+
+
+def read_config(directory: Path) -> tuple[Any, PreTrainedTokenizerFast]:
+    try:
+        return AutoConfig.from_pretrained(directory), PreTrainedTokenizerFast.from_pretrained(directory)
+    except (OSError, ValueError) as error:
+        raise MoeloopError(f"not a loadable HF checkpoint: {directory} ({str(error).splitlines()[0]})") from None
+
+
+def shard_model(
+    auto_class: Any,
+    config: Any,
+    dispatcher: str,
+    experts_impl: ExpertsImpl,
+    ep_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> torch.nn.Module:
+    """An uninitialised fp32 model of auto_class on device, its MoE blocks holding this EP rank's experts."""
+    with torch.device("meta"):
+        model = auto_class.from_config(config, dtype=torch.float32)
+    replace_moe_blocks(model, make_dispatcher(dispatcher, config.num_experts, ep_group), experts_impl)
+    model.to_empty(device=device)
+    # The rotary frequencies are a non-persistent buffer, in no checkpoint: to_empty left them uninitialised.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
+    return model
+
+
+def read_hf_shard(
+    directory: Path, model: torch.nn.Module, device: torch.device, skip: set[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """model's state dict, less the keys in skip, from the HF checkpoint: every MoE block's local experts fused as `GroupedExperts` holds
     them (gate_up_proj [e, 2I, H] from the per-expert gate_proj and up_proj [I, H], down_proj [e, H, I]).
 
     Reads only those tensors (safe_open reads tensor by tensor), from one file or an index of shards.
@@ -121,7 +175,7 @@ def read_hf_shard(directory: Path, model: torch.nn.Module, device: torch.device)
                 [f"{e}.gate_proj.weight", f"{e}.up_proj.weight"] for e in experts
             ]
             expert_keys[f"{name}.experts.down_proj"] = [[f"{e}.down_proj.weight"] for e in experts]
-    wanted = [key for key in model.state_dict() if key not in expert_keys]
+    wanted = [key for key in model.state_dict() if key not in expert_keys and key not in skip]
     wanted += [key for parts in expert_keys.values() for keys in parts for key in keys]
     missing = [key for key in wanted if key not in file_of]
     if missing:
@@ -133,7 +187,7 @@ def read_hf_shard(directory: Path, model: torch.nn.Module, device: torch.device)
     for path, keys in by_file.items():
         with safe_open(path, "pt", device=str(device)) as file:
             tensors.update({key: file.get_tensor(key).float() for key in keys})
-    state = {key: tensors.pop(key) for key in model.state_dict() if key not in expert_keys}
+    state = {key: tensors.pop(key) for key in model.state_dict() if key not in expert_keys and key not in skip}
     for fused, parts in expert_keys.items():
         state[fused] = torch.stack([torch.cat([tensors[key] for key in keys]) for keys in parts])
     return state
@@ -142,9 +196,13 @@ def read_hf_shard(directory: Path, model: torch.nn.Module, device: torch.device)
 def save_hf_state_dict(
     state: dict[str, torch.Tensor], config: Qwen3MoeConfig, tokenizer: PreTrainedTokenizerFast, directory: Path
 ) -> None:
-    """Write an HF checkpoint from a full state dict (all experts, as `steps.moe.hf_state_dict` gathers them)."""
+    """Write an HF checkpoint from a full state dict (all experts, as `steps.moe.hf_state_dict` gathers them):
+    the policy's, or the critic's (its config names `Qwen3MoeForTokenClassification`)."""
+    critic = Qwen3MoeForTokenClassification.__name__ in (config.architectures or [])
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(
+            config, dtype=torch.float32
+        )
     model.load_state_dict(state, strict=True, assign=True)
     save_policy(model, tokenizer, directory)
 
@@ -180,3 +238,14 @@ def token_logprobs(
     targets_BT = input_ids_BT[:, 1:]
     logprobs_BT = -F.cross_entropy(logits_BTV.transpose(1, 2), targets_BT, reduction="none")
     return F.pad(logprobs_BT, (1, 0)), output.router_logits  # router logits: [B * T, E] per MoE layer
+
+
+def token_values(
+    critic: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The critic's value of the state each token was chosen in, aligned as `token_logprobs` aligns logprobs:
+    position t holds the value head's output at t-1 (the prefix before token t); position 0 gets 0. Also each MoE
+    layer's router logits."""
+    output = critic.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, output_router_logits=True)
+    values_BT = critic.score(output.last_hidden_state).squeeze(-1).float()
+    return F.pad(values_BT[:, :-1], (1, 0)), output.router_logits

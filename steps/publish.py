@@ -1,22 +1,25 @@
 """publish: turn the iteration's trainer state into the HF checkpoint the next rollouts load.
 
 Copies the HF files (config, safetensors, tokenizer) out of the committed trainer state, verified against
-its COMMIT, into checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST.
+its COMMIT, into checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST. With PPO the
+trainer state holds the critic in critic/: it is committed first, to critics/iter-N/ (an HF token-classification
+checkpoint), so a committed policy checkpoint always has its critic beside it.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from typing import Any
 
 from steps.common import already_committed, local_scratch, open_iteration, print_json, step_parser, write_report
 from steps.errors import MoeloopError, run_cli
-from steps.storage import OPTIMIZER_FILE
+from steps.storage import CRITIC_DIR, OPTIMIZER_FILE
 
 
 def publish(run_uri: str, iteration: int) -> dict[str, Any]:
     started = time.perf_counter()
-    storage, config = open_iteration(run_uri, iteration)
+    storage, _ = open_iteration(run_uri, iteration)
     checkpoint = storage.checkpoint(iteration)
     if storage.is_committed(checkpoint):
         storage.move_latest(iteration)  # a crash may have come between the COMMIT and LATEST
@@ -25,10 +28,13 @@ def publish(run_uri: str, iteration: int) -> dict[str, Any]:
     if not storage.is_committed(state):
         raise MoeloopError(f"iteration {iteration} has no committed trainer state: {storage.display(state)}")
     with local_scratch() as scratch:
-        storage.fetch_folder(state, scratch, exclude={OPTIMIZER_FILE})
+        storage.fetch_folder(state, scratch / "state", exclude={OPTIMIZER_FILE, f"{CRITIC_DIR}/{OPTIMIZER_FILE}"})
         report = {"seconds": round(time.perf_counter() - started, 3)}
         write_report(storage, iteration, "publish", report)
-        storage.commit_folder(checkpoint, scratch, extra={"iteration": iteration})
+        if (scratch / "state" / CRITIC_DIR).is_dir():
+            shutil.move(scratch / "state" / CRITIC_DIR, scratch / CRITIC_DIR)
+            storage.commit_folder(storage.critic(iteration), scratch / CRITIC_DIR, extra={"iteration": iteration})
+        storage.commit_folder(checkpoint, scratch / "state", extra={"iteration": iteration})
     storage.move_latest(iteration)
     return report
 

@@ -1,7 +1,8 @@
-"""reward: score every sample of the iteration with the configured reward functions (rule/verifier rewards).
+"""reward: score every sample of the iteration with the configured reward functions and reward models.
 
-A reward function is named by import path `package.module:function` and called as
-function(prompt_record, response_text) -> float; the reward is the weighted sum over the configured ones.
+A reward function (a rule or verifier reward) is named by import path `package.module:function` and called as
+function(prompt_record, response_text) -> float. A reward model is an HF sequence-classification model that the
+start step committed into the run (`steps.reward_model`). The reward is the weighted sum over all of them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from steps.common import already_committed, open_iteration, print_json, step_parser, train_prompts, write_report
+from steps.common import (
+    already_committed,
+    open_iteration,
+    print_json,
+    quiet_libraries,
+    step_parser,
+    train_prompts,
+    write_report,
+)
 from steps.config import RewardConfig
 from steps.errors import MoeloopError, run_cli
 from steps.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
@@ -49,19 +58,28 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
     rollouts, shards = read_written_rollouts(storage, iteration, config.rollout.num_shards)
     records = train_prompts(storage)
     prompt_ids = rollouts["prompt_id"].to_pylist()
-    rewards = [
-        score(functions, records[prompt_id], response)
-        for prompt_id, response in zip(prompt_ids, rollouts["response_text"].to_pylist(), strict=False)
-    ]
+    responses = rollouts["response_text"].to_pylist()
+    rewards = [score(functions, records[p], response) for p, response in zip(prompt_ids, responses, strict=True)]
+    report: dict[str, Any] = {}
+    if config.reward.models:
+        from steps.reward_model import load_reward_models  # torch and transformers: only when a model is configured
+
+        model_started = time.perf_counter()
+        texts = [
+            prompt + response for prompt, response in zip(rollouts["prompt_text"].to_pylist(), responses, strict=True)
+        ]
+        for index, (scorer, weight) in enumerate(load_reward_models(storage, config.reward.models)):
+            scores = scorer.score(texts)
+            report[f"reward_model_{index}_mean"] = sum(scores) / len(scores)
+            rewards = [reward + weight * model_score for reward, model_score in zip(rewards, scores, strict=True)]
+        report["reward_model_seconds"] = round(time.perf_counter() - model_started, 3)
     table = pa.table(
         {"sample_id": rollouts["sample_id"], "prompt_id": rollouts["prompt_id"], "reward": rewards},
         schema=REWARD_SCHEMA,
     )
-    report = {
-        "samples": len(rewards),
-        "reward_mean": sum(rewards) / len(rewards),
-        "seconds": round(time.perf_counter() - started, 3),
-    }
+    report.update(
+        samples=len(rewards), reward_mean=sum(rewards) / len(rewards), seconds=round(time.perf_counter() - started, 3)
+    )
     write_report(storage, iteration, "reward", report)
     commit_experience(storage, iteration, shards, table)
     return report
@@ -69,6 +87,7 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
 
 def main() -> None:
     args = step_parser(__doc__).parse_args()
+    quiet_libraries()
     print_json(reward(args.run, args.iteration))
 
 

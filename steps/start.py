@@ -21,6 +21,7 @@ from steps.common import local_scratch, print_json, quiet_libraries, step_parser
 from steps.config import MoeloopConfig, SFTConfig, load_config, parse_config
 from steps.errors import MoeloopError, run_cli
 from steps.policy import build_tiny_model, build_tokenizer, load_policy, pack_sequences, save_policy, token_logprobs
+from steps.reward_model import adopt_reward_models, check_reward_models
 from steps.storage import RunStorage, read_prompt_file
 
 # Settings that may change between submissions of one run without changing its results.
@@ -112,8 +113,10 @@ def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
     # Read every input before writing anything, so bad input leaves nothing behind.
     train = read_prompt_file(config.task.train_prompts)
     evaluation = read_prompt_file(config.task.eval_prompts)
+    check_reward_models(config.reward.models)
     storage = RunStorage(run_uri)
     adopt_run(storage, config, train, evaluation)
+    adopt_reward_models(storage, config.reward.models)
     checkpoint = storage.checkpoint(0)
     if storage.is_committed(checkpoint):
         storage.move_latest(0)

@@ -3,12 +3,14 @@
     <run>/config.yaml                                  the run's config (written by start; a later submission
                                                        may change only iterations and placement)
     <run>/data/{train,eval}.jsonl                      the prompts, copied in by start
+    <run>/reward-models/model-KK/                      reward.models[K], committed by start (HF files + COMMIT)
     <run>/checkpoints/iter-NNNNNN/                     HF checkpoint of the policy after iteration N
     <run>/checkpoints/iter-NNNNNN/COMMIT               written last: names every file with size and sha256
     <run>/experience/iter-NNNNNN/rollout-SSSSS-of-KKKKK.parquet   one rollout shard
     <run>/experience/iter-NNNNNN/rewards.parquet       one row per sample
     <run>/experience/iter-NNNNNN/COMMIT                written last (by reward): names the shards and rewards
-    <run>/trainer/iter-NNNNNN/                         trainer state (weights, optimizer) + COMMIT
+    <run>/critics/iter-NNNNNN/                         PPO: HF checkpoint of the critic after iteration N + COMMIT
+    <run>/trainer/iter-NNNNNN/                         trainer state (weights, optimizer; PPO: critic/ too) + COMMIT
     <run>/reports/iter-NNNNNN/<step>.json              what each step measured
     <run>/metrics/iter-NNNNNN.json                     one JSON object per iteration
     <run>/LATEST                                       {"iteration": N, "checkpoint": "checkpoints/iter-NNNNNN"}
@@ -48,6 +50,7 @@ from steps.errors import MoeloopError
 
 COMMIT = "COMMIT"
 OPTIMIZER_FILE = "optimizer.pt"  # in trainer/iter-NNNNNN/, beside the HF files
+CRITIC_DIR = "critic"  # PPO: the critic's HF files and optimizer.pt in trainer/iter-NNNNNN/critic/
 TEMPORARY = ".tmp-"  # in the name of a local write in progress; never part of a committed name
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 COPY_CHUNK = 8 << 20
@@ -114,6 +117,14 @@ class RunStorage:
     @staticmethod
     def trainer_state(iteration: int) -> str:
         return f"trainer/{iteration_dir(iteration)}"
+
+    @staticmethod
+    def reward_model(index: int) -> str:
+        return f"reward-models/model-{index:02d}"
+
+    @staticmethod
+    def critic(iteration: int) -> str:
+        return f"critics/{iteration_dir(iteration)}"
 
     @staticmethod
     def experience(iteration: int) -> str:

@@ -1,7 +1,9 @@
-"""train: one GRPO policy update on the iteration's experience; commits the trainer state (weights, optimizer).
+"""train: one GRPO or PPO update on the iteration's experience; commits the trainer state (weights, optimizer;
+with PPO the critic's too, in critic/).
 
-Starts from the trainer state of the previous iteration (checkpoint 0 for the first), so the optimizer's
-moments carry across iterations. The reference policy for the KL is checkpoint 0, the SFT start.
+Starts from the trainer state of the previous iteration (checkpoint 0 for the first, and for PPO a critic made
+from it), so the optimizer's moments carry across iterations. The reference policy for the KL is checkpoint 0,
+the SFT start. The losses and advantages are in steps/grpo.py and steps/ppo.py; README "Algorithms".
 
 With `trainer.world_size` > 1 it runs under torchrun over a (dp, ep) device mesh: each rank holds the dense
 weights and routers whole and its EP slice of the experts, and takes a distinct share of every minibatch's
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +41,18 @@ from steps.common import (
 from steps.config import MoeloopConfig, TrainerConfig
 from steps.errors import MoeloopError, run_cli
 from steps.experience import read_rewards, read_rollouts
-from steps.grpo import group_advantages, grpo_loss
+from steps.grpo import behavior_weights, clipped_policy_loss, group_advantages, varied_groups
 from steps.moe import MoeBlock, gather_over, hf_state_dict
-from steps.policy import load_policy_shard, pack_sequences, save_hf_state_dict, token_logprobs
-from steps.storage import OPTIMIZER_FILE, RunStorage
+from steps.policy import (
+    load_critic_shard,
+    load_policy_shard,
+    pack_sequences,
+    save_hf_state_dict,
+    token_logprobs,
+    token_values,
+)
+from steps.ppo import gae, token_rewards, value_loss, whiten
+from steps.storage import CRITIC_DIR, OPTIMIZER_FILE, RunStorage
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,9 @@ class ExperienceBatch:
     def to(self, device: torch.device) -> ExperienceBatch:
         return ExperienceBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
+    def select(self, rows_N: torch.Tensor) -> ExperienceBatch:
+        return ExperienceBatch(*(getattr(self, f.name)[rows_N] for f in fields(self)))
+
 
 def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, float], pad_id: int) -> ExperienceBatch:
     prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
@@ -114,20 +130,32 @@ def rank_share(rows_N: torch.Tensor, parallel: Parallel) -> torch.Tensor:
 
 
 @torch.no_grad()
-def frozen_logprobs(
-    model: torch.nn.Module, batch: ExperienceBatch, temperature: float, minibatch: int, parallel: Parallel
+def frozen_pass(
+    per_token: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]],
+    model: torch.nn.Module,
+    batch: ExperienceBatch,
+    minibatch: int,
+    parallel: Parallel,
 ) -> torch.Tensor:
-    """The whole batch's token logprobs on every rank: each rank computes its share, then they are all-gathered."""
+    """per_token(input_ids, attention_mask)[0] (token logprobs or values) for the whole batch on every rank: each
+    rank computes its share in eval mode, then the shares are all-gathered."""
     model.eval()
     batch_size = len(batch.input_ids_BT)
     rows_b = rank_share(torch.arange(batch_size), parallel)
     # Every rank runs the MoE layers (collectives inside) equally often: the chunk count of the largest share.
     largest_share = -(-batch_size // parallel.world_size)
     chunks = [
-        token_logprobs(model, batch.input_ids_BT[rows], batch.attention_mask_BT[rows], temperature)[0]
+        per_token(batch.input_ids_BT[rows], batch.attention_mask_BT[rows])[0]
         for rows in rows_b.tensor_split(-(-largest_share // minibatch))
     ]
     return all_gather_rows(torch.cat(chunks), batch_size, parallel)
+
+
+def frozen_logprobs(
+    model: torch.nn.Module, batch: ExperienceBatch, temperature: float, minibatch: int, parallel: Parallel
+) -> torch.Tensor:
+    """The whole batch's token logprobs on every rank."""
+    return frozen_pass(partial(token_logprobs, model, temperature=temperature), model, batch, minibatch, parallel)
 
 
 def all_gather_rows(share_bT: torch.Tensor, batch_size: int, parallel: Parallel) -> torch.Tensor:
@@ -218,7 +246,70 @@ def all_reduce_sum(values: list[float], parallel: Parallel) -> list[float]:
     return summed.tolist()
 
 
-def grpo_update(
+@dataclass
+class Critic:
+    """PPO's value model (`steps.policy.load_critic_shard`) and its optimizer."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def minibatches(order_N: torch.Tensor, size: int, world_size: int) -> list[torch.Tensor]:
+    """order_N in chunks of size; a last chunk too small to give every rank a sample joins the one before it
+    (a batch shrunk by drop_equal_groups need not split evenly)."""
+    chunks = list(order_N.split(size))
+    if len(chunks) > 1 and len(chunks[-1]) < world_size:
+        chunks[-2:] = [torch.cat(chunks[-2:])]
+    return chunks
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    max_grad_norm: float,
+    parallel: Parallel,
+) -> float:
+    """Backward, gradients summed over the ranks and clipped, one step; returns the gradient norm before clipping."""
+    experts = expert_parameters(model)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    sync_gradients(model, experts, parallel)
+    grad_norm = clip_gradients(model, experts, max_grad_norm, parallel)
+    optimizer.step()
+    return grad_norm
+
+
+def router_aux_loss(
+    model: torch.nn.Module, router_logits_L: tuple, attention_mask_bT: torch.Tensor, parallel: Parallel
+) -> torch.Tensor:
+    """The load-balancing loss of model's routers, weighted by its config's router_aux_loss_coef."""
+    config = model.config
+    aux = load_balancing_loss(
+        router_logits_L, attention_mask_bT, config.num_experts, config.num_experts_per_tok, parallel
+    )
+    return config.router_aux_loss_coef * aux
+
+
+def ppo_advantages(
+    critic: Critic,
+    batch: ExperienceBatch,
+    old_logprobs_BT: torch.Tensor,
+    ref_logprobs_BT: torch.Tensor,
+    config: MoeloopConfig,
+    parallel: Parallel,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(whitened advantages_BT, returns_BT, old_values_BT): GAE over the token rewards, with the critic's values
+    before the update. Whitened over the whole batch's response tokens, so the minibatch split changes nothing."""
+    algorithm, mask_BT = config.algorithm, batch.response_mask_BT
+    values = partial(token_values, critic.model)
+    old_values_BT = frozen_pass(values, critic.model, batch, config.trainer.minibatch_size, parallel) * mask_BT
+    rewards_BT = token_rewards(batch.rewards_B, mask_BT, algorithm.kl_coef, old_logprobs_BT, ref_logprobs_BT)
+    advantages_BT, returns_BT = gae(rewards_BT, old_values_BT, mask_BT, algorithm.gae_gamma, algorithm.gae_lambda)
+    return whiten(advantages_BT, mask_BT), returns_BT, old_values_BT
+
+
+def policy_update(
     model: torch.nn.Module,
     reference: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -226,79 +317,111 @@ def grpo_update(
     config: MoeloopConfig,
     seed: int,
     parallel: Parallel = Parallel(),
-) -> dict[str, float]:
-    """Advantages, then epochs x minibatches of clipped-surrogate steps; returns what it measured (all ranks).
+    critic: Critic | None = None,
+) -> dict[str, Any]:
+    """Advantages (GRPO: group-normalised; PPO: GAE with critic), then epochs x minibatches of clipped-surrogate
+    steps (PPO: and clipped value-loss steps of the critic); returns what it measured (the same on all ranks).
 
-    Every rank draws the same minibatches and takes its share of each. The loss is a token mean over the whole
-    minibatch (its global token count is the denominator), so the gradients summed over the ranks are one
-    process's on the whole minibatch.
+    Every rank draws the same minibatches and takes its share of each. The losses are aggregated over the whole
+    minibatch (its global token and sequence counts are the denominators), so the gradients summed over the ranks
+    are one process's on the whole minibatch.
     """
     settings, algorithm = config.trainer, config.algorithm
+    if (algorithm.name == "ppo") != (critic is not None):
+        raise MoeloopError(f"algorithm {algorithm.name} {'needs' if critic is None else 'takes no'} critic")
     temperature = config.rollout.temperature
+    report: dict[str, Any] = {"samples": len(batch.rewards_B), "dropped_samples": 0}
+    if algorithm.drop_equal_groups:
+        kept_N = varied_groups(batch.rewards_B, batch.group_ids_B)
+        report["dropped_samples"] = int((~kept_N).sum())
+        batch = batch.select(kept_N.nonzero().squeeze(1))
+    if len(batch.rewards_B) < parallel.world_size:  # nothing left that every rank could take a share of
+        return {**report, "optimizer_steps": 0, "response_tokens": int(batch.response_mask_BT.sum())}
     mask_BT = batch.response_mask_BT
-    advantages_B = group_advantages(batch.rewards_B, batch.group_ids_B, scale=algorithm.scale_rewards)
-    # pi_old is the trainer's own view of the behaviour policy, so the first step's ratio is exactly 1.
+    # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1.
     old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.minibatch_size, parallel)
     ref_logprobs_BT = frozen_logprobs(reference, batch, temperature, settings.minibatch_size, parallel)
     log_ratio_BT = ref_logprobs_BT - old_logprobs_BT
-    kl_before = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT)
-    # Engine vs trainer on the same policy version: mean |difference| and KL(behaviour || trainer), k3.
+    report["kl"] = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT)
+    # Engine vs trainer: mean |difference| and KL(behaviour || trainer), k3. With a stale behaviour policy
+    # (rollout.max_staleness) it also measures how far the policy moved since the rollouts' checkpoint.
     behavior_gap_BT = old_logprobs_BT - batch.behavior_logprobs_BT
-    mismatch = masked_mean(behavior_gap_BT.abs(), mask_BT)
-    behavior_kl = masked_mean(torch.exp(behavior_gap_BT) - behavior_gap_BT - 1, mask_BT)
+    report["logprob_mismatch"] = masked_mean(behavior_gap_BT.abs(), mask_BT)
+    report["behavior_kl"] = masked_mean(torch.exp(behavior_gap_BT) - behavior_gap_BT - 1, mask_BT)
+    weights_BT = None
+    if algorithm.behavior_weight_cap is not None:
+        weights_BT, truncated_BT = behavior_weights(
+            old_logprobs_BT, batch.behavior_logprobs_BT, algorithm.behavior_weight_cap
+        )
+        report["behavior_weight_mean"] = masked_mean(weights_BT, mask_BT)
+        report["behavior_weight_truncated"] = masked_mean(truncated_BT.to(weights_BT.dtype), mask_BT)
+    if critic is None:
+        advantages = group_advantages(batch.rewards_B, batch.group_ids_B, scale=algorithm.scale_rewards)
+    else:
+        advantages, returns_BT, old_values_BT = ppo_advantages(
+            critic, batch, old_logprobs_BT, ref_logprobs_BT, config, parallel
+        )
+        report["value_mean"] = masked_mean(old_values_BT, mask_BT)
+        report["return_mean"] = masked_mean(returns_BT, mask_BT)
+    # GRPO puts the KL in the loss (k3); PPO has it in the token rewards (k1).
+    kl_in_loss = critic is None and algorithm.kl_coef > 0
 
-    model_config = model.config
-    experts = expert_parameters(model)
     generator = torch.Generator().manual_seed(seed)
-    losses, clip_fractions, grad_norms = [], [], []
+    measured: dict[str, list[float]] = defaultdict(list)
     model.train()
+    if critic is not None:
+        critic.model.train()
     for _ in range(settings.epochs):
-        order = torch.randperm(len(advantages_B), generator=generator)
-        for start in range(0, len(order), settings.minibatch_size):
-            minibatch_rows = order[start : start + settings.minibatch_size]
+        order = torch.randperm(len(batch.rewards_B), generator=generator)
+        for minibatch_rows in minibatches(order, settings.minibatch_size, parallel.world_size):
             num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
             rows = rank_share(minibatch_rows, parallel)
-            logprobs_bT, router_logits_L = token_logprobs(
-                model, batch.input_ids_BT[rows], batch.attention_mask_BT[rows], temperature
-            )
-            terms = grpo_loss(
+            input_ids_bT, attention_mask_bT = batch.input_ids_BT[rows], batch.attention_mask_BT[rows]
+            logprobs_bT, router_logits_L = token_logprobs(model, input_ids_bT, attention_mask_bT, temperature)
+            terms = clipped_policy_loss(
                 logprobs_bT,
                 old_logprobs_BT[rows],
-                advantages_B[rows],
+                advantages[rows],
                 mask_BT[rows],
-                clip_eps=algorithm.clip_eps,
-                ref_logprobs_BT=ref_logprobs_BT[rows] if algorithm.kl_coef > 0 else None,
-                kl_coef=algorithm.kl_coef,
+                clip_low=algorithm.clip_eps,
+                clip_high=algorithm.clip_eps_high,
+                aggregation=algorithm.loss_aggregation,
+                max_length=config.rollout.max_new_tokens,
                 num_tokens=num_tokens,
+                num_sequences=len(minibatch_rows),
+                weights_BT=weights_BT[rows] if weights_BT is not None else None,
+                ref_logprobs_BT=ref_logprobs_BT[rows] if kl_in_loss else None,
+                kl_coef=algorithm.kl_coef if kl_in_loss else 0.0,
             )
-            aux_loss = load_balancing_loss(
-                router_logits_L,
-                batch.attention_mask_BT[rows],
-                model_config.num_experts,
-                model_config.num_experts_per_tok,
-                parallel,
+            aux = router_aux_loss(model, router_logits_L, attention_mask_bT, parallel)
+            measured["grad_norm"].append(
+                optimizer_step(model, optimizer, terms.loss + aux, settings.max_grad_norm, parallel)
             )
-            optimizer.zero_grad(set_to_none=True)
-            (terms.loss + model_config.router_aux_loss_coef * aux_loss).backward()
-            sync_gradients(model, experts, parallel)
-            grad_norms.append(clip_gradients(model, experts, settings.max_grad_norm, parallel))
-            optimizer.step()
-            # The rank's loss is its part of the minibatch's token mean; its clip fraction is over its tokens.
+            # The rank's loss is its part of the minibatch's; its clip fraction is over its tokens.
             share_tokens = float(mask_BT[rows].sum())
-            loss, clipped = all_reduce_sum([terms.loss.item(), float(terms.clip_fraction) * share_tokens], parallel)
-            losses.append(loss)
-            clip_fractions.append(clipped / num_tokens)
-    return {
-        "loss": sum(losses) / len(losses),
-        "kl": kl_before,
-        "clip_fraction": sum(clip_fractions) / len(clip_fractions),
-        "grad_norm": sum(grad_norms) / len(grad_norms),
-        "logprob_mismatch": mismatch,
-        "behavior_kl": behavior_kl,
-        "advantage_abs_mean": float(advantages_B.abs().mean()),
-        "optimizer_steps": len(losses),
-        "response_tokens": int(mask_BT.sum()),
-    }
+            sums = [terms.loss.item(), float(terms.clip_fraction) * share_tokens]
+            if critic is not None:
+                values_bT, critic_router_logits_L = token_values(critic.model, input_ids_bT, attention_mask_bT)
+                loss, value_clipped = value_loss(
+                    values_bT, old_values_BT[rows], returns_BT[rows], mask_BT[rows], algorithm.value_clip, num_tokens
+                )
+                aux = router_aux_loss(critic.model, critic_router_logits_L, attention_mask_bT, parallel)
+                measured["critic_grad_norm"].append(
+                    optimizer_step(critic.model, critic.optimizer, loss + aux, settings.max_grad_norm, parallel)
+                )
+                sums += [loss.item(), float(value_clipped) * share_tokens]
+            sums = all_reduce_sum(sums, parallel)
+            measured["loss"].append(sums[0])
+            measured["clip_fraction"].append(sums[1] / num_tokens)
+            if critic is not None:
+                measured["value_loss"].append(sums[2])
+                measured["value_clip_fraction"].append(sums[3] / num_tokens)
+    report.update({name: sum(values) / len(values) for name, values in measured.items()})
+    advantages_abs = advantages.abs() if advantages.dim() == 1 else advantages.abs()[mask_BT]
+    report["advantage_abs_mean"] = float(advantages_abs.mean())
+    report["optimizer_steps"] = len(measured["loss"])
+    report["response_tokens"] = int(mask_BT.sum())
+    return report
 
 
 def optimizer_state_by_name(
@@ -335,52 +458,76 @@ def load_optimizer_state(
 
 
 def load_trainer_start(
-    storage: RunStorage, iteration: int, scratch: Path, settings: TrainerConfig, parallel: Parallel
-) -> tuple[Any, Any, dict | None]:
-    """This rank's share of the previous trainer state if there is one, else of the checkpoint the rollouts used."""
+    storage: RunStorage, iteration: int, scratch: Path, config: MoeloopConfig, parallel: Parallel
+) -> tuple[Any, Any, torch.optim.Optimizer, Critic | None]:
+    """This rank's share of the previous trainer state if there is one, else of the checkpoint the rollouts used:
+    (policy, tokenizer, its optimizer, the critic with its optimizer for PPO)."""
+    settings = config.trainer
     previous = storage.trainer_state(iteration - 1)
-    optimizer_state = None
-    if storage.is_committed(previous):
+    resumed = storage.is_committed(previous)
+    if resumed:
         storage.fetch_folder(previous, scratch / "previous")
         directory = scratch / "previous"
-        optimizer_state = torch.load(directory / OPTIMIZER_FILE, weights_only=True)
     else:
         directory = fetch_checkpoint(storage, iteration - 1)
-    model, tokenizer = load_policy_shard(
-        directory, settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device
-    )
-    return model, tokenizer, optimizer_state
+    shard = (settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device)
+    model, tokenizer = load_policy_shard(directory, *shard)
+    optimizer = make_optimizer(model, settings)
+    if resumed:
+        load_optimizer_state(model, optimizer, torch.load(directory / OPTIMIZER_FILE, weights_only=True), parallel)
+    if config.algorithm.name != "ppo":
+        return model, tokenizer, optimizer, None
+    # The critic resumes from its state beside the policy's; the first one starts from the policy (zero head).
+    critic_state = directory / CRITIC_DIR
+    critic_model, _ = load_critic_shard(critic_state if resumed else directory, *shard, from_policy=not resumed)
+    critic = Critic(critic_model, make_optimizer(critic_model, settings, config.algorithm.critic_learning_rate))
+    if resumed:
+        saved = torch.load(critic_state / OPTIMIZER_FILE, weights_only=True)
+        load_optimizer_state(critic.model, critic.optimizer, saved, parallel)
+    return model, tokenizer, optimizer, critic
 
 
-def make_optimizer(model: torch.nn.Module, settings: TrainerConfig) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: torch.nn.Module, settings: TrainerConfig, learning_rate: float | None = None
+) -> torch.optim.Optimizer:
+    """AdamW with the trainer's settings, at learning_rate (the critic's) or else trainer.learning_rate."""
     return torch.optim.AdamW(
-        model.parameters(), lr=settings.learning_rate, betas=settings.betas, weight_decay=settings.weight_decay
+        model.parameters(),
+        lr=learning_rate or settings.learning_rate,
+        betas=settings.betas,
+        weight_decay=settings.weight_decay,
     )
+
+
+@dataclass(frozen=True)
+class UpdatedTrainer:
+    model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    critic: Critic | None
+    report: dict[str, Any]
 
 
 def update_policy(
     storage: RunStorage, config: MoeloopConfig, iteration: int, scratch: Path, parallel: Parallel = Parallel()
-) -> tuple[Any, Any, Any, dict]:
-    """The iteration's policy update in memory: (model, tokenizer, optimizer, report). Deterministic."""
+) -> UpdatedTrainer:
+    """The iteration's update in memory: the policy (PPO: and the critic) after it, and the report. Deterministic."""
     rollouts = read_rollouts(storage, iteration, config.rollout.num_shards).to_pydict()
     rewards = read_rewards(storage, iteration).to_pydict()
     rewards_by_sample = dict(zip(rewards["sample_id"], rewards["reward"], strict=False))
     seed = derive_seed(config.run_name, config.seed, "train", iteration)
     torch.manual_seed(seed)
     settings = config.trainer
-    model, tokenizer, optimizer_state = load_trainer_start(storage, iteration, scratch, settings, parallel)
+    model, tokenizer, optimizer, critic = load_trainer_start(storage, iteration, scratch, config, parallel)
     reference, _ = load_policy_shard(
         fetch_checkpoint(storage, 0), settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device
     )
-    optimizer = make_optimizer(model, settings)
-    if optimizer_state is not None:
-        load_optimizer_state(model, optimizer, optimizer_state, parallel)
     batch = experience_batch(rollouts, rewards_by_sample, tokenizer.pad_token_id).to(parallel.device)
     started = time.perf_counter()
-    report: dict[str, Any] = grpo_update(model, reference, optimizer, batch, config, seed, parallel)
+    report = policy_update(model, reference, optimizer, batch, config, seed, parallel, critic)
     seconds = time.perf_counter() - started
     report["train_tokens_per_second"] = round(int(batch.attention_mask_BT.sum()) * settings.epochs / seconds, 1)
-    return model, tokenizer, optimizer, report
+    return UpdatedTrainer(model, tokenizer, optimizer, critic, report)
 
 
 def save_trainer_state(
@@ -407,12 +554,16 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
     parallel = init_parallel(config.trainer)
     try:
         with local_scratch() as scratch:
-            model, tokenizer, optimizer, report = update_policy(storage, config, iteration, scratch, parallel)
-            if not save_trainer_state(model, tokenizer, optimizer, parallel, scratch / "state"):
+            updated = update_policy(storage, config, iteration, scratch, parallel)
+            state = scratch / "state"
+            if updated.critic is not None:  # the critic's state goes in the same commit, in critic/
+                critic = updated.critic
+                save_trainer_state(critic.model, updated.tokenizer, critic.optimizer, parallel, state / CRITIC_DIR)
+            if not save_trainer_state(updated.model, updated.tokenizer, updated.optimizer, parallel, state):
                 return None
-            report["seconds"] = round(time.perf_counter() - started, 3)
+            report = {**updated.report, "seconds": round(time.perf_counter() - started, 3)}
             write_report(storage, iteration, "train", report)
-            storage.commit_folder(output, scratch / "state", extra={"iteration": iteration})
+            storage.commit_folder(output, state, extra={"iteration": iteration})
         return report
     finally:
         if parallel.world_size > 1:

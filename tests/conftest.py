@@ -15,6 +15,15 @@ REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["tests.seaweed"]
 
 
+# small_config's rollout section with the transformers engine (no vLLM start-up), for tests that override rollout.
+SMALL_TRANSFORMERS_ROLLOUT = {
+    "prompts_per_iteration": 8,
+    "samples_per_prompt": 4,
+    "num_shards": 2,
+    "engine": "transformers",
+}
+
+
 def small_config(iterations: int = 2, **sections: dict) -> MoeloopConfig:
     """configs/tiny.yaml scaled down so that a whole iteration takes seconds."""
     config = load_config(REPO / "configs" / "tiny.yaml")

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from steps.grpo import group_advantages, grpo_loss
+from steps.grpo import aggregate, behavior_weights, clipped_policy_loss, group_advantages, varied_groups
 
 EPS = 1e-6  # group_advantages' default eps
 CLIP = 0.2
@@ -150,7 +150,7 @@ def test_group_advantages_float32_rewards_like_the_trainer() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# grpo_loss: clipping
+# clipped_policy_loss: clipping
 
 
 # (ratio, advantage): expected per-token loss, whether the token counts as clipped, d loss / d logprob
@@ -172,7 +172,9 @@ def test_single_token_clipped_objective(case: str) -> None:
 
     logprobs = torch.tensor([[-1.3]], dtype=torch.float64, requires_grad=True)
     old = old_for_ratios(logprobs.detach(), [[ratio]])
-    terms = grpo_loss(logprobs, old, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 1), clip_eps=CLIP)
+    terms = clipped_policy_loss(
+        logprobs, old, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 1), clip_low=CLIP
+    )
 
     assert terms.policy_loss.item() == pytest.approx(want_loss, rel=1e-12)
     assert terms.loss.item() == pytest.approx(want_loss, rel=1e-12)
@@ -194,7 +196,9 @@ def test_clipping_on_both_sides_over_a_batch() -> None:
     logprobs = -torch.rand(4, 4, dtype=torch.float64) * 3
     old = old_for_ratios(logprobs, ratios)
 
-    terms = grpo_loss(logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_eps=CLIP)
+    terms = clipped_policy_loss(
+        logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_low=CLIP
+    )
 
     expected = hand_loss(logprobs.tolist(), old.tolist(), advantages, mask, CLIP)
     assert float(terms.policy_loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
@@ -204,14 +208,14 @@ def test_clipping_on_both_sides_over_a_batch() -> None:
     assert expected["clip_fraction"] == pytest.approx(11 / 16)
     # Written out for row 0 (A = 1.3): -(1.2 A) - (0.5 A) - (1.1 A) - (1.2 A), over 16 tokens in all.
     row0 = -(1.2 * 1.3) - (0.5 * 1.3) - (1.1 * 1.3) - (1.2 * 1.3)
-    row0_alone = grpo_loss(
-        logprobs[:1], old[:1], torch.tensor([1.3], dtype=torch.float64), torch.ones(1, 4), clip_eps=CLIP
+    row0_alone = clipped_policy_loss(
+        logprobs[:1], old[:1], torch.tensor([1.3], dtype=torch.float64), torch.ones(1, 4), clip_low=CLIP
     )
     assert float(row0_alone.policy_loss) == pytest.approx(row0 / 4, rel=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
-# grpo_loss: token-level aggregation
+# clipped_policy_loss: token-level aggregation
 
 
 def test_masked_tokens_do_not_count_and_every_unmasked_token_weighs_the_same() -> None:
@@ -224,7 +228,7 @@ def test_masked_tokens_do_not_count_and_every_unmasked_token_weighs_the_same() -
     mask_t = torch.tensor(mask)
     adv_t = torch.tensor(advantages, dtype=torch.float64)
 
-    terms = grpo_loss(logprobs, old, adv_t, mask_t, clip_eps=CLIP)
+    terms = clipped_policy_loss(logprobs, old, adv_t, mask_t, clip_low=CLIP)
 
     expected = hand_loss(logprobs.tolist(), old.tolist(), advantages, mask, CLIP)
     assert float(terms.policy_loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
@@ -247,7 +251,7 @@ def test_masked_tokens_do_not_count_and_every_unmasked_token_weighs_the_same() -
     garbage_old[mask_t == 0] = (
         logprobs[mask_t == 0] + torch.where(torch.rand(int((mask_t == 0).sum())) > 0.5, 5.0, -5.0).double()
     )
-    garbage = grpo_loss(logprobs, garbage_old, adv_t, mask_t, clip_eps=CLIP)
+    garbage = clipped_policy_loss(logprobs, garbage_old, adv_t, mask_t, clip_low=CLIP)
     assert float(garbage.policy_loss) == float(terms.policy_loss)
     assert float(garbage.clip_fraction) == float(terms.clip_fraction)
 
@@ -261,9 +265,9 @@ def test_num_tokens_makes_minibatch_losses_add_up_to_the_batch_loss() -> None:
     advantages = torch.tensor([1.0, -0.5, 0.25, 2.0], dtype=torch.float64)
     total = int(mask.sum())  # 11
 
-    whole = grpo_loss(logprobs, old, advantages, mask, CLIP, ref_logprobs_BT=ref, kl_coef=0.1)
+    whole = clipped_policy_loss(logprobs, old, advantages, mask, CLIP, ref_logprobs_BT=ref, kl_coef=0.1)
     parts = [
-        grpo_loss(
+        clipped_policy_loss(
             logprobs[rows],
             old[rows],
             advantages[rows],
@@ -292,7 +296,7 @@ def test_num_tokens_makes_minibatch_losses_add_up_to_the_batch_loss() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# grpo_loss: the KL term
+# clipped_policy_loss: the KL term
 
 
 def test_kl_is_the_masked_mean_k3_estimate_and_kl_coef_adds_it() -> None:
@@ -305,7 +309,7 @@ def test_kl_is_the_masked_mean_k3_estimate_and_kl_coef_adds_it() -> None:
     ref[0, 3] = logprobs[0, 3] + 8.0  # a masked token with a huge KL must not count
     args = (logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask))
 
-    with_kl = grpo_loss(*args, clip_eps=CLIP, ref_logprobs_BT=ref, kl_coef=0.25)
+    with_kl = clipped_policy_loss(*args, clip_low=CLIP, ref_logprobs_BT=ref, kl_coef=0.25)
 
     expected = hand_loss(logprobs.tolist(), old.tolist(), advantages, mask, CLIP, ref=ref.tolist(), kl_coef=0.25)
     k3_sum = sum(
@@ -321,12 +325,12 @@ def test_kl_is_the_masked_mean_k3_estimate_and_kl_coef_adds_it() -> None:
     assert float(with_kl.loss) == pytest.approx(expected["policy_loss"] + 0.25 * k3_sum / 9, rel=1e-12)
 
     # kl_coef 0 still reports the KL but leaves it out of the loss.
-    reported = grpo_loss(*args, clip_eps=CLIP, ref_logprobs_BT=ref, kl_coef=0.0)
+    reported = clipped_policy_loss(*args, clip_low=CLIP, ref_logprobs_BT=ref, kl_coef=0.0)
     assert float(reported.kl) == pytest.approx(k3_sum / 9, rel=1e-12)
     assert float(reported.loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
 
     # The reference equal to the policy: zero KL.
-    same = grpo_loss(*args, clip_eps=CLIP, ref_logprobs_BT=logprobs.clone(), kl_coef=0.25)
+    same = clipped_policy_loss(*args, clip_low=CLIP, ref_logprobs_BT=logprobs.clone(), kl_coef=0.25)
     assert float(same.kl) == 0.0
 
 
@@ -335,7 +339,9 @@ def test_kl_is_zero_without_a_reference() -> None:
     logprobs = -torch.rand(2, 3, dtype=torch.float64)
     old = logprobs + 0.05
     advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    terms = grpo_loss(logprobs, old, advantages, torch.ones(2, 3), clip_eps=CLIP, ref_logprobs_BT=None, kl_coef=0.5)
+    terms = clipped_policy_loss(
+        logprobs, old, advantages, torch.ones(2, 3), clip_low=CLIP, ref_logprobs_BT=None, kl_coef=0.5
+    )
     assert float(terms.kl) == 0.0
     assert float(terms.loss) == float(terms.policy_loss)
     expected = hand_loss(logprobs.tolist(), old.tolist(), advantages.tolist(), [[1, 1, 1]] * 2, CLIP)
@@ -343,7 +349,7 @@ def test_kl_is_zero_without_a_reference() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# grpo_loss: gradients
+# clipped_policy_loss: gradients
 
 
 def test_gradient_with_respect_to_logprobs_matches_hand_derivation() -> None:
@@ -360,8 +366,8 @@ def test_gradient_with_respect_to_logprobs_matches_hand_derivation() -> None:
     n = 7  # unmasked tokens
 
     logprobs = base.clone().requires_grad_(True)
-    grpo_loss(
-        logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_eps=CLIP
+    clipped_policy_loss(
+        logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.tensor(mask), clip_low=CLIP
     ).loss.backward()
 
     # Unclipped token: d/dlogp of -r A / N is -r A / N.
@@ -377,15 +383,224 @@ def test_gradient_with_respect_to_logprobs_matches_hand_derivation() -> None:
 
     # With the KL: d/dlogp of kl_coef * k3 / N is kl_coef * (1 - exp(ref - logp)) / N on top.
     logprobs = base.clone().requires_grad_(True)
-    grpo_loss(
+    clipped_policy_loss(
         logprobs,
         old,
         torch.tensor(advantages, dtype=torch.float64),
         torch.tensor(mask),
-        clip_eps=CLIP,
+        clip_low=CLIP,
         ref_logprobs_BT=ref,
         kl_coef=0.3,
     ).loss.backward()
     kl_part = 0.3 * (1 - math.exp(float(ref[0, 0] - base[0, 0]))) / n
     assert float(logprobs.grad[0, 0]) == pytest.approx(-1.05 * 0.9 / n + kl_part, rel=1e-12)
     assert float(logprobs.grad[0, 3]) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants: aggregation, asymmetric clipping, behaviour importance weights, equal-group filter
+
+
+def hand_variant_loss(logprobs, old, advantages, mask, clip_low, clip_high, aggregation, max_length, weights=None):
+    """The policy loss written out per sequence: each token's -w min(r A, clip(r, 1-lo, 1+hi) A), then reduced."""
+    token_losses = []  # per row: the losses of its unmasked tokens
+    for row, advantage in enumerate(advantages):
+        row_losses = []
+        for col, keep in enumerate(mask[row]):
+            if keep:
+                ratio = math.exp(logprobs[row][col] - old[row][col])
+                clipped_ratio = min(max(ratio, 1 - clip_low), 1 + clip_high)
+                weight = 1.0 if weights is None else weights[row][col]
+                row_losses.append(-min(ratio * advantage, clipped_ratio * advantage) * weight)
+        token_losses.append(row_losses)
+    if aggregation == "token":
+        return sum(sum(r) for r in token_losses) / sum(len(r) for r in token_losses)
+    if aggregation == "sequence":
+        return sum(sum(r) / len(r) for r in token_losses) / len(token_losses)
+    return sum(sum(r) / max_length for r in token_losses) / len(token_losses)
+
+
+def random_batch(seed: int, rows: int = 4, length: int = 7):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [1 + int(torch.randint(0, length, (1,), generator=generator)) for _ in range(rows)]
+    starts = [int(torch.randint(0, length - n + 1, (1,), generator=generator)) for n in lengths]
+    mask = [[1 if s <= c < s + n else 0 for c in range(length)] for s, n in zip(starts, lengths, strict=True)]
+    logprobs = -torch.rand(rows, length, dtype=torch.float64, generator=generator) * 2
+    old = logprobs + (torch.rand(rows, length, dtype=torch.float64, generator=generator) - 0.5) * 0.8
+    advantages = (torch.rand(rows, dtype=torch.float64, generator=generator) - 0.5) * 4
+    return logprobs, old, advantages, mask
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "dr_grpo"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_loss_aggregations_match_hand_reductions(aggregation: str, seed: int) -> None:
+    logprobs, old, advantages, mask = random_batch(seed)
+    terms = clipped_policy_loss(
+        logprobs, old, advantages, torch.tensor(mask), clip_low=CLIP, aggregation=aggregation, max_length=10
+    )
+    want = hand_variant_loss(logprobs.tolist(), old.tolist(), advantages.tolist(), mask, CLIP, CLIP, aggregation, 10)
+    assert float(terms.policy_loss) == pytest.approx(want, rel=1e-12)
+
+
+def test_aggregations_weigh_tokens_as_documented() -> None:
+    """Two sequences, 4 tokens and 1 token, every token's loss 1: token mean 1; sequence mean 1; Dr. GRPO with
+    max_length 8: (4/8 + 1/8) / 2. A token of the short sequence weighs 1/5, 1/2 and 1/16 of the loss."""
+    mask_BT = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    ones_BT = torch.ones(2, 4, dtype=torch.float64)
+    assert float(aggregate(ones_BT, mask_BT, "token")) == 1.0
+    assert float(aggregate(ones_BT, mask_BT, "sequence")) == 1.0
+    assert float(aggregate(ones_BT, mask_BT, "dr_grpo", max_length=8)) == pytest.approx((4 / 8 + 1 / 8) / 2)
+    for aggregation, want in (("token", 1 / 5), ("sequence", 1 / 2), ("dr_grpo", 1 / 16)):
+        values_BT = ones_BT.clone().requires_grad_(True)
+        aggregate(values_BT, mask_BT, aggregation, max_length=8).backward()
+        assert float(values_BT.grad[1, 0]) == pytest.approx(want), aggregation
+        assert float(values_BT.grad[1, 1]) == 0.0  # masked
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "dr_grpo"])
+def test_minibatch_split_over_ranks_adds_up_for_every_aggregation(aggregation: str) -> None:
+    logprobs, old, advantages, mask = random_batch(5, rows=6)
+    mask_BT = torch.tensor(mask)
+    counts = {"num_tokens": int(mask_BT.sum()), "num_sequences": 6, "max_length": 10}
+    whole = clipped_policy_loss(logprobs, old, advantages, mask_BT, CLIP, aggregation=aggregation, max_length=10)
+    parts = [
+        clipped_policy_loss(logprobs[r], old[r], advantages[r], mask_BT[r], CLIP, aggregation=aggregation, **counts)
+        for r in (slice(0, 2), slice(2, 6))
+    ]
+    assert sum(float(p.policy_loss) for p in parts) == pytest.approx(float(whole.policy_loss), rel=1e-12)
+
+
+# (ratio, advantage) with clip range [0.8, 1.28]: the clipped ratio the min picks, whether the token is clipped.
+ASYMMETRIC_CASES = {
+    "1.25, A>0: inside the higher bound": (1.25, 1.5, 1.25, False),
+    "1.30, A>0: clipped at 1.28": (1.30, 1.5, 1.28, True),
+    "1.30, A<0: the unclipped term is the min": (1.30, -1.5, 1.30, True),
+    "0.75, A<0: clipped at 0.8": (0.75, -1.5, 0.80, True),
+    "0.75, A>0: the unclipped term is the min": (0.75, 1.5, 0.75, True),
+    "0.85, A<0: inside": (0.85, -1.5, 0.85, False),
+}
+
+
+@pytest.mark.parametrize("case", ASYMMETRIC_CASES)
+def test_clip_higher_bounds_each_side_separately(case: str) -> None:
+    ratio, advantage, effective_ratio, clipped = ASYMMETRIC_CASES[case]
+    logprobs = torch.tensor([[-0.7]], dtype=torch.float64)
+    terms = clipped_policy_loss(
+        logprobs,
+        old_for_ratios(logprobs, [[ratio]]),
+        torch.tensor([advantage], dtype=torch.float64),
+        torch.ones(1, 1),
+        clip_low=0.2,
+        clip_high=0.28,
+    )
+    assert float(terms.policy_loss) == pytest.approx(-effective_ratio * advantage, rel=1e-12)
+    assert float(terms.clip_fraction) == (1.0 if clipped else 0.0)
+
+
+def test_behavior_weights_are_truncated_ratios_of_old_to_behavior() -> None:
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, -1.2]], dtype=torch.float64)
+    behavior = torch.tensor([[-1.0, -1.0, -2.0], [-2.5, -0.1, -0.2]], dtype=torch.float64)
+    weights, truncated = behavior_weights(old, behavior, cap=2.0)
+    # exp(0) = 1, exp(-1) = 0.368, exp(1.5) = 4.48 -> 2, exp(-0.5) = 0.607, exp(0) = 1, exp(-1) = 0.368.
+    want = [[1.0, math.exp(-1.0), 2.0], [math.exp(-0.5), 1.0, math.exp(-1.0)]]
+    assert weights.reshape(-1).tolist() == pytest.approx([w for row in want for w in row], rel=1e-12)
+    assert truncated.tolist() == [[False, False, True], [False, False, False]]
+
+
+def test_behavior_weights_scale_each_tokens_loss_and_gradient_without_a_gradient_of_their_own() -> None:
+    logprobs_value, old, advantages, mask = random_batch(8, rows=3, length=5)
+    behavior = old + (torch.rand(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) - 0.5) * 2
+    old_requiring = old.clone().requires_grad_(True)
+    weights, _ = behavior_weights(old_requiring, behavior, cap=1.5)
+    assert not weights.requires_grad
+    logprobs = logprobs_value.clone().requires_grad_(True)
+    terms = clipped_policy_loss(logprobs, old, advantages, torch.tensor(mask), CLIP, weights_BT=weights)
+    hand_weights = [
+        [min(math.exp(o - b), 1.5) for o, b in zip(ro, rb, strict=True)]
+        for ro, rb in zip(old.tolist(), behavior.tolist(), strict=True)
+    ]
+    want = hand_variant_loss(
+        logprobs_value.tolist(), old.tolist(), advantages.tolist(), mask, CLIP, CLIP, "token", None, hand_weights
+    )
+    assert float(terms.policy_loss.detach()) == pytest.approx(want, rel=1e-12)
+    terms.loss.backward()
+    tokens = sum(map(sum, mask))
+    for row in range(3):
+        for col in range(5):
+            ratio = math.exp(float(logprobs_value[row, col] - old[row, col]))
+            gradient = hand_token_objective(ratio, float(advantages[row]), CLIP)[2] * hand_weights[row][col] / tokens
+            want_gradient = gradient if mask[row][col] else 0.0
+            assert float(logprobs.grad[row, col]) == pytest.approx(want_gradient, rel=1e-12, abs=1e-15)
+
+
+def test_varied_groups_marks_samples_of_groups_with_unequal_rewards() -> None:
+    rewards = torch.tensor([0.5, 0.5, 1.0, 0.2, 0.2, 0.2, 0.0, 1.0, 0.3])
+    groups = torch.tensor([3, 3, 3, 8, 8, 8, 1, 1, 5])  # group 5 has one sample: nothing varies
+    assert varied_groups(rewards, groups).tolist() == [True, True, True, False, False, False, True, True, False]
+
+
+# ---------------------------------------------------------------------------------------------
+# The train step's update with each variant (tiny model, one optimizer step)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {},
+        {"loss_aggregation": "sequence"},
+        {"loss_aggregation": "dr_grpo", "scale_rewards": False},
+        {"clip_eps_high": 0.28},
+        {"drop_equal_groups": True},
+        {"behavior_weight_cap": None},
+        {"kl_coef": 0.1, "loss_aggregation": "sequence"},
+    ],
+    ids=["token", "sequence", "dr_grpo", "clip_higher", "drop_equal_groups", "no_behavior_weights", "kl"],
+)
+def test_every_variant_updates_the_policy_with_a_finite_loss(algorithm: dict, tmp_path) -> None:
+    import copy
+
+    from transformers import Qwen3MoeForCausalLM
+
+    from steps.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
+    from steps.train import make_optimizer, policy_update
+    from tests.conftest import small_config
+    from tests.test_moe import tiny_config
+    from tests.test_train_ep import experience
+
+    torch.manual_seed(0)
+    save_policy(Qwen3MoeForCausalLM(tiny_config()), build_tokenizer(["abc"]), tmp_path / "policy")
+    model, _ = load_policy_shard(tmp_path / "policy", "auto", "grouped_mm", None, torch.device("cpu"))
+    reference = copy.deepcopy(model)
+    config = small_config(iterations=1, algorithm=algorithm, trainer={"minibatch_size": 12, "epochs": 1})
+    before = [p.detach().clone() for p in model.parameters()]
+    report = policy_update(model, reference, make_optimizer(model, config.trainer), experience(), config, seed=0)
+
+    assert math.isfinite(report["loss"]) and math.isfinite(report["grad_norm"]) and report["optimizer_steps"] == 1
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    # experience(): 3 groups of 4, the last with equal rewards; the filter drops it and the batch shrinks to 8.
+    dropped = 4 if algorithm.get("drop_equal_groups") else 0
+    assert report["samples"] == 12 and report["dropped_samples"] == dropped
+    assert report["response_tokens"] == sum(2 + s % 5 for s in range(12) if s < 12 - dropped)
+    # The weights: min(exp(old - behaviour), cap) over the kept samples' response tokens, old from the start policy.
+    batch = experience()
+    kept = slice(0, 12 - dropped)
+    with torch.no_grad():
+        old_BT, _ = token_logprobs(reference.eval(), batch.input_ids_BT[kept], batch.attention_mask_BT[kept])
+    mask_BT = batch.response_mask_BT[kept]
+    ratios = torch.exp(old_BT - batch.behavior_logprobs_BT[kept])[mask_BT].tolist()
+    if algorithm.get("behavior_weight_cap", 2.0) is None:
+        assert "behavior_weight_mean" not in report
+    else:
+        weights = [min(ratio, 2.0) for ratio in ratios]
+        assert report["behavior_weight_mean"] == pytest.approx(sum(weights) / len(weights), rel=1e-4)
+        assert report["behavior_weight_truncated"] == pytest.approx(sum(r > 2.0 for r in ratios) / len(ratios))
+
+
+def test_a_last_minibatch_too_small_for_every_rank_joins_the_one_before() -> None:
+    from steps.train import minibatches
+
+    order = torch.arange(10)
+    assert [len(m) for m in minibatches(order, 4, world_size=2)] == [4, 4, 2]
+    assert [len(m) for m in minibatches(order, 4, world_size=3)] == [4, 6]
+    assert torch.cat(minibatches(order, 4, world_size=3)).tolist() == order.tolist()
+    assert [len(m) for m in minibatches(torch.arange(2), 4, world_size=3)] == [2]  # policy_update skips this batch

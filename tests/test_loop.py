@@ -119,7 +119,8 @@ def test_published_checkpoint_loads_with_the_trainers_logits(run_root: Path, tmp
         rollout(uri, 1, shard, config.rollout.num_shards)
     reward(uri, 1)
     storage = RunStorage(uri)
-    trainer_model, tokenizer, _, _ = update_policy(storage, config, 1, tmp_path / "scratch")
+    updated = update_policy(storage, config, 1, tmp_path / "scratch")
+    trainer_model, tokenizer = updated.model, updated.tokenizer
     train(uri, 1)
     publish(uri, 1)
     assert storage.latest()["iteration"] == 1

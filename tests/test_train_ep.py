@@ -24,12 +24,12 @@ from steps.train import (
     Parallel,
     experience_batch,
     expert_parameters,
-    grpo_update,
     init_parallel,
     load_balancing_loss,
     make_optimizer,
     mesh_parallel,
     optimizer_state_by_name,
+    policy_update,
     rank_share,
     save_trainer_state,
 )
@@ -92,7 +92,7 @@ def reference(tmp_path: Path) -> Reference:
         logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
     reference_model = copy.deepcopy(model)
     optimizer = make_optimizer(model, train_config().trainer)
-    report = grpo_update(model, reference_model, optimizer, batch, train_config(), SEED)
+    report = policy_update(model, reference_model, optimizer, batch, train_config(), SEED)
     assert report["optimizer_steps"] == 1 and report["grad_norm"] > train_config().trainer.max_grad_norm
     return Reference(
         tmp_path / "checkpoint",
@@ -118,7 +118,7 @@ def check_mesh(parallel: Parallel, ref: Reference, save_to: Path | None) -> None
     torch.testing.assert_close(logits_bTV, ref.logits_BTV[rows], **TOLERANCE)
 
     optimizer = make_optimizer(model, train_config().trainer)
-    report = grpo_update(model, reference_model, optimizer, batch, train_config(), SEED, parallel)
+    report = policy_update(model, reference_model, optimizer, batch, train_config(), SEED, parallel)
     for key in ("loss", "kl", "clip_fraction", "grad_norm", "logprob_mismatch", "behavior_kl"):
         assert report[key] == pytest.approx(ref.report[key], rel=1e-5, abs=1e-7), key
     experts = expert_parameters(model)
