@@ -30,7 +30,7 @@ from transformers import (
 from steps.config import TinyModelConfig
 from steps.dispatch import make_dispatcher
 from steps.errors import MoeloopError
-from steps.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
+from steps.moe import ExpertsImpl, MoeBlock, compile_decoder_layers, replace_moe_blocks
 
 PAD, EOS = "<pad>", "<eos>"
 
@@ -96,6 +96,7 @@ def load_policy_shard(
     config, tokenizer = read_config(directory)
     model = shard_model(AutoModelForCausalLM, config, dispatcher, experts_impl, ep_group, device)
     model.load_state_dict(read_hf_shard(directory, model, device), strict=True)
+    compile_decoder_layers(model)  # CUDA only: HF's elementwise code around the MoE blocks dominates, eager
     return model, tokenizer
 
 
@@ -123,6 +124,7 @@ def load_critic_shard(
     state = read_hf_shard(directory, model, device, skip=head)
     state.update({key: torch.zeros_like(model.state_dict()[key], device=device) for key in head})
     model.load_state_dict(state, strict=True)
+    compile_decoder_layers(model)
     return model, tokenizer
 
 

@@ -82,6 +82,21 @@ def test_each_step_runs_on_its_roles_nodes_as_its_roles_account(config: MoeloopC
         assert rendered[name]["nodeSelector"] == {ROLE: "cpu"}
 
 
+def test_reward_models_move_the_reward_step_onto_the_reward_roles_gpus(tmp_path: Path) -> None:
+    data = make_config(tmp_path).model_dump(mode="json")
+    data["reward"]["models"] = [{"path": "s3://b/reward-models/rm", "weight": 0.5}]
+    reward = templates(parse_config(data, "test"))["reward"]
+    assert reward["nodeSelector"] == {ROLE: "reward"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in reward["tolerations"]
+    assert reward["serviceAccountName"] == "moeloop-reward"
+    assert reward["container"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert reward["metadata"]["labels"][ROLE] == "reward"
+    # A local reward model folder outside the repo cannot reach the pods.
+    data["reward"]["models"][0]["path"] = str(tmp_path / "rm")
+    with pytest.raises(MoeloopError, match=r"^reward\.models\[0\]\.path: local path .* is not reachable"):
+        render(parse_config(data, "test"), RUN_URI)
+
+
 def test_config_overrides_a_roles_fields_and_keeps_the_other_defaults(tmp_path: Path) -> None:
     config = make_config(
         tmp_path,
@@ -376,7 +391,7 @@ def test_no_secret_in_any_rendered_object(tmp_path: Path) -> None:
     assert walk(leaked, "WorkflowTemplate")
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "eks.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "tiny-ppo.yaml", "tiny-ppo-rm.yaml", "eks.yaml"])
 def test_shipped_configs_render_and_lint(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)  # the prompts lie in the repo, which is the images' WORKDIR
     config = load_config(REPO / "configs" / name)

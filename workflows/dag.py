@@ -57,7 +57,7 @@ ROLLOUT = Step(
     ("iteration", "shard", "num_shards"),
     outputs=("samples", "response_tokens", "tokens_per_second", "engine", "seconds"),
 )
-# Rule rewards run on CPU; reward models (when configured) belong on the `reward` role's GPUs.
+# Rule rewards run on CPU; reward models (when configured) move it to the `reward` role's GPUs (step_role).
 REWARD = Step("reward", "cpu", ("iteration",), outputs=("samples", "reward_mean", "seconds"))
 TRAIN = Step(
     "train",
@@ -70,6 +70,13 @@ TRAIN = Step(
 PUBLISH = Step("publish", "memory", ("iteration",), outputs=("seconds",))
 EVALUATE = Step("evaluate", "cpu", ("iteration",), outputs=("eval_reward_mean", "reward_mean", "kl", "loss"))
 STEPS = (START, PLAN, ROLLOUT, REWARD, TRAIN, PUBLISH, EVALUATE)
+
+
+def step_role(step: Step, config: MoeloopConfig) -> str:
+    """The placement role of the step's pods: the reward step scores with reward models on GPUs when it has any."""
+    if step is REWARD and config.reward.models:
+        return "reward"
+    return step.role
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import yaml
 from steps.config import MoeloopConfig, Resources, RolePlacement, Toleration
 from steps.errors import MoeloopError
 from steps.outputs import OUTPUTS_ENV
-from workflows.dag import EVALUATE, PLAN, START, STEPS, TRAIN, Step, Task, iteration_tasks, run_values
+from workflows.dag import EVALUATE, PLAN, START, STEPS, TRAIN, Step, Task, iteration_tasks, run_values, step_role
 from workflows.lint import lint_documents
 
 API_VERSION = "argoproj.io/v1alpha1"
@@ -147,6 +147,11 @@ def portable_config(config: MoeloopConfig) -> MoeloopConfig:
         location = getattr(getattr(config, section), key)
         if location is not None:
             updates.setdefault(section, {})[key] = _portable_path(f"{section}.{key}", location, cwd)
+    models = [
+        model.model_copy(update={"path": _portable_path(f"reward.models[{k}].path", model.path, cwd)})
+        for k, model in enumerate(config.reward.models)
+    ]
+    updates["reward"] = {"models": models}
     return config.model_copy(
         update={section: getattr(config, section).model_copy(update=keys) for section, keys in updates.items()}
     )
@@ -250,23 +255,24 @@ def _step_template(step: Step, config: MoeloopConfig) -> dict[str, Any]:
         return _jobset_train_template(config)
     argv = step.argv(step_placeholders(step), step.processes(config))
     outputs_env = [{"name": OUTPUTS_ENV, "value": OUTPUTS_DIR}]
+    role = step_role(step, config)
     template: dict[str, Any] = {
         "name": step.name,
-        **_template_io(step),
-        **_pod_placement(config, step.role),
-        "container": _container(config, step.role, argv, outputs_env),
+        **_template_io(step, role),
+        **_pod_placement(config, role),
+        "container": _container(config, role, argv, outputs_env),
     }
-    volumes, _ = _volumes(step.role, placement(config, step.role))
+    volumes, _ = _volumes(role, placement(config, role))
     if volumes:
         template["volumes"] = volumes
-    if step.role == "rollout":
+    if role == "rollout":
         template["retryStrategy"] = _spot_retry(config)
     return template
 
 
-def _template_io(step: Step) -> dict[str, Any]:
+def _template_io(step: Step, role: str) -> dict[str, Any]:
     """Inputs, the step's figures as outputs, and pod labels that find a step's pods by role and iteration."""
-    labels = {f"{LABEL}/step": step.name, ROLE_LABEL: step.role}
+    labels = {f"{LABEL}/step": step.name, ROLE_LABEL: role}
     if "iteration" in step.params:
         labels[f"{LABEL}/iteration"] = "{{inputs.parameters.iteration}}"
     io: dict[str, Any] = {"metadata": {"labels": labels}}
@@ -363,7 +369,7 @@ def render_jobset(config: MoeloopConfig) -> dict[str, Any]:
 
 
 def _jobset_train_template(config: MoeloopConfig) -> dict[str, Any]:
-    io = _template_io(TRAIN)
+    io = _template_io(TRAIN, TRAIN.role)
     io.pop("outputs")  # the figures stay in the JobSet's pods (and reports/iter-N/train.json)
     return {
         "name": TRAIN.name,
