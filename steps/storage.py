@@ -59,6 +59,7 @@ MANIFEST_FORMAT = 2
 OPTIMIZER_FILE = "optimizer.pt"  # in trainer/iter-NNNNNN/, beside the HF files
 TEMPORARY = ".tmp-"  # in the name of a local write in progress; never part of a committed name
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
+MIN_PART_SIZE = 1 << 20  # in a COMMIT: smaller parts would have a reader send a request per few bytes
 LATEST_ATTEMPTS = 20  # compare-and-swap rounds before giving up on a LATEST that keeps changing
 # Fault injection (tests/test_storage_faults.py): with MOELOOP_CRASH_AFTER_WRITES=N set, the process kills
 # itself with SIGKILL right after its N-th completed write, so that a crash lands between two given writes.
@@ -594,7 +595,7 @@ def valid_entry(entry: Any) -> bool:
         and isinstance(entry.get("size"), int)
         and entry["size"] >= 0
         and isinstance(entry.get("part_size"), int)
-        and entry["part_size"] >= 1
+        and entry["part_size"] >= MIN_PART_SIZE
         and bool(SHA256.match(str(entry.get("sha256_of_parts", ""))))
     )
 

@@ -174,6 +174,29 @@ def test_large_objects_round_trip_through_parallel_parts(storage: RunStorage) ->
     assert storage.read_committed("experience/iter-000001", manifest, ["big.parquet"]) == {"big.parquet": data}
 
 
+@pytest.mark.parametrize("part", [0, 1, 2])
+def test_a_damaged_part_of_a_large_object_is_caught_whichever_part_it_is(storage: RunStorage, part: int) -> None:
+    """Each part is hashed by the thread that fetched it; a change in any one of them fails the object."""
+    data = os.urandom(5 * s3.PART_SIZE // 2)
+    folder = "experience/iter-000001"
+    manifest = storage.commit(folder, storage.put_objects(folder, {"big.parquet": data}))
+    damaged = bytearray(data)
+    damaged[part * s3.PART_SIZE + 12345] ^= 0x01
+    storage.write_bytes(f"{folder}/big.parquet", bytes(damaged))  # same size: only the digest tells
+
+    with pytest.raises(MoeloopError, match=rf"^object does not match its COMMIT: .*{folder}/big.parquet$"):
+        storage.read_committed(folder, manifest, ["big.parquet"])
+
+
+def test_a_first_format_commit_is_refused_by_name(storage: RunStorage) -> None:
+    files = {"w.bin": {"size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}}
+    storage.write_bytes("checkpoints/iter-000001/w.bin", b"weights")
+    storage.write_bytes("checkpoints/iter-000001/COMMIT", json.dumps({"files": files, "iteration": 1}).encode())
+    with pytest.raises(MoeloopError, match=r"COMMIT is in the first COMMIT format .* start a new run") as refused:
+        storage.is_committed("checkpoints/iter-000001")
+    assert "\n" not in str(refused.value)
+
+
 def test_conditional_create_keeps_the_first_object(storage: RunStorage) -> None:
     assert storage.create_bytes("metrics/iter-000001.json", b"first")
     assert not storage.create_bytes("metrics/iter-000001.json", b"second")
