@@ -5,11 +5,12 @@
 Starts its own SeaweedFS on loopback (tests/seaweed.py) in a temporary folder. For each operation it
 prints the best of `repeats` runs for both sides:
 
-- checkpoint publish: RunStorage.commit_folder (parallel multipart upload, sha256, conditional COMMIT)
+- checkpoint publish: RunStorage.commit_folder (parallel multipart upload, digests, conditional COMMIT)
   against one boto3 put_object per file, one after another;
-- checkpoint fetch: RunStorage.fetch_folder into a local folder (ranged parallel download, sha256
+- checkpoint fetch: RunStorage.fetch_folder into a local folder (ranged parallel download, digests
   verified against the COMMIT) against one boto3 get_object per file, written to a local file;
-  the last column is raw boto3 plus the sha256 the module checks every byte against, for reference;
+  the last column is raw boto3 plus a sha256 of every byte (what the first COMMIT format checked), for
+  reference;
 - experience write / read: a rollout shard's Parquet bytes committed with a manifest and read back
   verified, against put_object / get_object of the same bytes. Parquet encoding and decoding are
   measured apart, since raw boto3 moves bytes that are already encoded.

@@ -24,16 +24,15 @@ A run lives in a local folder or under s3://bucket/prefix. Single objects and li
   digest), created only if absent (If-None-Match: * on S3, a hard link locally). Readers trust a folder
   only through its COMMIT and verify every byte they read against it. A COMMIT that does not match its
   objects is foreign data: an error, never overwritten.
-- An object's digest is sha256_of_parts: the sha256 of the concatenated sha256 digests of its parts of
+- An object's digest is blake3_of_parts: the BLAKE3 of the concatenated BLAKE3 digests of its parts of
   part_size bytes (the last one shorter; one empty part for an empty object), both named in the COMMIT.
-  As strong as a sha256 of the whole, but each part is hashed by the thread that moves it, in parallel.
+  As strong as a hash of the whole, but each part is hashed by the thread that moves it, in parallel.
 - LATEST moves only to a committed checkpoint, by compare-and-swap, and never backwards.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import posixpath
@@ -58,7 +57,7 @@ COMMIT = "COMMIT"
 MANIFEST_FORMAT = 2
 OPTIMIZER_FILE = "optimizer.pt"  # in trainer/iter-NNNNNN/, beside the HF files
 TEMPORARY = ".tmp-"  # in the name of a local write in progress; never part of a committed name
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
+DIGEST = re.compile(r"^[0-9a-f]{64}$")
 MIN_PART_SIZE = 1 << 20  # in a COMMIT: smaller parts would have a reader send a request per few bytes
 LATEST_ATTEMPTS = 20  # compare-and-swap rounds before giving up on a LATEST that keeps changing
 # Fault injection (tests/test_storage_faults.py): with MOELOOP_CRASH_AFTER_WRITES=N set, the process kills
@@ -79,18 +78,14 @@ def iteration_dir(iteration: int) -> str:
 
 
 def object_entry(size: int, part_size: int, part_digests: Iterable[bytes]) -> dict[str, Any]:
-    """A COMMIT's entry for one object, from the sha256 digest of each of its parts, in order."""
-    return {
-        "size": size,
-        "part_size": part_size,
-        "sha256_of_parts": hashlib.sha256(b"".join(part_digests)).hexdigest(),
-    }
+    """A COMMIT's entry for one object, from the digest of each of its parts, in order."""
+    return {"size": size, "part_size": part_size, "blake3_of_parts": s3.part_digest(b"".join(part_digests)).hex()}
 
 
 def bytes_entry(data: bytes) -> dict[str, Any]:
     step = s3.part_size(len(data))
     view = memoryview(data)
-    digests = (hashlib.sha256(view[offset : offset + step]).digest() for offset in s3.part_offsets(len(data), step))
+    digests = (s3.part_digest(view[offset : offset + step]) for offset in s3.part_offsets(len(data), step))
     return object_entry(len(data), step, digests)
 
 
@@ -342,8 +337,8 @@ class RunStorage:
         """Download the named files of folder into local_dir, each verified against its entry in files."""
         self._read_verified(folder, files, local_dir)
 
-    def read_committed(self, folder: str, manifest: dict[str, Any], names: Iterable[str]) -> dict[str, memoryview]:
-        """Objects of a committed folder, in memory (read-only buffers), each verified against the manifest."""
+    def read_committed(self, folder: str, manifest: dict[str, Any], names: Iterable[str]) -> dict[str, bytes]:
+        """Objects of a committed folder, in memory, each verified against the manifest."""
         return self._read_verified(folder, {name: manifest["files"][name] for name in names}, None)
 
     def fetch_as_found(self, folder: str, local_dir: Path) -> dict[str, dict[str, Any]]:
@@ -366,50 +361,56 @@ class RunStorage:
 
     def _read_verified(
         self, folder: str, entries: dict[str, dict[str, Any]], local_dir: Path | None
-    ) -> dict[str, memoryview]:
-        """Every read of committed objects: each in parts of its manifest's part_size, all fetched in parallel
-        (ranged GETs on S3). The thread that fetches a part hashes it and writes it to its file under local_dir,
-        or else into the object's buffer; this thread collects the digests in order, at most s3.WINDOW parts
-        behind. An object whose digest differs from the manifest's is an error naming it, and never returned.
+    ) -> dict[str, bytes]:
+        """Every read of committed objects, all fetched in parallel, each piece hashed part by part by the
+        thread that fetched it; this thread collects the part digests in order, at most s3.WINDOW pieces
+        behind. An object whose digest differs from the manifest's is an error naming it, never returned.
+
+        Into files under local_dir, the pieces are single parts (ranged GETs on S3), each written at its
+        offset. Into memory, the piece is the whole object, one GET: assembling parts into one buffer would
+        cost a copy and a second set of page faults, more CPU than the parallel parts save on busy cores.
         """
-        read_part = self._part_reader(folder)
-        buffers: dict[str, bytearray] = {}
+        read_piece = self._part_reader(folder)
+        objects: dict[str, bytes] = {}
         files: dict[str, int] = {}  # name -> its open file under local_dir, closed once its last part is in
         digests: dict[str, list[bytes]] = {}
-        pending: deque[tuple[str, Future, bool]] = deque()  # (name, one part's digest, whether it is the last)
+        pending: deque[tuple[str, Future, bool]] = deque()  # (name, a piece's part digests, whether the last)
 
-        def fetch(name: str, offset: int, length: int) -> bytes:
-            data = read_part(name, offset, length, entries[name]["size"])
+        def fetch(name: str, offset: int, length: int) -> list[bytes]:
+            size, step = entries[name]["size"], entries[name]["part_size"]
+            data = read_piece(name, offset, length, size)
             if name in files:
                 os.pwrite(files[name], data, offset)
             else:
-                memoryview(buffers[name])[offset : offset + length] = data
-            return hashlib.sha256(data).digest()
+                objects[name] = data
+            view = memoryview(data)
+            return [s3.part_digest(view[start : start + step]) for start in s3.part_offsets(length, step)]
 
         def collect_oldest() -> None:
             name, future, last = pending.popleft()
-            digests[name].append(future.result())
+            digests[name] += future.result()
             if last:
                 if name in files:
                     os.close(files.pop(name))
                 entry = entries[name]
                 if object_entry(entry["size"], entry["part_size"], digests[name]) != entry:
+                    objects.pop(name, None)
                     raise MoeloopError(f"object does not match its {COMMIT}: {self.display(folder)}/{name}")
 
         try:
             for name, entry in entries.items():
                 digests[name] = []
                 if local_dir is None:
-                    buffers[name] = bytearray(entry["size"])
+                    offsets, step = range(1), max(entry["size"], 1)  # the whole object in one piece
                 else:
                     target = local_dir / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     files[name] = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                offsets = s3.part_offsets(entry["size"], entry["part_size"])
+                    offsets, step = s3.part_offsets(entry["size"], entry["part_size"]), entry["part_size"]
                 for offset in offsets:
                     while len(pending) >= s3.WINDOW:
                         collect_oldest()
-                    length = min(entry["part_size"], entry["size"] - offset)
+                    length = min(step, entry["size"] - offset)
                     pending.append((name, s3.pool().submit(fetch, name, offset, length), offset == offsets[-1]))
             while pending:
                 collect_oldest()
@@ -421,7 +422,7 @@ class RunStorage:
                     future.exception()  # a part still running must end before its file is closed
             for descriptor in files.values():
                 os.close(descriptor)
-        return {name: memoryview(buffer).toreadonly() for name, buffer in buffers.items()}
+        return objects
 
     def _part_reader(self, folder: str) -> Callable[[str, int, int, int], bytes]:
         """read(name, offset, length, size): length bytes of folder/name at offset, checking that the object
@@ -561,7 +562,7 @@ def manifest_of(files: dict[str, dict[str, Any]], extra: dict[str, Any] | None) 
 
 
 def parse_manifest(raw: bytes, source: str) -> dict[str, Any]:
-    """A COMMIT: {"format": 2, "files": {name: {"size", "part_size", "sha256_of_parts"}}, ...}; anything else
+    """A COMMIT: {"format": 2, "files": {name: {"size", "part_size", "blake3_of_parts"}}, ...}; anything else
     is not ours (and a first-format COMMIT, with a whole-object "sha256" per file, is named as such)."""
     try:
         manifest = json.loads(raw)
@@ -569,7 +570,7 @@ def parse_manifest(raw: bytes, source: str) -> dict[str, Any]:
         if "format" not in manifest and isinstance(files, dict) and "sha256" in next(iter(files.values()), {}):
             raise MoeloopError(
                 f"{source} is in the first {COMMIT} format (a whole-object sha256 per file), which this moeloop no"
-                f" longer reads (format {MANIFEST_FORMAT}: sha256_of_parts): start a new run, or re-create this one"
+                f" longer reads (format {MANIFEST_FORMAT}: blake3_of_parts): start a new run, or re-create this one"
             )
         valid = (
             manifest["format"] == MANIFEST_FORMAT
@@ -596,7 +597,7 @@ def valid_entry(entry: Any) -> bool:
         and entry["size"] >= 0
         and isinstance(entry.get("part_size"), int)
         and entry["part_size"] >= MIN_PART_SIZE
-        and bool(SHA256.match(str(entry.get("sha256_of_parts", ""))))
+        and bool(DIGEST.match(str(entry.get("blake3_of_parts", ""))))
     )
 
 
@@ -615,7 +616,7 @@ def local_entry(path: Path) -> dict[str, Any]:
     size = path.stat().st_size
     step = s3.part_size(size)
     with open(path, "rb") as file:
-        digests = [hashlib.sha256(file.read(step)).digest() for _ in s3.part_offsets(size, step)]
+        digests = [s3.part_digest(file.read(step)) for _ in s3.part_offsets(size, step)]
     return object_entry(size, step, digests)
 
 
@@ -632,7 +633,7 @@ def copy_hashed(source: Path, target: Path) -> dict[str, Any]:
                 chunk = reader.read(step)
                 if len(chunk) != min(step, size - offset):
                     raise MoeloopError(f"{source} changed while it was being copied")
-                digests.append(hashlib.sha256(chunk).digest())
+                digests.append(s3.part_digest(chunk))
                 writer.write(chunk)
             writer.flush()
             os.fsync(writer.fileno())

@@ -4,10 +4,10 @@ data/model-source.json, and verified against that record after; damaged sources 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
+import blake3
 import pytest
 
 from steps import s3
@@ -58,10 +58,10 @@ def assert_nothing_published(run: str) -> None:
     assert storage.latest() is None
 
 
-def sha256_of_parts(data: bytes) -> str:
-    """The README's digest, written out here: sha256 over the sha256 of each 8 MiB part."""
+def blake3_of_parts(data: bytes) -> str:
+    """The README's digest, written out here: BLAKE3 over the BLAKE3 of each 8 MiB part."""
     parts = [data[o : o + s3.PART_SIZE] for o in range(0, len(data), s3.PART_SIZE)] or [b""]
-    return hashlib.sha256(b"".join(hashlib.sha256(part).digest() for part in parts)).hexdigest()
+    return blake3.blake3(b"".join(blake3.blake3(part).digest() for part in parts)).hexdigest()
 
 
 @pytest.mark.parametrize("how", ["corrupted", "truncated"])
@@ -102,8 +102,8 @@ def test_an_outside_checkpoint_is_pinned_at_first_fetch_and_verified_against_tha
     record = json.loads(RunStorage(run).read_bytes(RunStorage.MODEL_SOURCE))
     assert record["uri"] == uri
     expected = {p.relative_to(hf_checkpoint).as_posix(): p.read_bytes() for p in hf_checkpoint.rglob("*")}
-    assert {name: entry["sha256_of_parts"] for name, entry in record["files"].items()} == {
-        name: sha256_of_parts(data) for name, data in expected.items()
+    assert {name: entry["blake3_of_parts"] for name, entry in record["files"].items()} == {
+        name: blake3_of_parts(data) for name, data in expected.items()
     }
     local, first_found = fetch_model_source(RunStorage(run), uri)  # from the cache, verified again
     assert first_found is None and (local / WEIGHTS).read_bytes() == expected[WEIGHTS]

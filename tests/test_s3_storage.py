@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import blake3
 import botocore.exceptions
 import pytest
 
@@ -47,10 +48,10 @@ def sha256_tree(folder: Path) -> dict[str, str]:
     }
 
 
-def sha256_of_parts(data: bytes, part_size: int = s3.PART_SIZE) -> str:
+def blake3_of_parts(data: bytes, part_size: int = s3.PART_SIZE) -> str:
     """The digest as the README defines it, written out here independently of steps/storage.py."""
     parts = [data[offset : offset + part_size] for offset in range(0, len(data), part_size)] or [b""]
-    return hashlib.sha256(b"".join(hashlib.sha256(part).digest() for part in parts)).hexdigest()
+    return blake3.blake3(b"".join(blake3.blake3(part).digest() for part in parts)).hexdigest()
 
 
 # -- the server: what the protocol relies on ------------------------------------------------------
@@ -115,8 +116,8 @@ def test_folder_commits_only_with_its_manifest_and_round_trips_verified(storage:
 
     assert manifest == storage.manifest(folder)
     assert manifest["iteration"] == 1
-    assert {n: e["sha256_of_parts"] for n, e in manifest["files"].items()} == {
-        p.relative_to(source).as_posix(): sha256_of_parts(p.read_bytes()) for p in source.rglob("*") if p.is_file()
+    assert {n: e["blake3_of_parts"] for n, e in manifest["files"].items()} == {
+        p.relative_to(source).as_posix(): blake3_of_parts(p.read_bytes()) for p in source.rglob("*") if p.is_file()
     }
     assert manifest["files"]["model.safetensors"]["size"] == (source / "model.safetensors").stat().st_size
     storage.fetch_folder(folder, tmp_path / "copy")
@@ -270,6 +271,6 @@ def test_manifest_lists_sizes_and_checksums_in_json(storage: RunStorage) -> None
     marker = json.loads(storage.read_bytes("checkpoints/iter-000004/COMMIT"))
     assert marker == {
         "format": 2,
-        "files": {"w.bin": {"size": 7, "part_size": s3.PART_SIZE, "sha256_of_parts": sha256_of_parts(b"weights")}},
+        "files": {"w.bin": {"size": 7, "part_size": s3.PART_SIZE, "blake3_of_parts": blake3_of_parts(b"weights")}},
         "iteration": 4,
     }
