@@ -5,11 +5,12 @@
 Starts its own SeaweedFS on loopback (tests/seaweed.py) in a temporary folder. For each operation it
 prints the best of `repeats` runs for both sides:
 
-- checkpoint publish: RunStorage.commit_folder (parallel multipart upload, sha256, conditional COMMIT)
+- checkpoint publish: RunStorage.commit_folder (parallel multipart upload, digests, conditional COMMIT)
   against one boto3 put_object per file, one after another;
-- checkpoint fetch: RunStorage.fetch_folder into a local folder (ranged parallel download, sha256
+- checkpoint fetch: RunStorage.fetch_folder into a local folder (ranged parallel download, digests
   verified against the COMMIT) against one boto3 get_object per file, written to a local file;
-  the last column is raw boto3 plus the sha256 the module checks every byte against, for reference;
+  the last column is raw boto3 plus a sha256 of every byte (what the first COMMIT format checked), for
+  reference;
 - experience write / read: a rollout shard's Parquet bytes committed with a manifest and read back
   verified, against put_object / get_object of the same bytes. Parquet encoding and decoding are
   measured apart, since raw boto3 moves bytes that are already encoded.
@@ -36,14 +37,21 @@ from tests.seaweed import SeaweedS3, start_seaweed
 MB = 1_000_000
 
 
-def best_seconds(repeats: int, run: Callable[[], None], reset: Callable[[], None] = lambda: None) -> float:
-    times = []
+def best_seconds(repeats: int, runs: dict[str, tuple[Callable[[], None], Callable[[], None]]]) -> dict[str, float]:
+    """The best time of each (run, reset) pair, taking turns: on a shared machine a load that comes and goes
+    then falls on every side alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        reset()
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return min(times)
+        for name, (run, reset) in runs.items():
+            reset()
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    return {name: min(seconds) for name, seconds in times.items()}
+
+
+def nothing() -> None:
+    pass
 
 
 def checkpoint_folder(folder: Path, total_mb: int) -> Path:
@@ -81,16 +89,20 @@ def rollout_table(target_mb: int) -> pa.Table:
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
 
-class FreshFolders:
-    """A new, uncommitted folder for every committing run: a committed one would make it a no-op."""
+class Fresh:
+    """A new name for every writing run, on both sides: committing to a committed folder would be a no-op,
+    and writes to new keys are what publishing and rollouts do."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
         self.count = 0
-        self.current = "bench/folder-000000"
+
+    @property
+    def current(self) -> str:
+        return f"{self.prefix}-{self.count:06d}"
 
     def next(self) -> None:
         self.count += 1
-        self.current = f"bench/folder-{self.count:06d}"
 
 
 def raw_put_files(server: SeaweedS3, prefix: str, folder: Path) -> None:
@@ -116,6 +128,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
+    load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="moeloop-bench-"))
     server = start_seaweed(work / "seaweedfs")
     os.environ.update(server.environment())
@@ -125,53 +138,62 @@ def main() -> None:
         size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
         run = RunStorage(f"s3://{server.bucket}/bench/run")
         client = server.client()
-        fresh = FreshFolders()
-
-        module = best_seconds(args.repeats, lambda: run.commit_folder(fresh.current, source), fresh.next)
-        raw = best_seconds(args.repeats, lambda: raw_put_files(server, "bench/raw-checkpoint", source))
-        rows.append(("checkpoint publish", size, module, raw, None))
+        folders, raw_folders = Fresh("bench/folder"), Fresh("bench/raw-checkpoint")
+        best = best_seconds(
+            args.repeats,
+            {
+                "module": (lambda: run.commit_folder(folders.current, source), folders.next),
+                "raw": (lambda: raw_put_files(server, raw_folders.current, source), raw_folders.next),
+            },
+        )
+        rows.append(("checkpoint publish", size, best["module"], best["raw"], None))
 
         fetched = work / "fetched"
-        module = best_seconds(
+
+        def clear() -> None:
+            shutil.rmtree(fetched, ignore_errors=True)
+
+        best = best_seconds(
             args.repeats,
-            lambda: run.fetch_folder(fresh.current, fetched),
-            lambda: shutil.rmtree(fetched, ignore_errors=True),
+            {
+                "module": (lambda: run.fetch_folder(folders.current, fetched), clear),
+                "raw": (lambda: raw_get_files(server, raw_folders.current, source, fetched), clear),
+                "verified": (lambda: raw_get_files(server, raw_folders.current, source, fetched, verify=True), clear),
+            },
         )
-        raw = best_seconds(
-            args.repeats,
-            lambda: raw_get_files(server, "bench/raw-checkpoint", source, fetched),
-            lambda: shutil.rmtree(fetched, ignore_errors=True),
-        )
-        verified = best_seconds(
-            args.repeats,
-            lambda: raw_get_files(server, "bench/raw-checkpoint", source, fetched, verify=True),
-            lambda: shutil.rmtree(fetched, ignore_errors=True),
-        )
-        rows.append(("checkpoint fetch", size, module, raw, verified))
+        rows.append(("checkpoint fetch", size, best["module"], best["raw"], best["verified"]))
 
         table = rollout_table(args.parquet_mb)
         started = time.perf_counter()
         data = table_bytes(table)
         encode = time.perf_counter() - started
         shard = "rollout-00000-of-00001.parquet"
-        module = best_seconds(
-            args.repeats, lambda: run.commit(fresh.current, run.put_objects(fresh.current, {shard: data})), fresh.next
-        )
-        raw = best_seconds(
-            args.repeats, lambda: client.put_object(Bucket=server.bucket, Key="bench/raw-shard", Body=data)
-        )
-        rows.append(("experience write (Parquet)", len(data), module, raw, None))
-
-        manifest = run.manifest(fresh.current)
-        module = best_seconds(args.repeats, lambda: run.read_committed(fresh.current, manifest, [shard]))
-        raw = best_seconds(
-            args.repeats, lambda: client.get_object(Bucket=server.bucket, Key="bench/raw-shard")["Body"].read()
-        )
-        verified = best_seconds(
+        shards = Fresh("bench/raw-shard")
+        best = best_seconds(
             args.repeats,
-            lambda: hashlib.sha256(client.get_object(Bucket=server.bucket, Key="bench/raw-shard")["Body"].read()),
+            {
+                "module": (
+                    lambda: run.commit(folders.current, run.put_objects(folders.current, {shard: data})),
+                    folders.next,
+                ),
+                "raw": (lambda: client.put_object(Bucket=server.bucket, Key=shards.current, Body=data), shards.next),
+            },
         )
-        rows.append(("experience read (Parquet)", len(data), module, raw, verified))
+        rows.append(("experience write (Parquet)", len(data), best["module"], best["raw"], None))
+
+        manifest = run.manifest(folders.current)
+        best = best_seconds(
+            args.repeats,
+            {
+                "module": (lambda: run.read_committed(folders.current, manifest, [shard]), nothing),
+                "raw": (lambda: client.get_object(Bucket=server.bucket, Key=shards.current)["Body"].read(), nothing),
+                "verified": (
+                    lambda: hashlib.sha256(client.get_object(Bucket=server.bucket, Key=shards.current)["Body"].read()),
+                    nothing,
+                ),
+            },
+        )
+        rows.append(("experience read (Parquet)", len(data), best["module"], best["raw"], best["verified"]))
         started = time.perf_counter()
         parse_table(data, "benchmark", ROLLOUT_SCHEMA)
         decode = time.perf_counter() - started
@@ -179,7 +201,10 @@ def main() -> None:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"storage module vs raw boto3, SeaweedFS on loopback, best of {args.repeats}, {os.cpu_count()} cores")
+    print(
+        f"storage module vs raw boto3, SeaweedFS on loopback, best of {args.repeats} taking turns,"
+        f" {os.cpu_count()} cores, 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
+    )
     print("| operation | MB | storage module MB/s | raw boto3 MB/s | module / raw | raw + sha256 MB/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, size, module, raw, verified in rows:

@@ -21,7 +21,7 @@ from steps.config import MoeloopConfig, parse_config
 from steps.errors import MoeloopError
 from steps.experience import read_rollout_shard
 from steps.outputs import write_outputs
-from steps.storage import RunStorage, read_jsonl, sha256_file
+from steps.storage import RunStorage, local_entry, read_jsonl
 
 # Single-object outputs, checked before a step skips its work because they exist.
 ROLLOUT_SHARD_PATH = re.compile(r"experience/iter-(\d+)/rollout-(\d+)-of-(\d+)\.parquet")
@@ -91,45 +91,55 @@ def cache_root() -> Path:
 
 
 def fetch_checkpoint(storage: RunStorage, iteration: int) -> Path:
-    """A committed checkpoint as a local folder, cached by checkpoint id (run, iteration, COMMIT digest)."""
+    """A committed checkpoint as a local folder, verified against its COMMIT and cached."""
     return fetch_committed(storage, storage.checkpoint(iteration), f"checkpoint of iteration {iteration}")
 
 
 def fetch_committed(storage: RunStorage, folder: str, what: str = "folder") -> Path:
-    """A committed folder (a checkpoint, a reward model) as a local folder, cached by (run, folder, COMMIT digest).
-
-    A download is verified against the COMMIT before it enters the cache, and a cached copy again before
-    every use: a damaged copy is set aside and fetched anew."""
+    """A committed folder (a checkpoint, a critic, a reward model) as a local folder, verified and cached."""
     manifest = storage.manifest(folder)
     if manifest is None:
         raise MoeloopError(f"{what} is not committed: {storage.display(folder)}")
-    commit_digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
-    run_digest = hashlib.sha256(storage.uri.encode()).hexdigest()[:16]
-    local = cache_root() / run_digest / f"{folder.replace('/', '-')}-{commit_digest}"
+    return fetch_verified(storage, folder, manifest["files"])
+
+
+def fetch_verified(storage: RunStorage, folder: str, files: dict[str, Any], fetched: Path | None = None) -> Path:
+    """The files of a folder (a COMMIT's, or another record of their sizes and digests) as a local folder,
+    cached by where the folder lives and the digest of that record.
+
+    A download is verified against the record before it enters the cache, and a cached copy again before
+    every use: a damaged copy is set aside and fetched anew. fetched: a folder under cache_root() already
+    downloaded and checked against files, to move into the cache instead of downloading."""
+    files_digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+    location_digest = hashlib.sha256(storage.display(folder).encode()).hexdigest()[:16]
+    local = cache_root() / location_digest / f"{Path(folder).name}-{files_digest}"
     if local.exists():
-        if matches_manifest(local, manifest):
+        if matches_files(local, files):
+            if fetched is not None:
+                shutil.rmtree(fetched, ignore_errors=True)
             return local
         damaged = local.with_name(f"{local.name}.damaged-{uuid.uuid4().hex}")
         os.replace(local, damaged)  # out of the way of other readers first, then gone
         shutil.rmtree(damaged, ignore_errors=True)
     cache_root().mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=cache_root()))
+    staging = fetched or Path(tempfile.mkdtemp(dir=cache_root()))
     try:
-        storage.fetch_folder(folder, staging)
+        if fetched is None:
+            storage.fetch_files(folder, files, staging)
         local.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, local)
     except OSError:
-        if not local.exists():  # not a concurrent fetch of the same checkpoint that won the rename
+        if not local.exists():  # not a concurrent fetch of the same folder that won the rename
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return local
 
 
-def matches_manifest(local: Path, manifest: dict[str, Any]) -> bool:
-    for name, entry in manifest["files"].items():
+def matches_files(local: Path, files: dict[str, Any]) -> bool:
+    for name, entry in files.items():
         path = local / name
-        if not path.is_file() or path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+        if not path.is_file() or path.stat().st_size != entry["size"] or local_entry(path) != entry:
             return False
     return True
 

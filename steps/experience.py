@@ -2,13 +2,12 @@
 
 Each rollout step writes its shard as one object, whole. The reward step reads every shard, checks that
 each holds rows of its own iteration and shard only, writes rewards.parquet, then commits the iteration's
-experience: experience/iter-N/COMMIT names the K shards and the rewards with size and sha256. The trainer
-reads experience only through that COMMIT, verified.
+experience: experience/iter-N/COMMIT names the K shards and the rewards with their sizes and digests. The
+trainer reads experience only through that COMMIT, verified.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 from typing import Any
 
@@ -17,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from steps.errors import MoeloopError
-from steps.storage import RunStorage, file_entry
+from steps.storage import RunStorage, bytes_entry
 
 REWARDS_FILE = "rewards.parquet"
 
@@ -121,7 +120,7 @@ def commit_experience(storage: RunStorage, iteration: int, shards: dict[str, byt
     """rewards.parquet, then the COMMIT naming it and the shards it was computed from."""
     folder = storage.experience(iteration)
     files = storage.put_objects(folder, {REWARDS_FILE: table_bytes(rewards)})
-    files.update({name: file_entry(len(data), hashlib.sha256(data).hexdigest()) for name, data in shards.items()})
+    files.update({name: bytes_entry(data) for name, data in shards.items()})
     storage.commit(folder, files, extra={"iteration": iteration, "samples": rewards.num_rows})
 
 

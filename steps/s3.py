@@ -6,25 +6,26 @@ credentials (EKS Pod Identity) or the instance metadata. Nothing here takes a cr
 and no message built here contains one: errors name the object and the server's error code only.
 
 Bulk transfers (checkpoint files, large Parquet objects) go through boto3 directly, because they need
-what a single stream cannot give: a multipart upload whose parts go up in parallel, and a download of
-ranged parts in parallel. The sha256 the commit protocol needs is computed on the same pass, in order,
-while the parts are in flight.
+what a single stream cannot give: a multipart upload whose parts go up in parallel, and ranged parts
+fetched in parallel (steps/storage.py drives the reads through read_range). The commit protocol's digests are
+per part (the BLAKE3 of each part, see steps/storage.py), so each part is hashed by the worker thread that
+moves it, beside the other parts' I/O.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import blake3
 import boto3
 import botocore.config
 import botocore.exceptions
@@ -35,7 +36,7 @@ from steps.errors import MoeloopError
 PART_SIZE = 8 << 20
 MAX_PARTS = 10_000
 WORKERS = 8
-# Parts read or received but not yet sent or hashed: bounds the memory of a transfer to WINDOW x part size.
+# Parts queued for the workers or not yet collected: keeps the workers busy while bounding the bookkeeping.
 WINDOW = 2 * WORKERS
 
 BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -163,64 +164,66 @@ def translated(error: BaseException, uri: str) -> BaseException:
 # -- transfers ------------------------------------------------------------------------------------
 
 
+def part_digest(data: bytes | memoryview) -> bytes:
+    """The digest of one part: BLAKE3, cryptographic like sha256 and about five times cheaper on these cores,
+    which is what lets a verified read keep up with raw boto3 when the cores are busy (benchmarks/storage.md)."""
+    return blake3.blake3(data).digest()
+
+
 def part_size(size: int) -> int:
     return max(PART_SIZE, -(-size // MAX_PARTS))
+
+
+def part_offsets(size: int, step: int) -> range:
+    """Where an object's parts start: ceil(size / step) of them, and one (empty) for an empty object."""
+    return range(0, max(size, 1), step)
 
 
 @dataclass(frozen=True)
 class Uploaded:
     size: int
-    sha256: str
+    part_size: int
+    part_digests: list[bytes]  # part_digest of each part, in order
 
 
 def upload(location: S3Location, sources: dict[str, Path | bytes]) -> dict[str, Uploaded]:
-    """Put every source (a local file or bytes) at location/name, in parallel; returns sizes and sha256.
+    """Put every source (a local file or bytes) at location/name, in parallel; returns each one's part digests.
 
-    Small objects are one PUT each. A large one is a multipart upload whose parts are read and hashed in
-    order here, and sent by the worker threads, at most WINDOW parts ahead. On any failure the open
-    multipart uploads are aborted, so no part is left behind.
+    An object of one part is one PUT; a larger one is a multipart upload. Each part is read, hashed and sent
+    by one worker thread (the hash releases the GIL, so hashing runs beside the other parts' I/O); at most
+    WINDOW parts are queued, so at most WORKERS parts are in memory. On any failure the open multipart
+    uploads are aborted, so no part is left behind.
     """
-    in_flight: deque[Future] = deque()
-    multiparts: list[tuple[str, str, str, list[Future]]] = []  # (key, uri, upload id, parts)
-    results: dict[str, Uploaded] = {}
     s3 = client()
+    in_flight: deque[Future] = deque()
+    multiparts: list[tuple[str, str, str, list[Future]]] = []  # (key, uri, upload id, its parts)
+    objects: dict[str, tuple[int, int, list[Future]]] = {}  # name -> (size, part size, its parts)
 
-    def throttle() -> None:
-        while len(in_flight) >= WINDOW:
-            in_flight.popleft().result()
+    def send(source: Path | bytes, offset: int, length: int, uri: str, **request: Any) -> tuple[bytes, str]:
+        data = read_piece(source, offset, length, uri)
+        digest = part_digest(data)
+        operation = s3.upload_part if "UploadId" in request else s3.put_object
+        return digest, call(operation, uri, Body=data, **request).get("ETag", "")
 
     try:
         for name, source in sources.items():
             uri = location.uri(name)
-            key = uri.removeprefix(f"s3://{location.bucket}/")
-            digest = hashlib.sha256()
+            request = {"Bucket": location.bucket, "Key": uri.removeprefix(f"s3://{location.bucket}/")}
             size = len(source) if isinstance(source, bytes) else source.stat().st_size
             step = part_size(size)
-            if size <= step:
-                data = source if isinstance(source, bytes) else source.read_bytes()
-                digest.update(data)
-                throttle()
-                in_flight.append(pool().submit(call, s3.put_object, uri, Bucket=location.bucket, Key=key, Body=data))
-            else:
-                upload_id = call(s3.create_multipart_upload, uri, Bucket=location.bucket, Key=key)["UploadId"]
-                parts: list[Future] = []
-                multiparts.append((key, uri, upload_id, parts))
-                for number, data in enumerate(read_parts(source, step), start=1):
-                    digest.update(data)
-                    throttle()
-                    future = pool().submit(
-                        call,
-                        s3.upload_part,
-                        uri,
-                        Bucket=location.bucket,
-                        Key=key,
-                        UploadId=upload_id,
-                        PartNumber=number,
-                        Body=data,
-                    )
-                    parts.append(future)
-                    in_flight.append(future)
-            results[name] = Uploaded(size, digest.hexdigest())
+            if size > step:
+                request["UploadId"] = call(s3.create_multipart_upload, uri, **request)["UploadId"]
+            parts: list[Future] = []
+            for number, offset in enumerate(part_offsets(size, step), start=1):
+                while len(in_flight) >= WINDOW:
+                    in_flight.popleft().result()
+                numbered = {"PartNumber": number} if "UploadId" in request else {}
+                future = pool().submit(send, source, offset, min(step, size - offset), uri, **request, **numbered)
+                parts.append(future)
+                in_flight.append(future)
+            if "UploadId" in request:
+                multiparts.append((request["Key"], uri, request["UploadId"], parts))
+            objects[name] = (size, step, parts)
         for future in in_flight:
             future.result()
         completions = [
@@ -232,7 +235,7 @@ def upload(location: S3Location, sources: dict[str, Path | bytes]) -> dict[str, 
                 Key=key,
                 UploadId=upload_id,
                 MultipartUpload={
-                    "Parts": [{"PartNumber": n, "ETag": f.result()["ETag"]} for n, f in enumerate(parts, 1)]
+                    "Parts": [{"PartNumber": n, "ETag": f.result()[1]} for n, f in enumerate(parts, start=1)]
                 },
             )
             for key, uri, upload_id, parts in multiparts
@@ -243,9 +246,17 @@ def upload(location: S3Location, sources: dict[str, Path | bytes]) -> dict[str, 
     except S3_ERRORS as error:
         raise translated(error, location.uri()) from None
     finally:
-        for key, _, upload_id, _ in multiparts:
+        for future in in_flight:
+            future.cancel()
+        for key, _, upload_id, parts in multiparts:
+            for future in parts:
+                if not future.cancelled():
+                    future.exception()  # a part still being sent must end before its upload is aborted
             abort_multipart(location.bucket, key, upload_id)
-    return results
+    return {
+        name: Uploaded(size, step, [future.result()[0] for future in parts])
+        for name, (size, step, parts) in objects.items()
+    }
 
 
 def abort_multipart(bucket: str, key: str, upload_id: str) -> None:
@@ -255,116 +266,32 @@ def abort_multipart(bucket: str, key: str, upload_id: str) -> None:
         pass  # best effort: the bucket's lifecycle rule removes what is left (manifests/iam/README.md)
 
 
-def read_parts(source: Path | bytes, step: int) -> Iterator[bytes]:
+def read_piece(source: Path | bytes, offset: int, length: int, uri: str) -> bytes:
+    """length bytes of source at offset: a file that changed size since it was measured is an error."""
     if isinstance(source, bytes):
-        view = memoryview(source)
-        for offset in range(0, len(source), step):
-            yield bytes(view[offset : offset + step])
-        return
+        return source if length == len(source) else source[offset : offset + length]
     with open(source, "rb") as file:
-        while data := file.read(step):
-            yield data
+        data = os.pread(file.fileno(), length, offset)
+    if len(data) != length:
+        raise MoeloopError(f"{source} changed while it was being uploaded to {uri}")
+    return data
 
 
-@dataclass(frozen=True)
-class Download:
-    name: str
-    size: int  # what the manifest says: the object must be exactly this long
-    sink: Path | None  # a local file to write, or None to keep the bytes in memory
-
-
-def download(location: S3Location, items: list[Download]) -> dict[str, tuple[str, bytes | None]]:
-    """Fetch every object in ranged parts, in parallel; returns {name: (sha256, its bytes or None)}.
-
-    The worker threads write each part to its file at its offset; this thread hashes the parts in order
-    as they arrive (and joins those of an object kept in memory), at most WINDOW parts behind the newest
-    request. An object whose length differs from the manifest's size is an error naming it.
-    """
-    s3 = client()
-    results: dict[str, tuple[str, bytes | None]] = {}
-    pending: deque[tuple[Download, Future, bool]] = deque()  # (item, one part, whether it is the last)
-    digests: dict[str, Any] = {}
-    buffers: dict[str, list[bytes]] = {}  # name -> its parts so far, in order, for an object kept in memory
-    files: dict[str, int] = {}  # name -> open file descriptor, closed once its last part is hashed
-
-    def fetch(item: Download, key: str, offset: int, length: int) -> bytes:
-        response = call(
-            s3.get_object,
-            location.uri(item.name),
-            Bucket=location.bucket,
-            Key=key,
-            Range=f"bytes={offset}-{offset + length - 1}",
-        )
-        total = int(response["ContentRange"].rsplit("/", 1)[1])
-        data = response["Body"].read()
-        if total != item.size or len(data) != length:
-            raise MoeloopError(
-                f"object does not match its COMMIT (size {total}, the manifest says {item.size}):"
-                f" {location.uri(item.name)}"
-            )
-        if item.sink is not None:
-            os.pwrite(files[item.name], data, offset)
-        return data
-
-    def finish_oldest() -> None:
-        item, future, last = pending.popleft()
-        data = future.result()
-        digests[item.name].update(data)
-        if item.sink is None:
-            buffers[item.name].append(data)
-        if last:
-            if item.name in files:
-                os.close(files.pop(item.name))
-            parts = buffers.pop(item.name, None)
-            results[item.name] = (digests[item.name].hexdigest(), b"".join(parts) if parts is not None else None)
-
+def read_range(location: S3Location, name: str, offset: int, length: int, size: int) -> bytes:
+    """length bytes of location/name at offset, checking that the object is size bytes long in all."""
+    uri = location.uri(name)
+    request = {"Bucket": location.bucket, "Key": uri.removeprefix(f"s3://{location.bucket}/")}
     try:
-        for item in items:
-            key = location.uri(item.name).removeprefix(f"s3://{location.bucket}/")
-            digests[item.name] = hashlib.sha256()
-            if item.sink is None:
-                buffers[item.name] = []
-            else:
-                item.sink.parent.mkdir(parents=True, exist_ok=True)
-                files[item.name] = os.open(item.sink, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            if item.size == 0:
-                check_empty(location, key, item)
-                pending.append((item, completed(b""), True))
-                continue
-            step = part_size(item.size)
-            offsets = range(0, item.size, step)
-            for offset in offsets:
-                while len(pending) >= WINDOW:
-                    finish_oldest()
-                future = pool().submit(fetch, item, key, offset, min(step, item.size - offset))
-                pending.append((item, future, offset == offsets[-1]))
-        while pending:
-            finish_oldest()
+        if length == 0:  # an empty object: no Range names zero bytes
+            found, data = client().head_object(**request)["ContentLength"], b""
+        else:
+            response = client().get_object(**request, Range=f"bytes={offset}-{offset + length - 1}")
+            found, data = int(response["ContentRange"].rsplit("/", 1)[1]), response["Body"].read()
     except S3_ERRORS as error:
-        raise translated(error, location.uri()) from None
-    finally:
-        for _, future, _ in pending:
-            future.cancel()
-        for _, future, _ in pending:
-            if not future.cancelled():
-                future.exception()  # a part still running must end before its file is closed
-        for fd in files.values():
-            os.close(fd)
-    return results
-
-
-def check_empty(location: S3Location, key: str, item: Download) -> None:
-    size = call(client().head_object, location.uri(item.name), Bucket=location.bucket, Key=key)["ContentLength"]
-    if size != 0:
-        raise MoeloopError(
-            f"object does not match its COMMIT (size {size}, the manifest says 0): {location.uri(item.name)}"
-        )
-
-
-def completed(value: bytes) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
+        raise translated(error, uri) from None
+    if found != size or len(data) != length:
+        raise MoeloopError(f"object does not match its COMMIT (size {found}, the manifest says {size}): {uri}")
+    return data
 
 
 def probe(location: S3Location) -> None:

@@ -8,21 +8,32 @@ starts from an SFT checkpoint as in real post-training.
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
 import yaml
+from safetensors import SafetensorError
 
-from steps.common import local_scratch, print_json, quiet_libraries, step_parser, write_report
+from steps.common import (
+    cache_root,
+    fetch_verified,
+    local_scratch,
+    print_json,
+    quiet_libraries,
+    step_parser,
+    write_report,
+)
 from steps.config import MoeloopConfig, SFTConfig, load_config, parse_config
 from steps.errors import MoeloopError, run_cli
 from steps.policy import build_tiny_model, build_tokenizer, load_policy, pack_sequences, save_policy, token_logprobs
 from steps.reward_model import adopt_reward_models, check_reward_models
-from steps.storage import RunStorage, read_prompt_file
+from steps.storage import RunStorage, json_bytes, manifest_of, parse_manifest, read_prompt_file
 
 # Settings that may change between submissions of one run without changing its results.
 RESTARTABLE_FIELDS = {"iterations", "cluster", "local", "storage_root"}
@@ -89,18 +100,83 @@ def sft(model: torch.nn.Module, tokenizer: Any, records: list[dict], settings: S
     return losses
 
 
-def starting_policy(
-    config: MoeloopConfig, train: list[dict], evaluation: list[dict], scratch: Path
-) -> tuple[Any, Any, dict]:
-    if config.model.checkpoint is not None:
-        source = scratch / "source"
+def source_folder(uri: str) -> tuple[RunStorage, str]:
+    """model.checkpoint as (the storage it lives in, the folder's name there): a local folder or s3://..."""
+    if "://" not in uri:
+        uri = os.path.abspath(uri)
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    if not name or parent in ("s3:/", "file:/"):
+        raise MoeloopError(f"model.checkpoint must name a folder, not a bucket or a root: {uri}")
+    try:
+        return RunStorage(parent or "/"), name
+    except MoeloopError as error:
+        raise MoeloopError(f"model.checkpoint: {error}") from None
+
+
+def fetch_model_source(storage: RunStorage, uri: str) -> tuple[Path, dict[str, Any] | None]:
+    """model.checkpoint as a local folder, verified and cached like the run's checkpoints; and, at the first
+    fetch of a folder without a COMMIT, its files' entries, for record_model_source once they load.
+
+    A moeloop checkpoint (a folder with a COMMIT, of any run) is verified against its COMMIT. Any other
+    folder (an HF checkpoint uploaded from outside moeloop) has nothing to be verified against: it is
+    trusted as this run first finds it. That first fetch checks each object's length against the listing
+    (and the loader checks each safetensors file against its own header); once the files load, start
+    records every file's size and digest in the run's data/model-source.json, and every later fetch for the
+    run (a re-run of start, a cached copy) is verified against that record, so a source changed or damaged
+    since is an error naming the object."""
+    source, folder = source_folder(uri)
+    manifest = source.manifest(folder)
+    if manifest is not None:
+        return fetch_verified(source, folder, manifest["files"]), None
+    if storage.exists(RunStorage.MODEL_SOURCE):
+        recorded = recorded_source(storage, uri)["files"]
         try:
-            fs, path = fsspec.core.url_to_fs(config.model.checkpoint)
-            fs.get(path.rstrip("/") + "/", str(source), recursive=True)
-        except FileNotFoundError:
-            raise MoeloopError(f"model.checkpoint not found: {config.model.checkpoint}") from None
-        model, tokenizer = load_policy(source)
-        return model, tokenizer, {"source": config.model.checkpoint}
+            return fetch_verified(source, folder, recorded), None
+        except MoeloopError as error:
+            raise MoeloopError(
+                f"model.checkpoint is not what this run first fetched, as recorded in"
+                f" {storage.display(RunStorage.MODEL_SOURCE)}: {error}"
+            ) from None
+    cache_root().mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=cache_root()))
+    try:
+        files = source.fetch_as_found(folder, staging)
+        if not files:
+            raise MoeloopError(f"model.checkpoint not found (no objects there): {uri}")
+        return fetch_verified(source, folder, files, fetched=staging), files
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def record_model_source(storage: RunStorage, uri: str, files: dict[str, Any]) -> None:
+    """Pin model.checkpoint's files as this run first found them (created once; a concurrent start that
+    found other bytes is an error)."""
+    created = storage.create_bytes(RunStorage.MODEL_SOURCE, json_bytes(manifest_of(files, {"uri": uri})))
+    if not created and recorded_source(storage, uri)["files"] != files:
+        raise MoeloopError(f"model.checkpoint changed while this run first fetched it: {uri}")
+
+
+def recorded_source(storage: RunStorage, uri: str) -> dict[str, Any]:
+    shown = storage.display(RunStorage.MODEL_SOURCE)
+    record = parse_manifest(storage.read_bytes(RunStorage.MODEL_SOURCE), shown)
+    if record.get("uri") != uri:
+        raise MoeloopError(f"{shown} records another model.checkpoint ({record.get('uri')!r}, not {uri!r})")
+    return record
+
+
+def starting_policy(
+    storage: RunStorage, config: MoeloopConfig, train: list[dict], evaluation: list[dict]
+) -> tuple[Any, Any, dict]:
+    uri = config.model.checkpoint
+    if uri is not None:
+        local, first_found = fetch_model_source(storage, uri)
+        try:
+            model, tokenizer = load_policy(local)
+        except (MoeloopError, SafetensorError) as error:  # a truncated weights file is a SafetensorError
+            raise MoeloopError(f"model.checkpoint {uri} does not load: {str(error).splitlines()[0]}") from None
+        if first_found is not None:
+            record_model_source(storage, uri, first_found)
+        return model, tokenizer, {"source": uri}
     texts = [r["prompt"] + r.get("answer", "") for r in train + evaluation]
     tokenizer = build_tokenizer(texts)
     model = build_tiny_model(config.model.tiny, tokenizer, seed=config.seed)
@@ -124,7 +200,7 @@ def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     with local_scratch() as scratch:
-        model, tokenizer, report = starting_policy(config, train, evaluation, scratch)
+        model, tokenizer, report = starting_policy(storage, config, train, evaluation)
         save_policy(model, tokenizer, scratch / "checkpoint")
         report["seconds"] = round(time.perf_counter() - started, 3)
         write_report(storage, 0, "start", report)

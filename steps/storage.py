@@ -4,8 +4,10 @@
                                                        may change only iterations and placement)
     <run>/data/{train,eval}.jsonl                      the prompts, copied in by start
     <run>/reward-models/model-KK/                      reward.models[K], committed by start (HF files + COMMIT)
+    <run>/data/model-source.json                       model.checkpoint's files as start first found them,
+                                                       when it has no COMMIT (sizes and digests)
     <run>/checkpoints/iter-NNNNNN/                     HF checkpoint of the policy after iteration N
-    <run>/checkpoints/iter-NNNNNN/COMMIT               written last: names every file with size and sha256
+    <run>/checkpoints/iter-NNNNNN/COMMIT               written last: names every file with its size and digest
     <run>/experience/iter-NNNNNN/rollout-SSSSS-of-KKKKK.parquet   one rollout shard
     <run>/experience/iter-NNNNNN/rewards.parquet       one row per sample
     <run>/experience/iter-NNNNNN/COMMIT                written last (by reward): names the shards and rewards
@@ -20,24 +22,28 @@ A run lives in a local folder or under s3://bucket/prefix. Single objects and li
 
 - A single object becomes visible whole: a local write goes to a fsynced temporary name and is renamed;
   an S3 PUT is atomic. Objects over one part are a parallel multipart upload, also visible only whole.
-- A folder's data objects are written first, then its COMMIT manifest (each name with size and sha256),
-  created only if absent (If-None-Match: * on S3, a hard link locally). Readers trust a folder only
-  through its COMMIT and verify what they read against it. A COMMIT that does not match its objects is
-  foreign data: an error, never overwritten.
+- A folder's data objects are written first, then its COMMIT manifest (each name with its size and
+  digest), created only if absent (If-None-Match: * on S3, a hard link locally). Readers trust a folder
+  only through its COMMIT and verify every byte they read against it. A COMMIT that does not match its
+  objects is foreign data: an error, never overwritten.
+- An object's digest is blake3_of_parts: the BLAKE3 of the concatenated BLAKE3 digests of its parts of
+  part_size bytes (the last one shorter; one empty part for an empty object), both named in the COMMIT.
+  As strong as a hash of the whole, but each part is hashed by the thread that moves it, in parallel.
 - LATEST moves only to a committed checkpoint, by compare-and-swap, and never backwards.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import posixpath
 import re
 import signal
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +55,13 @@ from steps import s3
 from steps.errors import MoeloopError
 
 COMMIT = "COMMIT"
+# The COMMIT's "format"; the first (no "format", a whole-object "sha256" per file) is refused by name.
+MANIFEST_FORMAT = 2
 OPTIMIZER_FILE = "optimizer.pt"  # in trainer/iter-NNNNNN/, beside the HF files
 CRITIC_DIR = "critic"  # PPO: the critic's HF files and optimizer.pt in trainer/iter-NNNNNN/critic/
 TEMPORARY = ".tmp-"  # in the name of a local write in progress; never part of a committed name
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
-COPY_CHUNK = 8 << 20
+DIGEST = re.compile(r"^[0-9a-f]{64}$")
+MIN_PART_SIZE = 1 << 20  # in a COMMIT: smaller parts would have a reader send a request per few bytes
 LATEST_ATTEMPTS = 20  # compare-and-swap rounds before giving up on a LATEST that keeps changing
 # Fault injection (tests/test_storage_faults.py): with MOELOOP_CRASH_AFTER_WRITES=N set, the process kills
 # itself with SIGKILL right after its N-th completed write, so that a crash lands between two given writes.
@@ -72,8 +80,16 @@ def iteration_dir(iteration: int) -> str:
     return f"iter-{iteration:06d}"
 
 
-def file_entry(size: int, sha256: str) -> dict[str, Any]:
-    return {"size": size, "sha256": sha256}
+def object_entry(size: int, part_size: int, part_digests: Iterable[bytes]) -> dict[str, Any]:
+    """A COMMIT's entry for one object, from the digest of each of its parts, in order."""
+    return {"size": size, "part_size": part_size, "blake3_of_parts": s3.part_digest(b"".join(part_digests)).hex()}
+
+
+def bytes_entry(data: bytes) -> dict[str, Any]:
+    step = s3.part_size(len(data))
+    view = memoryview(data)
+    digests = (s3.part_digest(view[offset : offset + step]) for offset in s3.part_offsets(len(data), step))
+    return object_entry(len(data), step, digests)
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,7 @@ class RunStorage:
     LATEST = "LATEST"
     TRAIN_PROMPTS = "data/train.jsonl"
     EVAL_PROMPTS = "data/eval.jsonl"
+    MODEL_SOURCE = "data/model-source.json"
 
     @staticmethod
     def checkpoint(iteration: int) -> str:
@@ -273,18 +290,18 @@ class RunStorage:
         sources = {p.relative_to(local_dir).as_posix(): p for p in sorted(local_dir.rglob("*")) if p.is_file()}
         existing = self.manifest(folder)
         if existing is not None:
-            local = {name: file_entry(p.stat().st_size, sha256_file(p)) for name, p in sources.items()}
-            return self._same_or_foreign(folder, existing, {"files": local, **(extra or {})})
+            local = {name: local_entry(p) for name, p in sources.items()}
+            return self._same_or_foreign(folder, existing, manifest_of(local, extra))
         return self.commit(folder, self.put_objects(folder, sources), extra)
 
     def put_objects(self, folder: str, sources: dict[str, Path | bytes]) -> dict[str, dict[str, Any]]:
-        """The data objects of a commit, in parallel on S3: {name: {size, sha256}} for its manifest."""
+        """The data objects of a commit, in parallel on S3: {name: its entry} for its manifest."""
         for name in sources:
             self.full(f"{folder}/{name}")  # refuses names that leave the folder
         if self.s3 is not None:
             uploaded = s3.upload(self._location(folder), sources)
             crash_point()
-            return {name: file_entry(u.size, u.sha256) for name, u in uploaded.items()}
+            return {name: object_entry(u.size, u.part_size, u.part_digests) for name, u in uploaded.items()}
         files = {}
         for name, source in sources.items():
             target = self.full(f"{folder}/{name}")
@@ -292,7 +309,7 @@ class RunStorage:
                 if isinstance(source, bytes):
                     with self._local_temporary(target, source) as temporary:
                         os.replace(temporary, target)
-                    files[name] = file_entry(len(source), hashlib.sha256(source).hexdigest())
+                    files[name] = bytes_entry(source)
                 else:
                     files[name] = copy_hashed(source, Path(target))
             crash_point()
@@ -303,7 +320,7 @@ class RunStorage:
     ) -> dict[str, Any]:
         """Write folder/COMMIT naming files, only if there is none (If-None-Match: *). If another writer
         committed first with the same content, that is this commit; with other content, an error."""
-        manifest = {"files": dict(sorted(files.items())), **(extra or {})}
+        manifest = manifest_of(files, extra)
         if self.create_bytes(f"{folder}/{COMMIT}", json_bytes(manifest)):
             return manifest
         existing = self.manifest(folder)
@@ -324,40 +341,120 @@ class RunStorage:
         manifest = self.manifest(folder)
         if manifest is None:
             raise MoeloopError(f"not committed (no {COMMIT} marker): {self.display(folder)}")
-        wanted = {n: e for n, e in manifest["files"].items() if n not in set(exclude)}
-        local_dir.mkdir(parents=True, exist_ok=True)
-        if self.s3 is not None:
-            items = [s3.Download(name, entry["size"], local_dir / name) for name, entry in wanted.items()]
-            digests = {name: digest for name, (digest, _) in s3.download(self._location(folder), items).items()}
-        else:
-            digests = {}
-            for name in wanted:
-                with self._errors(f"{folder}/{name}"):
-                    digests[name] = copy_hashed(Path(self.full(f"{folder}/{name}")), local_dir / name)["sha256"]
-        for name, entry in wanted.items():
-            self._check_digest(folder, name, entry, digests[name])
+        self.fetch_files(folder, {n: e for n, e in manifest["files"].items() if n not in set(exclude)}, local_dir)
         return manifest
+
+    def fetch_files(self, folder: str, files: dict[str, dict[str, Any]], local_dir: Path) -> None:
+        """Download the named files of folder into local_dir, each verified against its entry in files."""
+        self._read_verified(folder, files, local_dir)
 
     def read_committed(self, folder: str, manifest: dict[str, Any], names: Iterable[str]) -> dict[str, bytes]:
         """Objects of a committed folder, in memory, each verified against the manifest."""
-        entries = {name: manifest["files"][name] for name in names}
-        if self.s3 is not None:
-            items = [s3.Download(name, entry["size"], None) for name, entry in entries.items()]
-            fetched = s3.download(self._location(folder), items)  # hashed on the way in
-            objects = {name: data for name, (_, data) in fetched.items()}
-            digests = {name: digest for name, (digest, _) in fetched.items()}
-        else:
-            objects = {name: self.read_bytes(f"{folder}/{name}") for name in entries}
-            digests = {name: hashlib.sha256(data).hexdigest() for name, data in objects.items()}
-        for name, entry in entries.items():
-            self._check_digest(folder, name, entry, digests[name], objects[name])
+        return self._read_verified(folder, {name: manifest["files"][name] for name in names}, None)
+
+    def fetch_as_found(self, folder: str, local_dir: Path) -> dict[str, dict[str, Any]]:
+        """Download every object under a folder that has no COMMIT to be verified against (a starting model
+        uploaded from outside moeloop), each checked against its listed size: their entries, computed from
+        the bytes that arrived. What these bytes are is trusted as found; steps/start.py records it."""
+        files = {}
+        for name, size in self.sizes(folder).items():
+            relative = f"{folder}/{name}"
+            target = local_dir / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self._errors(relative):
+                self.fs.get_file(self.full(relative), str(target))
+            files[name] = local_entry(target)
+            if files[name]["size"] != size:
+                raise MoeloopError(
+                    f"{self.display(relative)} arrived with {files[name]['size']} bytes, the listing says {size}"
+                )
+        return files
+
+    def _read_verified(
+        self, folder: str, entries: dict[str, dict[str, Any]], local_dir: Path | None
+    ) -> dict[str, bytes]:
+        """Every read of committed objects, all fetched in parallel, each piece hashed part by part by the
+        thread that fetched it; this thread collects the part digests in order, at most s3.WINDOW pieces
+        behind. An object whose digest differs from the manifest's is an error naming it, never returned.
+
+        Into files under local_dir, the pieces are single parts (ranged GETs on S3), each written at its
+        offset. Into memory, the piece is the whole object, one GET: assembling parts into one buffer would
+        cost a copy and a second set of page faults, more CPU than the parallel parts save on busy cores.
+        """
+        read_piece = self._part_reader(folder)
+        objects: dict[str, bytes] = {}
+        files: dict[str, int] = {}  # name -> its open file under local_dir, closed once its last part is in
+        digests: dict[str, list[bytes]] = {}
+        pending: deque[tuple[str, Future, bool]] = deque()  # (name, a piece's part digests, whether the last)
+
+        def fetch(name: str, offset: int, length: int) -> list[bytes]:
+            size, step = entries[name]["size"], entries[name]["part_size"]
+            data = read_piece(name, offset, length, size)
+            if name in files:
+                os.pwrite(files[name], data, offset)
+            else:
+                objects[name] = data
+            view = memoryview(data)
+            return [s3.part_digest(view[start : start + step]) for start in s3.part_offsets(length, step)]
+
+        def collect_oldest() -> None:
+            name, future, last = pending.popleft()
+            digests[name] += future.result()
+            if last:
+                if name in files:
+                    os.close(files.pop(name))
+                entry = entries[name]
+                if object_entry(entry["size"], entry["part_size"], digests[name]) != entry:
+                    objects.pop(name, None)
+                    raise MoeloopError(f"object does not match its {COMMIT}: {self.display(folder)}/{name}")
+
+        try:
+            for name, entry in entries.items():
+                digests[name] = []
+                if local_dir is None:
+                    offsets, step = range(1), max(entry["size"], 1)  # the whole object in one piece
+                else:
+                    target = local_dir / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    files[name] = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    offsets, step = s3.part_offsets(entry["size"], entry["part_size"]), entry["part_size"]
+                for offset in offsets:
+                    while len(pending) >= s3.WINDOW:
+                        collect_oldest()
+                    length = min(step, entry["size"] - offset)
+                    pending.append((name, s3.pool().submit(fetch, name, offset, length), offset == offsets[-1]))
+            while pending:
+                collect_oldest()
+        finally:
+            for _, future, _ in pending:
+                future.cancel()
+            for _, future, _ in pending:
+                if not future.cancelled():
+                    future.exception()  # a part still running must end before its file is closed
+            for descriptor in files.values():
+                os.close(descriptor)
         return objects
 
-    def _check_digest(
-        self, folder: str, name: str, entry: dict[str, Any], digest: str, data: bytes | None = None
-    ) -> None:
-        if digest != entry["sha256"] or (data is not None and len(data) != entry["size"]):
-            raise MoeloopError(f"object does not match its {COMMIT}: {self.display(folder)}/{name}")
+    def _part_reader(self, folder: str) -> Callable[[str, int, int, int], bytes]:
+        """read(name, offset, length, size): length bytes of folder/name at offset, checking that the object
+        is size bytes long (a ranged GET on S3, a pread locally)."""
+        if self.s3 is not None:
+            location = self._location(folder)
+            return lambda name, offset, length, size: s3.read_range(location, name, offset, length, size)
+
+        def read_local(name: str, offset: int, length: int, size: int) -> bytes:
+            relative = f"{folder}/{name}"
+            with self._errors(relative), open(self.full(relative), "rb") as file:
+                found = os.fstat(file.fileno()).st_size
+                data = os.pread(file.fileno(), length, offset)
+            if found != size or len(data) != length:
+                raise MoeloopError(
+                    f"object does not match its {COMMIT} (size {found}, the manifest says {size}):"
+                    f" {self.display(relative)}"
+                )
+            return data
+
+        return read_local
 
     # -- the run ----------------------------------------------------------------------------------
     def require_run(self) -> None:
@@ -471,27 +568,48 @@ def json_bytes(value: Any) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
 
 
+def manifest_of(files: dict[str, dict[str, Any]], extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {**(extra or {}), "files": dict(sorted(files.items())), "format": MANIFEST_FORMAT}
+
+
 def parse_manifest(raw: bytes, source: str) -> dict[str, Any]:
-    """A COMMIT: {"files": {name: {"size": int, "sha256": hex}}, ...}; anything else is not ours."""
+    """A COMMIT: {"format": 2, "files": {name: {"size", "part_size", "blake3_of_parts"}}, ...}; anything else
+    is not ours (and a first-format COMMIT, with a whole-object "sha256" per file, is named as such)."""
     try:
         manifest = json.loads(raw)
         files = manifest["files"]
-        valid = isinstance(files, dict) and all(
-            isinstance(name, str)
-            and name
-            and not name.startswith("/")
-            and not {"", ".", ".."} & set(name.split("/"))
-            and isinstance(entry, dict)
-            and isinstance(entry.get("size"), int)
-            and entry["size"] >= 0
-            and SHA256.match(str(entry.get("sha256", "")))
-            for name, entry in files.items()
+        if "format" not in manifest and isinstance(files, dict) and "sha256" in next(iter(files.values()), {}):
+            raise MoeloopError(
+                f"{source} is in the first {COMMIT} format (a whole-object sha256 per file), which this moeloop no"
+                f" longer reads (format {MANIFEST_FORMAT}: blake3_of_parts): start a new run, or re-create this one"
+            )
+        valid = (
+            manifest["format"] == MANIFEST_FORMAT
+            and isinstance(files, dict)
+            and all(valid_name(name) and valid_entry(entry) for name, entry in files.items())
         )
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
         valid = False
     if not valid:
         raise MoeloopError(f"not a valid {COMMIT} manifest: {source}")
     return manifest
+
+
+def valid_name(name: Any) -> bool:
+    return (
+        isinstance(name, str) and bool(name) and not name.startswith("/") and not {"", ".", ".."} & set(name.split("/"))
+    )
+
+
+def valid_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("size"), int)
+        and entry["size"] >= 0
+        and isinstance(entry.get("part_size"), int)
+        and entry["part_size"] >= MIN_PART_SIZE
+        and bool(DIGEST.match(str(entry.get("blake3_of_parts", ""))))
+    )
 
 
 def parse_latest(raw: bytes, source: str) -> dict[str, Any]:
@@ -504,32 +622,37 @@ def parse_latest(raw: bytes, source: str) -> dict[str, Any]:
     raise MoeloopError(f"not a valid LATEST pointer: {source}")
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def local_entry(path: Path) -> dict[str, Any]:
+    """The COMMIT entry of a local file (to compare a local copy or a re-run's files with a manifest)."""
+    size = path.stat().st_size
+    step = s3.part_size(size)
     with open(path, "rb") as file:
-        while chunk := file.read(COPY_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        digests = [s3.part_digest(file.read(step)) for _ in s3.part_offsets(size, step)]
+    return object_entry(size, step, digests)
 
 
 def copy_hashed(source: Path, target: Path) -> dict[str, Any]:
-    """Copy a local file through a fsynced temporary name, hashing it on the way: {size, sha256}."""
+    """Copy a local file through a fsynced temporary name, hashing its parts on the way: its COMMIT entry."""
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f"{target.name}{TEMPORARY}{uuid.uuid4().hex}")
-    digest, size = hashlib.sha256(), 0
+    size = source.stat().st_size
+    step = s3.part_size(size)
+    digests = []
     try:
         with open(source, "rb") as reader, open(temporary, "wb") as writer:
-            while chunk := reader.read(COPY_CHUNK):
-                digest.update(chunk)
+            for offset in s3.part_offsets(size, step):
+                chunk = reader.read(step)
+                if len(chunk) != min(step, size - offset):
+                    raise MoeloopError(f"{source} changed while it was being copied")
+                digests.append(s3.part_digest(chunk))
                 writer.write(chunk)
-                size += len(chunk)
             writer.flush()
             os.fsync(writer.fileno())
         os.replace(temporary, target)
     finally:
         if temporary.exists():
             temporary.unlink()
-    return file_entry(size, digest.hexdigest())
+    return object_entry(size, step, digests)
 
 
 def read_jsonl(lines: Iterable[str], source: str) -> list[dict[str, Any]]:

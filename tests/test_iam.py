@@ -77,7 +77,8 @@ def can_list(step: str, prefix: str) -> bool:
 NEEDS = {
     "start": {
         READ: [RunStorage.CONFIG, RunStorage.LATEST, f"{RunStorage.checkpoint(0)}/COMMIT"],
-        WRITE: [RunStorage.CONFIG, RunStorage.TRAIN_PROMPTS, RunStorage.EVAL_PROMPTS, CHECKPOINT_0]
+        WRITE: [RunStorage.CONFIG, RunStorage.TRAIN_PROMPTS, RunStorage.EVAL_PROMPTS, RunStorage.MODEL_SOURCE]
+        + [CHECKPOINT_0]
         + [f"{RunStorage.checkpoint(0)}/COMMIT", RunStorage.report(0, "start"), RunStorage.LATEST],
     },
     "rollout": {

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import blake3
 import botocore.exceptions
 import pytest
 
@@ -45,6 +46,12 @@ def sha256_tree(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
+
+
+def blake3_of_parts(data: bytes, part_size: int = s3.PART_SIZE) -> str:
+    """The digest as the README defines it, written out here independently of steps/storage.py."""
+    parts = [data[offset : offset + part_size] for offset in range(0, len(data), part_size)] or [b""]
+    return blake3.blake3(b"".join(blake3.blake3(part).digest() for part in parts)).hexdigest()
 
 
 # -- the server: what the protocol relies on ------------------------------------------------------
@@ -109,7 +116,9 @@ def test_folder_commits_only_with_its_manifest_and_round_trips_verified(storage:
 
     assert manifest == storage.manifest(folder)
     assert manifest["iteration"] == 1
-    assert {n: e["sha256"] for n, e in manifest["files"].items()} == sha256_tree(source)
+    assert {n: e["blake3_of_parts"] for n, e in manifest["files"].items()} == {
+        p.relative_to(source).as_posix(): blake3_of_parts(p.read_bytes()) for p in source.rglob("*") if p.is_file()
+    }
     assert manifest["files"]["model.safetensors"]["size"] == (source / "model.safetensors").stat().st_size
     storage.fetch_folder(folder, tmp_path / "copy")
     assert sha256_tree(tmp_path / "copy") == sha256_tree(source)
@@ -164,6 +173,29 @@ def test_large_objects_round_trip_through_parallel_parts(storage: RunStorage) ->
     files = storage.put_objects("experience/iter-000001", {"big.parquet": data})
     manifest = storage.commit("experience/iter-000001", files)
     assert storage.read_committed("experience/iter-000001", manifest, ["big.parquet"]) == {"big.parquet": data}
+
+
+@pytest.mark.parametrize("part", [0, 1, 2])
+def test_a_damaged_part_of_a_large_object_is_caught_whichever_part_it_is(storage: RunStorage, part: int) -> None:
+    """Each part is hashed by the thread that fetched it; a change in any one of them fails the object."""
+    data = os.urandom(5 * s3.PART_SIZE // 2)
+    folder = "experience/iter-000001"
+    manifest = storage.commit(folder, storage.put_objects(folder, {"big.parquet": data}))
+    damaged = bytearray(data)
+    damaged[part * s3.PART_SIZE + 12345] ^= 0x01
+    storage.write_bytes(f"{folder}/big.parquet", bytes(damaged))  # same size: only the digest tells
+
+    with pytest.raises(MoeloopError, match=rf"^object does not match its COMMIT: .*{folder}/big.parquet$"):
+        storage.read_committed(folder, manifest, ["big.parquet"])
+
+
+def test_a_first_format_commit_is_refused_by_name(storage: RunStorage) -> None:
+    files = {"w.bin": {"size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}}
+    storage.write_bytes("checkpoints/iter-000001/w.bin", b"weights")
+    storage.write_bytes("checkpoints/iter-000001/COMMIT", json.dumps({"files": files, "iteration": 1}).encode())
+    with pytest.raises(MoeloopError, match=r"COMMIT is in the first COMMIT format .* start a new run") as refused:
+        storage.is_committed("checkpoints/iter-000001")
+    assert "\n" not in str(refused.value)
 
 
 def test_conditional_create_keeps_the_first_object(storage: RunStorage) -> None:
@@ -238,6 +270,7 @@ def test_manifest_lists_sizes_and_checksums_in_json(storage: RunStorage) -> None
     storage.commit("checkpoints/iter-000004", files, {"iteration": 4})
     marker = json.loads(storage.read_bytes("checkpoints/iter-000004/COMMIT"))
     assert marker == {
-        "files": {"w.bin": {"size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}},
+        "format": 2,
+        "files": {"w.bin": {"size": 7, "part_size": s3.PART_SIZE, "blake3_of_parts": blake3_of_parts(b"weights")}},
         "iteration": 4,
     }

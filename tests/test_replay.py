@@ -1,0 +1,110 @@
+"""What Argo's retry and resubmit do to a finished run, replayed on a real S3 server (SeaweedFS): every task
+of the finished iterations executed again, as the pod commands of the DAG (`Task.argv`, as subprocesses,
+each in a fresh checkpoint cache like a new pod), changes nothing in the run.
+
+Compared: every object under the run, key -> sha256 of its bytes. Allowed to differ: what lies outside the
+run (the steps' logs, the local checkpoint caches) and S3's own metadata (LastModified, and so the ETag of
+an identical rewrite such as start's config.yaml); nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from steps import s3
+from tests.conftest import REPO, small_config
+from tests.seaweed import SeaweedS3
+from workflows.dag import Task, loop_tasks, run_uri
+from workflows.local import local_argv, run_local
+
+pytestmark = pytest.mark.slow
+
+STEP_TIMEOUT = 600
+
+
+def snapshot(seaweed: SeaweedS3, uri: str) -> dict[str, str]:
+    """Every object under the run: key (relative to the run) -> sha256 of its bytes."""
+    client, prefix = seaweed.client(), s3.parse_s3_uri(uri).key + "/"
+    objects = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=seaweed.bucket, Prefix=prefix):
+        for entry in page.get("Contents", []):
+            data = client.get_object(Bucket=seaweed.bucket, Key=entry["Key"])["Body"].read()
+            objects[entry["Key"].removeprefix(prefix)] = hashlib.sha256(data).hexdigest()
+    return objects
+
+
+def differences(before: dict[str, str], after: dict[str, str]) -> dict[str, str]:
+    return {
+        key: "added" if key not in before else "removed" if key not in after else "changed"
+        for key in sorted(before.keys() | after.keys())
+        if before.get(key) != after.get(key)
+    }
+
+
+def execute(tasks: list[Task], run_values: dict[str, str], work: Path) -> None:
+    """The tasks as Argo runs them: the DAG's order, those whose dependencies (among tasks) are done side by
+    side, each its pod command in a new process with an empty cache. Every one must succeed, finding its
+    work committed (its printed report says it skipped it)."""
+    names = {t.name for t in tasks}
+    done: set[str] = set()
+    waiting = list(tasks)
+    while waiting:
+        ready = [t for t in waiting if all(d in done or d not in names for d in t.dependencies)]
+        running = []
+        for task in ready:
+            environment = {
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "MOELOOP_CACHE": str(work / f"cache-{len(list(work.glob('cache-*')))}"),
+                "OMP_NUM_THREADS": "1",
+            }
+            command = local_argv(task, run_values)
+            output = subprocess.PIPE
+            running.append((task, subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT)))
+        for task, process in running:
+            output = process.communicate(timeout=STEP_TIMEOUT)[0].decode(errors="replace")
+            assert process.returncode == 0, f"replayed {task.name} failed:\n{output[-2000:]}"
+            report = json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
+            assert "skipped" in report, f"replayed {task.name} did its work again: {report}"
+            done.add(task.name)
+            waiting.remove(task)
+
+
+def downstream(tasks: list[Task], name: str) -> list[Task]:
+    """The task and every task that depends on it, directly or not, in the DAG's order."""
+    reached = {name}
+    for task in tasks:  # topological: a task comes after its dependencies
+        if reached & set(task.dependencies):
+            reached.add(task.name)
+    return [t for t in tasks if t.name in reached]
+
+
+def test_replaying_every_task_of_a_finished_run_changes_nothing(
+    s3_run_root: str, seaweed: SeaweedS3, tmp_path: Path
+) -> None:
+    # The transformers engine: quicker to start than vLLM, and what a replay does does not depend on it.
+    config = small_config(iterations=2, rollout={"engine": "transformers"})
+    uri = run_uri(config, s3_run_root)
+    run_local(config, uri, tmp_path / "logs", progress=False)
+    finished = snapshot(seaweed, uri)
+    assert "LATEST" in finished and "metrics/iter-000002.json" in finished
+    tasks = loop_tasks(config)
+    run_values = {"run": uri, "config": config.to_json()}
+
+    # Argo's retry of each task in turn, in the DAG's order: after each one, the run is as it was.
+    for task in tasks:
+        execute([task], run_values, tmp_path)
+        assert differences(finished, snapshot(seaweed, uri)) == {}, f"replaying {task.name} changed the run"
+
+    # Argo's resubmit after a failure in the middle: the failed task again, then everything downstream of it,
+    # siblings side by side.
+    resubmitted = downstream(tasks, "it1-train")
+    assert [t.name for t in resubmitted][:3] == ["it1-train", "it1-publish", "it1-eval"]
+    execute(resubmitted, run_values, tmp_path)
+    assert differences(finished, snapshot(seaweed, uri)) == {}
