@@ -62,6 +62,12 @@ def command_submit(args: argparse.Namespace) -> None:
     print(name)
 
 
+def command_report(args: argparse.Namespace) -> None:
+    from workflows.report import print_report
+
+    print_report(args.run)
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="moeloop", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
@@ -91,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("--token", help="bearer token (default: $ARGO_TOKEN)")
     submit.add_argument("--insecure", action="store_true", help="do not verify the server's TLS certificate")
     submit.set_defaults(handler=command_submit)
+    report = commands.add_parser("report", help="print each iteration's staleness, step times and waits")
+    report.add_argument("run", help="the run's URI: its folder, or s3://bucket/prefix/<run_name>")
+    report.set_defaults(handler=command_report)
     return root
 
 

@@ -4,7 +4,9 @@
     start -> it1-rollout-{0..K-1} -> it1-reward -> it1-train -> it1-publish -> it1-eval
                                         it1-publish -> it2-rollout-{0..K-1} -> ...
 
-Evaluation hangs off publish, so it runs while the next iteration's rollouts do.
+Evaluation hangs off publish, so it runs while the next iteration's rollouts do. With
+`rollout.max_staleness` s >= 1, iteration i's rollouts hang off publish i-1-s (start while i-1-s <= 0):
+rollout i+1 runs while train i does, and train i and publish i follow their predecessors instead.
 """
 
 from __future__ import annotations
@@ -73,18 +75,25 @@ def loop_tasks(config: MoeloopConfig, iterations: int | None = None) -> list[Tas
     last = config.iterations if iterations is None else iterations
     shards = config.rollout.num_shards
     tasks = [_task(config, START, "start", 0, []), _task(config, EVALUATE, "eval-0", 0, ["start"])]
-    policy_ready = "start"
     for i in range(1, last + 1):
+        version = config.rollout.policy_version(i)
+        policy_ready = f"it{version}-publish" if version else "start"
         rollouts = [
             _task(config, ROLLOUT, f"it{i}-rollout-{k}", i, [policy_ready], shard=k, num_shards=shards)
             for k in range(shards)
         ]
         reward = _task(config, REWARD, f"it{i}-reward", i, [t.name for t in rollouts])
-        train = _task(config, TRAIN, f"it{i}-train", i, [reward.name])
-        publish = _task(config, PUBLISH, f"it{i}-publish", i, [train.name])
+        train_after, publish_after = [reward.name], []
+        if config.rollout.max_staleness and i > 1:
+            # Synchronously the rollouts already wait for publish i-1. Ahead of training, train i still needs
+            # trainer state i-1, and publish i follows publish i-1 so that LATEST never passes an unpublished
+            # iteration (a resume starts after LATEST).
+            train_after.append(f"it{i - 1}-train")
+            publish_after.append(f"it{i - 1}-publish")
+        train = _task(config, TRAIN, f"it{i}-train", i, train_after)
+        publish = _task(config, PUBLISH, f"it{i}-publish", i, [train.name, *publish_after])
         evaluate = _task(config, EVALUATE, f"it{i}-eval", i, [publish.name])
         tasks += [*rollouts, reward, train, publish, evaluate]
-        policy_ready = publish.name
     return tasks
 
 
