@@ -32,6 +32,7 @@ class ExecutedTask:
     name: str
     dependencies: tuple[str, ...]
     argv: tuple[str, ...]
+    started_at: float  # wall clock (Unix seconds) when the runner started the task's process
     seconds: float
 
 
@@ -107,7 +108,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 else:
                     with open(log_path, "wb") as log:
                         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
-                running[task.name] = (task, process, time.perf_counter())
+                running[task.name] = (task, process, time.time())
             if description != ", ".join(running):
                 description = ", ".join(running)
                 bar.set_description(description)
@@ -122,7 +123,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                     )
                 finished.add(name)
                 executed.append(
-                    ExecutedTask(name, task.dependencies, tuple(task.argv(run_values)), time.perf_counter() - started)
+                    ExecutedTask(name, task.dependencies, tuple(task.argv(run_values)), started, time.time() - started)
                 )
                 bar.update()
                 if task.step == EVALUATE:
