@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--eval-prompts", type=int, default=32)
-    parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
+    parser.add_argument("--engine", default="vllm", choices=["transformers", "vllm"])
     args = parser.parse_args()
 
     results = {}

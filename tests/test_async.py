@@ -4,6 +4,7 @@ with, the local runner overlapping rollout and train, the metrics' staleness and
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -13,12 +14,7 @@ import pyarrow.compute as pc
 import pytest
 
 from steps.experience import read_rollouts
-from steps.publish import publish
-from steps.reward import reward
-from steps.rollout import rollout
-from steps.start import start
 from steps.storage import RunStorage
-from steps.train import train
 from tests.conftest import REPO, small_config
 from workflows.dag import loop_tasks, run_uri
 from workflows.local import run_local
@@ -83,30 +79,33 @@ def test_staleness_is_validated() -> None:
         MoeloopConfig.model_validate(data)
 
 
+def step(name: str, uri: str, iteration: int, *extra: str) -> None:
+    """A step as the pods run it, one thread as the local runner gives it (in-process torch crawls on busy cores)."""
+    argv = [sys.executable, "-m", f"steps.{name}", "--run", uri, "--iteration", str(iteration), *extra]
+    subprocess.run(argv, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.slow
 def test_rollout_samples_with_the_stale_policy_whatever_is_published_later(run_root: Path) -> None:
     """With staleness 1, rollout 3 samples with checkpoint 1, also when it runs again after checkpoint 2 exists."""
     config = small_config(iterations=3, rollout={"num_shards": 1, "engine": "transformers", "max_staleness": 1})
     uri = run_uri(config, str(run_root))
     storage = RunStorage(uri)
-    start(uri, config)
-    rollout(uri, 1, 0, 1)
-    rollout(uri, 2, 0, 1)  # before any publish: version 0
-    reward(uri, 1)
-    train(uri, 1)
-    publish(uri, 1)
-    report = rollout(uri, 3, 0, 1)  # before checkpoint 2 exists
-    shard = storage.rollout_shard(3, 0, 1)
-    first = storage.read_bytes(shard)
-    for i in (2, 3):
-        reward(uri, i)
-    train(uri, 2)
-    publish(uri, 2)
+    step("start", uri, 0, "--config", config.to_json())
+    shard = ("--shard", "0", "--num-shards", "1")
+    step("rollout", uri, 1, *shard)
+    step("rollout", uri, 2, *shard)  # before any publish: version 0
+    for name in ("reward", "train", "publish"):
+        step(name, uri, 1)
+    step("rollout", uri, 3, *shard)  # before checkpoint 2 exists
+    first = storage.read_bytes(storage.rollout_shard(3, 0, 1))
+    for name, iteration in (("reward", 2), ("reward", 3), ("train", 2), ("publish", 2)):
+        step(name, uri, iteration)
     assert storage.latest()["iteration"] == 2
-    (run_root / config.run_name / shard).unlink()
-    rollout(uri, 3, 0, 1)  # again, with checkpoint 2 published: the same version, the same samples
-    assert storage.read_bytes(shard) == first
-    assert report["policy_version"] == 1
+    (run_root / config.run_name / storage.rollout_shard(3, 0, 1)).unlink()
+    step("rollout", uri, 3, *shard)  # again, with checkpoint 2 published: the same version, the same samples
+    assert storage.read_bytes(storage.rollout_shard(3, 0, 1)) == first
+    assert storage.read_json(storage.report(3, "rollout-0"))["policy_version"] == 1
     for i, version in ((1, 0), (2, 0), (3, 1)):
         assert set(read_rollouts(storage, i, 1)["policy_version"].to_pylist()) == {version}
 
