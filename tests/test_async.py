@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
+from steps.config import MoeloopConfig, load_config
 from steps.experience import read_rollouts
 from steps.storage import RunStorage
 from tests.conftest import REPO, small_config
@@ -71,8 +72,6 @@ def test_rendered_workflow_shows_rollout_after_publish_i_minus_1_not_train_i(tmp
 
 
 def test_staleness_is_validated() -> None:
-    from steps.config import MoeloopConfig
-
     data = small_config().model_dump()
     data["rollout"]["max_staleness"] = -1
     with pytest.raises(ValueError, match="max_staleness"):
@@ -229,3 +228,23 @@ def test_report_of_a_bad_run_is_one_line(tmp_path: Path, run: str, message: str)
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.startswith(f"error: {message}") and done.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_demo_learns_with_staleness_1(run_root: Path) -> None:
+    """The loop issue's measure with rollouts one iteration ahead: eval_reward_mean beats the SFT checkpoint's by
+    0.2. Half the demo's iterations: without the train step's correction for the stale behaviour policy, 24
+    iterations at staleness 1 peaked at 0.757 (iteration 13) and fell back to 0.489 (README, "The asynchronous
+    loop")."""
+    config = load_config(REPO / "configs" / "tiny.yaml")
+    data = config.model_dump()
+    data["iterations"] = 12
+    data["rollout"]["max_staleness"] = 1
+    config = MoeloopConfig.model_validate(data)
+    uri = run_uri(config, str(run_root))
+    run_local(config, uri, run_root / "logs", progress=False)
+    storage = RunStorage(uri)
+    first, last = (storage.read_json(storage.metrics(i)) for i in (0, config.iterations))
+    print(f"eval_reward_mean at staleness 1: SFT {first['eval_reward_mean']:.3f} -> {last['eval_reward_mean']:.3f}")
+    assert last["staleness"] == 1
+    assert last["eval_reward_mean"] >= first["eval_reward_mean"] + 0.2
