@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -151,6 +152,11 @@ def local_scratch() -> Iterator[Path]:
 
 
 def write_report(storage: RunStorage, iteration: int, name: str, report: dict[str, Any]) -> None:
+    """The step's report, stamped with its wall-clock span in Unix seconds: `ended_at` now, as the step writes
+    it (before it commits its output), and `started_at` the report's `seconds` earlier. Evaluate reads the
+    stamps of all steps, wherever they ran, to tell how long each waited on the others."""
+    ended_at = time.time()
+    report.update(started_at=round(ended_at - report["seconds"], 3), ended_at=round(ended_at, 3))
     storage.write_json(storage.report(iteration, name), report)
 
 

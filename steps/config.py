@@ -88,6 +88,13 @@ class RolloutConfig(Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(12, gt=0)
+    # The asynchronous loop: iteration i samples with the policy of iteration max(0, i-1-max_staleness), so
+    # rollouts run up to max_staleness iterations ahead of training. 0 is the synchronous loop.
+    max_staleness: int = Field(0, ge=0)
+
+    def policy_version(self, iteration: int) -> int:
+        """The checkpoint iteration `iteration`'s rollouts sample with (0 is the SFT start)."""
+        return max(0, iteration - 1 - self.max_staleness)
 
 
 class RewardFunction(Strict):

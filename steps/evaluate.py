@@ -17,6 +17,7 @@ from steps.common import (
     print_json,
     quiet_libraries,
     step_parser,
+    write_report,
 )
 from steps.engine import Engine, Sampling, TransformersEngine
 from steps.errors import run_cli
@@ -33,8 +34,7 @@ def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max
 
 
 def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: float) -> dict[str, Any]:
-    folder = storage.reports(iteration)
-    reports = {name.removesuffix(".json"): storage.read_json(f"{folder}/{name}") for name in storage.list(folder)}
+    reports = step_reports(storage, iteration)
     rollouts = [r for name, r in reports.items() if name.startswith("rollout-")]
     train, reward = reports.get("train", {}), reports.get("reward", {})
     return {
@@ -48,8 +48,47 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "clip_fraction": train.get("clip_fraction"),
         # Shards generate side by side, so their rates add up.
         "tokens_per_second": sum(r["tokens_per_second"] for r in rollouts) if rollouts else None,
+        # The stalest sample's: iteration - 1 - the policy version the rollouts stamped on their rows.
+        "staleness": iteration - 1 - min(r["policy_version"] for r in rollouts) if rollouts else None,
         "step_seconds": {name: report["seconds"] for name, report in sorted(reports.items())},
+        **balance(iteration, reports, step_reports(storage, iteration - 1) if iteration else {}),
     }
+
+
+def step_reports(storage: RunStorage, iteration: int) -> dict[str, dict[str, Any]]:
+    folder = storage.reports(iteration)
+    return {name.removesuffix(".json"): storage.read_json(f"{folder}/{name}") for name in storage.list(folder)}
+
+
+def balance(iteration: int, reports: dict[str, dict], previous: dict[str, dict]) -> dict[str, Any]:
+    """How long the steps took and how long they stood idle waiting on each other, from their reports'
+    wall-clock stamps. A step's wait runs from the end of its own run one iteration earlier (the same shard's,
+    for a rollout; the start's, for iteration 1) to its start: the rollouts wait on the policy, reward on
+    the rollouts, train on the experience. None where a report has no stamps, and at iteration 0."""
+    if not iteration:
+        return dict.fromkeys(("rollout_seconds", "wait_seconds", "rollout_wait_seconds", "iteration_seconds"))
+
+    def before(name: str) -> dict[str, Any] | None:
+        return previous.get("start" if iteration == 1 else name)
+
+    rollouts = [name for name in sorted(reports) if name.startswith("rollout-")]
+    waits = {name: elapsed(before(name), reports.get(name), "started_at") for name in [*rollouts, "reward", "train"]}
+    rollout_waits = [waits[name] for name in rollouts if waits[name] is not None]
+    return {
+        "rollout_seconds": max(reports[name]["seconds"] for name in rollouts) if rollouts else None,  # the slowest
+        "wait_seconds": waits,
+        # What every shard waited (a shard that finished early waits longer on the same policy).
+        "rollout_wait_seconds": min(rollout_waits) if rollout_waits else None,
+        # The loop's period: from one publish to the next.
+        "iteration_seconds": elapsed(before("publish"), reports.get("publish")),
+    }
+
+
+def elapsed(earlier: dict[str, Any] | None, later: dict[str, Any] | None, until: str = "ended_at") -> float | None:
+    """Seconds from `earlier`'s end to `later`'s start or end; never below 0 (pods of one role may overlap)."""
+    if not earlier or not later or "ended_at" not in earlier or until not in later:
+        return None
+    return round(max(0.0, later[until] - earlier["ended_at"]), 3)
 
 
 def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
@@ -62,7 +101,7 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     engine = TransformersEngine(fetch_checkpoint(storage, iteration))
     records = eval_prompts(storage)[: config.eval.max_prompts]
     eval_reward = greedy_reward_mean(engine, records, reward_functions(config.reward), config.rollout.max_new_tokens)
-    storage.write_json(storage.report(iteration, "evaluate"), {"seconds": round(time.perf_counter() - started, 3)})
+    write_report(storage, iteration, "evaluate", {"seconds": round(time.perf_counter() - started, 3)})
     metrics = iteration_metrics(storage, iteration, eval_reward)
     storage.write_json(output, metrics)
     return metrics

@@ -89,7 +89,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
     if storage.exists(output):
         return already_committed(storage, output)
 
-    policy_version = iteration - 1
+    policy_version = config.rollout.policy_version(iteration)  # iteration - 1 unless running ahead of training
     checkpoint_dir = fetch_checkpoint(storage, policy_version)
     engine_started = time.perf_counter()
     engine, engine_reused = engine_for(checkpoint_dir, config.rollout)
@@ -121,6 +121,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
     )
     tokens = sum(len(ids) for ids in columns["response_token_ids"])
     report = {
+        "policy_version": policy_version,  # the version stamped on every row: evaluate derives the staleness
         "engine": engine.name,
         "engine_reused": engine_reused,
         "engine_seconds": round(engine_seconds, 3),  # building the engine, or loading new weights into it

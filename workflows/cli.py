@@ -141,6 +141,12 @@ def command_resubmit(args: argparse.Namespace) -> None:
         print(argo.resubmit(args.name, memoized=args.memoized))
 
 
+def command_report(args: argparse.Namespace) -> None:
+    from workflows.report import print_report
+
+    print_report(args.run)
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="moeloop", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
@@ -204,6 +210,10 @@ def parser() -> argparse.ArgumentParser:
     resubmit.add_argument("name", help="the workflow's name")
     resubmit.add_argument("--memoized", action="store_true", help="reuse the steps that succeeded (failed workflows)")
     resubmit.set_defaults(handler=command_resubmit)
+
+    report = commands.add_parser("report", help="print each iteration's staleness, step times and waits")
+    report.add_argument("run", help="the run's URI: its folder, or s3://bucket/prefix/<run_name>")
+    report.set_defaults(handler=command_report)
     return root
 
 

@@ -4,7 +4,9 @@
     start -> it1-rollout-{0..K-1} -> it1-reward -> it1-train -> it1-publish -> it1-eval
                                         it1-publish -> it2-rollout-{0..K-1} -> ...
 
-Evaluation hangs off publish, so it runs while the next iteration's rollouts do.
+Evaluation hangs off publish, so it runs while the next iteration's rollouts do. With
+`rollout.max_staleness` s >= 1, iteration i's rollouts hang off publish i-1-s (start while i-1-s <= 0):
+rollout i+1 runs while train i does, and train i and publish i follow their predecessors instead.
 
 On Argo a run is a chain of Workflows of `cluster.chunk_iterations` iterations each (workflows/render.py):
 one chunk is `start -> plan -> iteration_tasks(slots 1..K, root="plan")`, where `plan` decides at run time
@@ -110,18 +112,27 @@ def iteration_tasks(config: MoeloopConfig, last: int, root: str, prefix: str = "
 
     The local run's root is start; a chunk's is plan, and its iterations are slots (slot i: LATEST + i)."""
     shards = config.rollout.num_shards
+    staleness = config.rollout.max_staleness
     tasks: list[Task] = []
     published: dict[int, str] = {}
     for i in range(1, last + 1):
-        # Rollouts of iteration i load the policy iteration i-1 published (checkpoint 0 for i = 1: the root).
-        policy_ready = published.get(i - 1, root)
+        # Rollouts of iteration i load the policy of iteration i-1-s (rollout.policy_version): the root where that
+        # is checkpoint 0, or, in a chunk, an iteration of an earlier chunk (finished: chunks run one at a time).
+        policy_ready = published.get(i - 1 - staleness, root)
         rollouts = [
             _task(config, ROLLOUT, f"{prefix}{i}-rollout-{k}", i, [policy_ready], shard=k, num_shards=shards)
             for k in range(shards)
         ]
         reward = _task(config, REWARD, f"{prefix}{i}-reward", i, [t.name for t in rollouts])
-        train = _task(config, TRAIN, f"{prefix}{i}-train", i, [reward.name])
-        publish = _task(config, PUBLISH, f"{prefix}{i}-publish", i, [train.name])
+        train_after, publish_after = [reward.name], []
+        if staleness and i > 1:
+            # Synchronously the rollouts already wait for publish i-1. Ahead of training, train i still needs
+            # trainer state i-1, and publish i follows publish i-1 so that LATEST never passes an unpublished
+            # iteration (a resume starts after LATEST).
+            train_after.append(f"{prefix}{i - 1}-train")
+            publish_after.append(f"{prefix}{i - 1}-publish")
+        train = _task(config, TRAIN, f"{prefix}{i}-train", i, train_after)
+        publish = _task(config, PUBLISH, f"{prefix}{i}-publish", i, [train.name, *publish_after])
         evaluate = _task(config, EVALUATE, f"{prefix}{i}-eval", i, [publish.name])
         tasks += [*rollouts, reward, train, publish, evaluate]
         published[i] = publish.name

@@ -32,6 +32,7 @@ class ExecutedTask:
     name: str
     dependencies: tuple[str, ...]
     argv: tuple[str, ...]
+    started_at: float  # wall clock (Unix seconds) when the runner started the task's process
     seconds: float
 
 
@@ -91,20 +92,23 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
             for task in [t for t in waiting if all(d in finished for d in t.dependencies)]:
                 if len(running) >= config.local.parallelism:
                     break
+                slot = f"rollout-{dict(task.arguments)['shard']}" if task.step == ROLLOUT else None
+                if config.local.reuse_engines and any(workers.get(slot) is p for _, p, _ in running.values()):
+                    # Ahead of training, a shard's next iteration may be ready before its worker is free.
+                    continue
                 waiting.remove(task)
                 argv = local_argv(task, values)
                 log_path = log_dir / f"{task.name}.log"
                 log_path.write_bytes(b"")
-                if config.local.reuse_engines and task.step == ROLLOUT:
+                if config.local.reuse_engines and slot:
                     # Shard k of every iteration goes to the same worker, which keeps its engine loaded.
-                    slot = f"rollout-{dict(task.arguments)['shard']}"
                     if slot not in workers or workers[slot].process.poll() is not None:
                         workers[slot] = StepWorker(environment)
                     process = workers[slot].start(argv, log_path)
                 else:
                     with open(log_path, "wb") as log:
                         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
-                running[task.name] = (task, process, time.perf_counter())
+                running[task.name] = (task, process, time.time())
             if description != ", ".join(running):
                 description = ", ".join(running)
                 bar.set_description(description)
@@ -119,7 +123,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                     )
                 finished.add(name)
                 executed.append(
-                    ExecutedTask(name, task.dependencies, tuple(task.argv(values)), time.perf_counter() - started)
+                    ExecutedTask(name, task.dependencies, tuple(task.argv(values)), started, time.time() - started)
                 )
                 bar.update()
                 if task.step == EVALUATE:

@@ -1,0 +1,79 @@
+"""`moeloop report RUN`: the loop's balance per iteration, read from the run's committed metrics files.
+
+Only metrics/iter-NNNNNN.json count: evaluate writes each one whole (an atomic object) once the iteration
+is published, so an iteration still in flight is simply not there yet.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from steps.errors import MoeloopError
+from steps.storage import RunStorage
+
+METRICS_NAME = re.compile(r"iter-(\d{6})\.json")
+# (header, metrics field): durations and waits in seconds, defined in the README's "Balance".
+COLUMNS = (
+    ("iter", "iteration"),
+    ("staleness", "staleness"),
+    ("rollout s", "rollout_seconds"),
+    ("reward s", "reward_seconds"),
+    ("train s", "train_seconds"),
+    ("rollout wait", "rollout_wait_seconds"),
+    ("reward wait", "reward_wait_seconds"),
+    ("train wait", "train_wait_seconds"),
+    ("iteration s", "iteration_seconds"),
+    ("eval reward", "eval_reward_mean"),
+)
+
+
+def committed_metrics(run_uri: str) -> list[dict[str, Any]]:
+    """Every committed metrics file of the run, by iteration."""
+    storage = RunStorage(run_uri)
+    storage.require_run()
+    metrics = []
+    for name in storage.list("metrics"):
+        if match := METRICS_NAME.fullmatch(name):
+            value = storage.read_json(f"metrics/{name}")
+            if not isinstance(value, dict) or value.get("iteration") != int(match[1]):
+                raise MoeloopError(f"{storage.display(f'metrics/{name}')} is not iteration {int(match[1])}'s metrics")
+            metrics.append(value)
+    return sorted(metrics, key=lambda m: m["iteration"])
+
+
+def table_row(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The table's fields of one iteration's metrics (a run from before they were recorded lacks some)."""
+    steps, waits = metrics.get("step_seconds") or {}, metrics.get("wait_seconds") or {}
+    return {
+        **metrics,
+        "reward_seconds": steps.get("reward"),
+        "train_seconds": steps.get("train"),
+        "reward_wait_seconds": waits.get("reward"),
+        "train_wait_seconds": waits.get("train"),
+    }
+
+
+def format_table(all_metrics: list[dict[str, Any]]) -> str:
+    def cell(field: str, value: Any) -> str:
+        if value is None:
+            return "-"
+        return (
+            f"{value:.3f}"
+            if field == "eval_reward_mean"
+            else f"{value:.1f}"
+            if isinstance(value, float)
+            else str(value)
+        )
+
+    rows = [[header for header, _ in COLUMNS]]
+    rows += [[cell(field, table_row(m).get(field)) for _, field in COLUMNS] for m in all_metrics]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(COLUMNS))]
+    return "\n".join("  ".join(text.rjust(width) for text, width in zip(row, widths, strict=True)) for row in rows)
+
+
+def print_report(run_uri: str) -> None:
+    all_metrics = committed_metrics(run_uri)
+    print(format_table(all_metrics))
+    if not all_metrics:
+        print(f"(no iteration of {run_uri} has committed metrics yet)")
