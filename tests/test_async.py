@@ -19,7 +19,7 @@ from steps.storage import RunStorage
 from tests.conftest import REPO, small_config
 from workflows.dag import loop_tasks, run_uri
 from workflows.local import run_local
-from workflows.render import dag_tasks, render_workflow
+from workflows.render import chunk_tasks, dag_tasks, render_workflow_template
 
 
 def dependencies(config, iterations: int) -> dict[str, set[str]]:
@@ -61,14 +61,15 @@ def test_rollouts_run_ahead_of_training_by_the_staleness(staleness: int) -> None
             assert graph[f"it{i}-publish"] == {f"it{i}-train", f"it{i - 1}-publish"}
 
 
-def test_rendered_workflow_shows_rollout_after_publish_i_minus_1_not_train_i(tmp_path: Path) -> None:
+def test_rendered_chunk_shows_rollout_after_publish_i_minus_1_not_train_i() -> None:
     config = small_config(iterations=4, rollout={"num_shards": 2, "max_staleness": 1})
-    rendered = dag_tasks(render_workflow(config, "s3://bucket/runs/tiny"))
-    assert rendered == {t.name: tuple(sorted(t.dependencies)) for t in loop_tasks(config)}
+    rendered = dag_tasks(render_workflow_template(config, "s3://bucket/runs/tiny"))
+    slots = {t.name: tuple(sorted(t.dependencies)) for t in chunk_tasks(config)}
+    assert {name: rendered[name] for name in slots} == slots
     graph = {name: set(deps) for name, deps in rendered.items()}
-    assert graph["it3-rollout-0"] == {"it1-publish"}
-    assert "it2-train" not in ancestors(graph, "it3-rollout-0")
-    assert "it2-train" in ancestors(graph, "it3-train")
+    assert graph["slot3-rollout-0"] == {"slot1-publish"}
+    assert "slot2-train" not in ancestors(graph, "slot3-rollout-0")
+    assert "slot2-train" in ancestors(graph, "slot3-train")
 
 
 def test_staleness_is_validated() -> None:
