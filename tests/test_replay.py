@@ -20,7 +20,7 @@ import pytest
 from steps import s3
 from tests.conftest import REPO, small_config
 from tests.seaweed import SeaweedS3
-from workflows.dag import Task, loop_tasks, run_uri
+from workflows.dag import Task, loop_tasks, run_uri, run_values
 from workflows.local import local_argv, run_local
 
 pytestmark = pytest.mark.slow
@@ -95,16 +95,16 @@ def test_replaying_every_task_of_a_finished_run_changes_nothing(
     finished = snapshot(seaweed, uri)
     assert "LATEST" in finished and "metrics/iter-000002.json" in finished
     tasks = loop_tasks(config)
-    run_values = {"run": uri, "config": config.to_json()}
+    values = run_values(config, uri)
 
     # Argo's retry of each task in turn, in the DAG's order: after each one, the run is as it was.
     for task in tasks:
-        execute([task], run_values, tmp_path)
+        execute([task], values, tmp_path)
         assert differences(finished, snapshot(seaweed, uri)) == {}, f"replaying {task.name} changed the run"
 
     # Argo's resubmit after a failure in the middle: the failed task again, then everything downstream of it,
     # siblings side by side.
     resubmitted = downstream(tasks, "it1-train")
     assert [t.name for t in resubmitted][:3] == ["it1-train", "it1-publish", "it1-eval"]
-    execute(resubmitted, run_values, tmp_path)
+    execute(resubmitted, values, tmp_path)
     assert differences(finished, snapshot(seaweed, uri)) == {}
