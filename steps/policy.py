@@ -45,8 +45,10 @@ def build_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS)
 
 
-def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(
+def tiny_model_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, **extra: Any) -> Qwen3MoeConfig:
+    """The Qwen3-MoE config of the tiny shape over the tokenizer's vocabulary (the policy's, or with extra
+    settings such as num_labels, a reward model's that reads the same text)."""
+    return Qwen3MoeConfig(
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -64,7 +66,12 @@ def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **extra,
     )
+
+
+def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3MoeForCausalLM:
+    config = tiny_model_config(shape, tokenizer)
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config)
 

@@ -20,14 +20,13 @@ import torch
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    Qwen3MoeConfig,
     Qwen3MoeForSequenceClassification,
 )
 
 from steps.common import fetch_committed, local_scratch, quiet_libraries
 from steps.config import MoeloopConfig, RewardModel, load_config
 from steps.errors import MoeloopError, run_cli
-from steps.policy import build_tokenizer, save_policy
+from steps.policy import build_tokenizer, save_policy, tiny_model_config
 from steps.storage import RunStorage, read_prompt_file
 
 
@@ -106,24 +105,7 @@ def build_tiny_reward_model(config: MoeloopConfig, directory: Path, seed: int = 
     step builds for the same prompts (so it reads the policy's text)."""
     records = read_prompt_file(config.task.train_prompts) + read_prompt_file(config.task.eval_prompts)
     tokenizer = build_tokenizer([r["prompt"] + r.get("answer", "") for r in records])
-    shape = config.model.tiny
-    model_config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        moe_intermediate_size=shape.moe_intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        num_experts=shape.num_experts,
-        num_experts_per_tok=shape.num_experts_per_tok,
-        max_position_embeddings=shape.max_position_embeddings,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    model_config = tiny_model_config(config.model.tiny, tokenizer, num_labels=1)
     torch.manual_seed(seed)
     save_policy(Qwen3MoeForSequenceClassification(model_config), tokenizer, directory)
 
