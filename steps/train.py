@@ -228,7 +228,11 @@ def clip_gradients(
 ) -> float:
     """`clip_grad_norm_` over the whole model: the expert part of the squared norm is summed over the EP group."""
     dense_square = sum(p.grad.pow(2).sum() for p in model.parameters() if p not in experts)
-    expert_square = sum((p.grad.pow(2).sum() for p in experts), torch.zeros((), device=parallel.device))
+    # Summed in the model's order, not the set's (which follows memory addresses): the same norm to the last bit
+    # in every process, so a re-run or a long-lived worker trains exactly the same weights.
+    expert_square = sum(
+        (p.grad.pow(2).sum() for p in model.parameters() if p in experts), torch.zeros((), device=parallel.device)
+    )
     if parallel.ep_group is not None:
         dist.all_reduce(expert_square, group=parallel.ep_group)
     total_norm = (dense_square + expert_square).sqrt()
