@@ -270,8 +270,9 @@ class ClusterConfig(Strict):
 
 class LocalConfig(Strict):
     parallelism: int = Field(2, gt=0)  # steps the local runner runs at once
-    # Keep one process per rollout shard alive across iterations, so its engine loads new weights in place.
-    reuse_engines: bool = True
+    # Run steps in long-lived worker processes (one per rollout shard, one per other step), as long-lived pods
+    # would: no step pays its imports again, and a shard's engine loads new weights in place.
+    workers: bool = True
 
 
 class MoeloopConfig(Strict):

@@ -27,6 +27,6 @@ class PolicyWeightReload:
             if experts._padded_intermediate_size(experts.moe_config) != intermediate:
                 raise RuntimeError(
                     f"in-place reload of padded CPU MoE weights (moe_intermediate_size {intermediate}) is not "
-                    "supported by this vLLM; set local.reuse_engines: false"
+                    "supported by this vLLM; set local.workers: false"
                 )
             experts.process_weights_after_loading(module)

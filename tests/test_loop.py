@@ -21,6 +21,7 @@ from steps.storage import RunStorage
 from steps.train import train, update_policy
 from tests.conftest import small_config
 from workflows.dag import loop_tasks, run_uri, run_values
+from workflows import local
 from workflows.local import run_local
 from workflows.render import dag_tasks, render_workflow_template, step_placeholders
 
@@ -109,6 +110,40 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: P
         last
     )
     assert set(last["step_seconds"]) == {"rollout-0", "rollout-1", "reward", "train", "publish", "evaluate"}
+
+
+def test_workers_run_each_step_as_a_fresh_process_does(
+    run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """local.workers: one long-lived process per rollout shard and per other step serves every iteration, and
+    what it commits is byte for byte what a fresh process per task commits."""
+    started: list[local.StepWorker] = []
+
+    class CountedWorker(local.StepWorker):
+        def __init__(self, environment: dict[str, str]):
+            super().__init__(environment)
+            started.append(self)
+
+    monkeypatch.setattr(local, "StepWorker", CountedWorker)
+    outputs = {}
+    for workers in (True, False):
+        config = small_config(iterations=2, rollout={"engine": "transformers"}, local={"workers": workers})
+        root = run_root / f"workers-{workers}"
+        executed = run_local(config, run_uri(config, str(root)), tmp_path / f"logs-{workers}", progress=False)
+        assert len(executed) == 2 + 2 * 6
+        # Step reports and metrics carry timings, and config.yaml the setting itself; the rest is the run's data.
+        outputs[workers] = {
+            path: digest
+            for path, digest in snapshot(root).items()
+            if path.split("/")[1] not in ("reports", "metrics", "config.yaml")
+        }
+        if workers:
+            # start, evaluate, reward, train, publish and one per rollout shard: 7 processes for 14 tasks.
+            assert len(started) == 7
+            assert all(worker.process.poll() is not None for worker in started)  # none outlives the run
+    assert len(started) == 7
+    assert outputs[True] == outputs[False]
+    assert any(path.endswith(".safetensors") for path in outputs[True])
 
 
 def test_published_checkpoint_loads_with_the_trainers_logits(run_root: Path, tmp_path: Path) -> None:

@@ -92,16 +92,16 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
             for task in [t for t in waiting if all(d in finished for d in t.dependencies)]:
                 if len(running) >= config.local.parallelism:
                     break
-                slot = f"rollout-{dict(task.arguments)['shard']}" if task.step == ROLLOUT else None
-                if config.local.reuse_engines and any(workers.get(slot) is p for _, p, _ in running.values()):
-                    # Ahead of training, a shard's next iteration may be ready before its worker is free.
+                slot = worker_slot(task) if config.local.workers else None
+                if slot and any(workers.get(slot) is p for _, p, _ in running.values()):
+                    # A worker runs one command at a time: e.g. ahead of training, a shard's next iteration may
+                    # be ready before its worker is free.
                     continue
                 waiting.remove(task)
                 argv = local_argv(task, values)
                 log_path = log_dir / f"{task.name}.log"
                 log_path.write_bytes(b"")
-                if config.local.reuse_engines and slot:
-                    # Shard k of every iteration goes to the same worker, which keeps its engine loaded.
+                if slot:
                     if slot not in workers or workers[slot].process.poll() is not None:
                         workers[slot] = StepWorker(environment)
                     process = workers[slot].start(argv, log_path)
@@ -135,6 +135,17 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
             worker.close()
         bar.close()
     return executed
+
+
+def worker_slot(task: Task) -> str | None:
+    """The long-lived worker that runs the task: one per rollout shard (shard k of every iteration, so its engine
+    stays loaded) and one per other step, so no iteration pays the imports again. None for a torchrun job of
+    several processes, which starts its own."""
+    if task.processes > 1:
+        return None
+    if task.step == ROLLOUT:
+        return f"rollout-{dict(task.arguments)['shard']}"
+    return task.step.name
 
 
 class StepWorker:
