@@ -1,10 +1,11 @@
 """The asynchronous loop on the local runner: wall time per iteration with rollout.max_staleness 0 and 1.
 
     python benchmarks/async_loop.py [--iterations 6] [--skip 2] [--prompts 192] [--samples 16] [--epochs 1]
+                                    [--no-pin-cores]
 
 The demo's model and task (configs/tiny.yaml) with one rollout shard, two steps at a time (`local.parallelism`
-2, so each step gets one thread on a 2-core machine), and a batch sized so that rollout and train take about
-as long. Each staleness runs the whole loop from scratch; the table gives the steady state, the iterations
+2: on a 2-core machine each step runs on a core of its own, `local.pin_cores`, unless --no-pin-cores), and a
+batch sized so that rollout and train take about as long. Each staleness runs the whole loop from scratch; the table gives the steady state, the iterations
 after the first `--skip` ones: wall time per iteration (publish to publish, the metrics' iteration_seconds)
 and the mean step times and waits of those iterations. Prints Markdown.
 """
@@ -45,7 +46,7 @@ def benchmark_config(args: argparse.Namespace, staleness: int) -> MoeloopConfig:
     data["rollout"]["max_staleness"] = staleness
     data["trainer"].update(epochs=args.epochs)
     data["eval"]["max_prompts"] = args.eval_prompts
-    data["local"].update(parallelism=2)
+    data["local"].update(parallelism=2, pin_cores=args.pin_cores)
     return MoeloopConfig.model_validate(data)
 
 
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--eval-prompts", type=int, default=32)
     parser.add_argument("--engine", default="vllm", choices=["transformers", "vllm"])
+    parser.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
     results = {}
@@ -87,7 +89,7 @@ def main() -> None:
 
     print(
         f"{args.prompts} prompts x {args.samples} samples, trainer.epochs {args.epochs}, engine {args.engine},"
-        f" 1 rollout shard, local.parallelism 2 on {os.cpu_count()} cores;"
+        f" 1 rollout shard, local.parallelism 2 on {os.cpu_count()} cores, pin_cores {args.pin_cores};"
         f" steady state = iterations {args.skip + 1}..{args.iterations} (seconds, means)\n"
     )
     print("| max_staleness | " + " | ".join(header for header, _ in COLUMNS) + " | whole run s |")

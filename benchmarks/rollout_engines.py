@@ -52,7 +52,9 @@ def throughput(engine_name: str, checkpoint: Path, prompts: list[list[int]], sam
     return sum(len(c.token_ids) for samples in completions for c in samples) / seconds
 
 
-def iteration_seconds(reuse: bool, checkpoints: list[Path], prompts: list[list[int]], sampling: Sampling) -> list[float]:
+def iteration_seconds(
+    reuse: bool, checkpoints: list[Path], prompts: list[list[int]], sampling: Sampling
+) -> list[float]:
     """Wall time of each iteration: get an engine for that iteration's checkpoint, then generate."""
     rollout = load_config(REPO / "configs" / "tiny.yaml").rollout.model_copy(update={"engine": "vllm"})
     times = []
@@ -98,7 +100,9 @@ def main() -> None:
     later_fresh, later_reused = sum(fresh[1:]) / len(fresh[1:]), sum(reused[1:]) / len(reused[1:])
     print(f"| new engine each iteration | {fresh[0]:.1f} | {later_fresh:.2f} |")
     print(f"| one engine, weights reloaded in place | {reused[0]:.1f} | {later_reused:.2f} |")
-    print(f"\nin-place reload saves {later_fresh - later_reused:.1f} s per iteration ({later_fresh / later_reused:.1f}x)")
+    print(
+        f"\nin-place reload saves {later_fresh - later_reused:.1f} s per iteration ({later_fresh / later_reused:.1f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -273,6 +273,9 @@ class LocalConfig(Strict):
     # Run steps in long-lived worker processes (one per rollout shard, one per other step), as long-lived pods
     # would: no step pays its imports again, and a shard's engine loads new weights in place.
     workers: bool = True
+    # Run each step on its own share of the cores (cores / parallelism, Linux), as pods run on their own nodes:
+    # overlapping steps then do not slow each other down, and a step's helper processes stay within its share.
+    pin_cores: bool = True
 
 
 class MoeloopConfig(Strict):

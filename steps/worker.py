@@ -29,7 +29,7 @@ def run_command(argv: list[str]) -> int:
         run_cli(module.main)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a step's crash is its exit code 1, as a fresh process's; the worker lives on
         traceback.print_exc()
         return 1
     return 0

@@ -63,6 +63,7 @@ def environment(tmp_path: Path) -> dict[str, str]:
 def run_process(args: list[str], tmp_path: Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args],
+        check=False,
         cwd=cwd,
         env=environment(tmp_path),
         capture_output=True,

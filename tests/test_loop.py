@@ -20,8 +20,8 @@ from steps.start import start
 from steps.storage import RunStorage
 from steps.train import train, update_policy
 from tests.conftest import small_config
-from workflows.dag import loop_tasks, run_uri, run_values
 from workflows import local
+from workflows.dag import loop_tasks, run_uri, run_values
 from workflows.local import run_local
 from workflows.render import dag_tasks, render_workflow_template, step_placeholders
 
@@ -98,7 +98,7 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: P
     # Extended by one iteration: it continues from LATEST.
     longer = small_config(iterations=3)
     extended = run_local(longer, uri, tmp_path / "logs", progress=False)
-    assert [t.name for t in extended][0] == "start"
+    assert next(t.name for t in extended) == "start"
     assert {t.name for t in extended} == {"start", "it2-eval"} | {
         t.name for t in loop_tasks(longer) if t.iteration == 3
     }

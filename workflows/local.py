@@ -77,12 +77,13 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
     tasks = pending_tasks(loop_tasks(config), latest["iteration"] if latest else None)
     values = run_values(config, run_uri)
     log_dir.mkdir(parents=True, exist_ok=True)
-    # Steps run side by side on few cores: one thread each keeps them from fighting over them.
-    environment = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // config.local.parallelism))}
+    groups = core_groups(config.local.parallelism)
+    environment = step_environment(len(groups[0]), config.local.pin_cores)
 
     workers: dict[str, StepWorker] = {}
     waiting = list(tasks)
-    running: dict[str, tuple[Task, subprocess.Popen | StepWorker, float]] = {}
+    # name -> (task, its process, when it started, which of the core groups it runs on)
+    running: dict[str, tuple[Task, subprocess.Popen | StepWorker, float, int]] = {}
     finished: set[str] = set()
     executed: list[ExecutedTask] = []
     bar = tqdm(total=len(tasks), unit="step", disable=not progress, dynamic_ncols=True)
@@ -93,7 +94,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 if len(running) >= config.local.parallelism:
                     break
                 slot = worker_slot(task) if config.local.workers else None
-                if slot and any(workers.get(slot) is p for _, p, _ in running.values()):
+                if slot and any(workers.get(slot) is p for _, p, _, _ in running.values()):
                     # A worker runs one command at a time: e.g. ahead of training, a shard's next iteration may
                     # be ready before its worker is free.
                     continue
@@ -101,19 +102,24 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 argv = local_argv(task, values)
                 log_path = log_dir / f"{task.name}.log"
                 log_path.write_bytes(b"")
+                taken = {cores for _, _, _, cores in running.values()}
+                cores = next(i for i in range(len(groups)) if i not in taken)
+                pin = groups[cores] if config.local.pin_cores and hasattr(os, "sched_setaffinity") else None
                 if slot:
                     if slot not in workers or workers[slot].process.poll() is not None:
                         workers[slot] = StepWorker(environment)
-                    process = workers[slot].start(argv, log_path)
+                    process = workers[slot].start(argv, log_path, pin)
                 else:
                     with open(log_path, "wb") as log:
                         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
-                running[task.name] = (task, process, time.time())
+                    if pin:  # before its imports are done: torch's threads and torchrun's ranks inherit it
+                        pin_process_tree(process.pid, pin)
+                running[task.name] = (task, process, time.time(), cores)
             if description != ", ".join(running):
                 description = ", ".join(running)
                 bar.set_description(description)
             time.sleep(POLL_SECONDS)
-            for name, (task, process, started) in list(running.items()):
+            for name, (task, process, started, _) in list(running.items()):
                 if process.poll() is None:
                     continue
                 del running[name]
@@ -129,12 +135,57 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 if task.step == EVALUATE:
                     bar.write(describe_metrics(storage.read_json(storage.metrics(task.iteration))))
     finally:
-        for _, process, _ in running.values():
+        for _, process, _, _ in running.values():
             process.terminate()
         for worker in workers.values():
             worker.close()
         bar.close()
     return executed
+
+
+def core_groups(parallelism: int) -> list[set[int]]:
+    """This process's cores in `parallelism` groups, one per step running at once (sharing cores only when there
+    are more steps than cores)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    size = max(1, len(cores) // parallelism)
+    return [set(cores[i * size : (i + 1) * size]) or {cores[i % len(cores)]} for i in range(parallelism)]
+
+
+def step_environment(threads: int, pin_cores: bool) -> dict[str, str]:
+    """The steps' environment: as many threads as a step has cores. Pinned, vLLM leaves its threads where the
+    runner puts them (its own binding would place them by the machine's layout, over another step's cores)."""
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if pin_cores:
+        environment["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return environment
+
+
+def pin_process_tree(pid: int, cores: set[int]) -> None:
+    """Every thread of pid and of its descendants onto cores (a worker's engine keeps processes and threads
+    of its own, started under an earlier command's cores)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, of in parents.items() if of == parent and child not in tree]
+        tree.update(children)
+        frontier += children
+    for process in tree:
+        try:
+            threads = [int(t.name) for t in Path(f"/proc/{process}/task").iterdir()]
+        except OSError:
+            continue
+        for thread in threads:
+            try:
+                os.sched_setaffinity(thread, cores)
+            except OSError:
+                continue  # exited meanwhile
 
 
 def worker_slot(task: Task) -> str | None:
@@ -164,7 +215,9 @@ class StepWorker:
         )
         self.returncode: int | None = 0
 
-    def start(self, argv: list[str], log: Path) -> StepWorker:
+    def start(self, argv: list[str], log: Path, cores: set[int] | None = None) -> StepWorker:
+        if cores is not None:
+            pin_process_tree(self.process.pid, cores)
         self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
         self.process.stdin.flush()
         self.returncode = None
