@@ -42,7 +42,7 @@ def test_step_environment_sizes_threads_and_keeps_vllm_from_binding() -> None:
 
 
 @linux_only
-def test_pinning_moves_a_process_its_threads_and_its_children(tmp_path: Path) -> None:
+def test_pinning_moves_a_process_its_threads_and_its_children() -> None:
     """A worker's engine keeps helper processes and threads (vLLM's engine core) from command to command: pinning
     the worker for the next command moves all of them."""
     cores = {max(os.sched_getaffinity(0))}

@@ -78,7 +78,8 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
     values = run_values(config, run_uri)
     log_dir.mkdir(parents=True, exist_ok=True)
     groups = core_groups(config.local.parallelism)
-    environment = step_environment(len(groups[0]), config.local.pin_cores)
+    pin_cores = config.local.pin_cores and hasattr(os, "sched_setaffinity")  # Linux only
+    environment = step_environment(len(groups[0]), pin_cores)
 
     workers: dict[str, StepWorker] = {}
     waiting = list(tasks)
@@ -102,9 +103,9 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 argv = local_argv(task, values)
                 log_path = log_dir / f"{task.name}.log"
                 log_path.write_bytes(b"")
-                taken = {cores for _, _, _, cores in running.values()}
-                cores = next(i for i in range(len(groups)) if i not in taken)
-                pin = groups[cores] if config.local.pin_cores and hasattr(os, "sched_setaffinity") else None
+                taken = {group for _, _, _, group in running.values()}
+                group = next(i for i in range(len(groups)) if i not in taken)
+                pin = groups[group] if pin_cores else None
                 if slot:
                     if slot not in workers or workers[slot].process.poll() is not None:
                         workers[slot] = StepWorker(environment)
@@ -114,7 +115,7 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
                     if pin:  # before its imports are done: torch's threads and torchrun's ranks inherit it
                         pin_process_tree(process.pid, pin)
-                running[task.name] = (task, process, time.time(), cores)
+                running[task.name] = (task, process, time.time(), group)
             if description != ", ".join(running):
                 description = ", ".join(running)
                 bar.set_description(description)
