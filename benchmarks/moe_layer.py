@@ -13,10 +13,11 @@ Rows, all measured in the same run:
   shape, [T*K, H] @ [H, 2I] then [T*K, I] @ [I, H] forward + backward as plain matmuls (no grouping);
 - bare grouped SwiGLU: `steps.moe.GroupedExperts` on T*K rows already sorted by expert, perfectly balanced
   (T*K/E rows each): what the experts cost with no routing at all; with the eager SwiGLU (the issue's
-  reference) and with the compiled one that `GroupedExperts` uses on CUDA;
-- ours: `steps.moe.MoeBlock` as landed, `local` dispatcher, `grouped_mm` experts (HF's router included), which
-  on CUDA uses `steps.kernels`' compiled SwiGLU and Triton gather-sum; and the same block with those two
-  swapped for their eager torch versions (the CPU path), to show what they are worth;
+  reference) and with the Triton one that `GroupedExperts` uses on CUDA;
+- ours: `steps.moe.MoeBlock`, `local` dispatcher, `grouped_mm` experts (HF's router included): compiled whole
+  (`torch.compile`, fullgraph), as `compile_decoder_layers` compiles it in bf16 at EP = 1; eager, as the
+  block runs under EP > 1, with `steps.kernels`' Triton SwiGLU and gather-sum; and eager with those
+  two swapped for their eager torch versions (the CPU path), to show what they are worth;
 - HF transformers' `Qwen3MoeSparseMoeBlock` with `experts_implementation="grouped_mm"`, and "eager".
 Every routed row is checked against HF grouped_mm on the same weights, input and upstream gradient (relative
 error of the output, x.grad, the experts' and the router's weight gradients; "ok" below 1e-2, bf16).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import statistics
 import sys
 import time
@@ -151,7 +153,7 @@ def bare_rows(
     with eager_kernels():
         rows = [("bare grouped SwiGLU (balanced, pre-permuted), eager SwiGLU", time_ms(bare, device, warmup, reps))]
     if device.type == "cuda":
-        rows.append(("bare grouped SwiGLU, compiled SwiGLU (steps.kernels)", time_ms(bare, device, warmup, reps)))
+        rows.append(("bare grouped SwiGLU, Triton SwiGLU (steps.kernels)", time_ms(bare, device, warmup, reps)))
     return rows
 
 
@@ -205,11 +207,16 @@ def main() -> None:
     grad_BSH = torch.randn(1, T, H, device=device, dtype=torch.bfloat16)
 
     ours = MoeBlock.from_hf_block(reference, make_dispatcher("local", E), "grouped_mm")
+    compiled = copy.deepcopy(ours)  # in place, so parameter names stay those of the block
+    compiled.compile(fullgraph=True)
     hf_name = "HF Qwen3MoeSparseMoeBlock, experts_implementation=grouped_mm"
     variants: list[tuple[str, nn.Module, contextlib.AbstractContextManager[None]]] = [
-        ("**ours: MoeBlock as landed** (local dispatcher, grouped_mm, compiled SwiGLU, Triton gather-sum)",
+        ("**ours: MoeBlock compiled whole** (local dispatcher, bf16; as `compile_decoder_layers` compiles it)",
+         compiled, contextlib.nullcontext()),
+        ("ours, MoeBlock eager (Triton SwiGLU and gather-sum; the block under EP > 1)",
          ours, contextlib.nullcontext()),
-        ("ours with steps.kernels' eager paths (eager SwiGLU, index_select + sum)", ours, eager_kernels()),
+        ("ours, MoeBlock eager with steps.kernels' eager paths (eager SwiGLU, index_select + sum)",
+         ours, eager_kernels()),
         (hf_name, reference, contextlib.nullcontext()),
     ]  # fmt: skip
 
@@ -236,7 +243,7 @@ def main() -> None:
 
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
-        for tag, module in (("ours", ours), ("hf_grouped_mm", reference)):
+        for tag, module in (("ours_compiled", compiled), ("ours_eager", ours), ("hf_grouped_mm", reference)):
             table = profile(tag, fwd_bwd(module, x_BSH, grad_BSH), args.profile_dir, device)
             print(f"\n### profile: {tag} (3 iterations; top 12)\n" + "\n".join(table.splitlines()[:15]))
 

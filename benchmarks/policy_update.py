@@ -11,8 +11,9 @@ copy), batch, loss and optimizer for every row:
 - HF: transformers' model with `experts_implementation="grouped_mm"`; and the same with every decoder layer
   `torch.compile`'d (`layer.compile()`, HF's MoE block inside the compiled layer);
 - ours: the same model after `steps.moe.replace_moe_blocks(model, make_dispatcher("local", E), "grouped_mm")`
-  (on CUDA: compiled SwiGLU, Triton gather-sum); and the same after `steps.moe.compile_decoder_layers(model)`
-  (the rest of each decoder layer compiled, the MoE block eager), as the trainer runs it.
+  (on CUDA: Triton SwiGLU and gather-sum); the same after `steps.moe.compile_decoder_layers(model)`
+  with the MoE blocks kept eager (the layer graph-breaks around them, as under EP > 1); and after
+  `compile_decoder_layers(model)` as it compiles a bf16 model at EP = 1: each layer whole, MoE block included.
 Each row's model is first checked against HF's on the first batch: the loss, and the relative error of all
 gradients together (‖g − g_HF‖ / ‖g_HF‖ over every parameter, bf16).
 tokens/s is batch * seq over the median update time of --reps after --warmup. MFU = model FLOPs per update /
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--dense-size", type=int, default=8192)
     parser.add_argument("--no-compile", action="store_true", help="skip the rows with compiled decoder layers")
     parser.add_argument(
-        "--profile-dir", type=Path, default=None, help="kernel tables of HF's update and of ours, compiled"
+        "--profile-dir", type=Path, default=None, help="kernel tables of HF's update and of ours, compiled two ways"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -131,15 +132,24 @@ def main() -> None:
         ours(model)
         assert compile_decoder_layers(model) == args.layers
 
+    def ours_compiled_block_eager(model: torch.nn.Module) -> None:
+        dispatcher = make_dispatcher("local", args.experts)
+        dispatcher.traceable = False  # the block stays out of the compiled layer, as with the EP dispatchers
+        replace_moe_blocks(model, dispatcher, "grouped_mm")
+        assert compile_decoder_layers(model) == args.layers
+
     configurations: list[tuple[str, str, Callable[[torch.nn.Module], None]]] = [
         ("HF transformers, experts_implementation=grouped_mm", "hf", hf),
         ("ours: replace_moe_blocks(local, grouped_mm), as landed", "ours", ours),
     ]
     if not args.no_compile and device.type == "cuda":
         configurations.insert(1, ("HF grouped_mm, decoder layers torch.compile'd", "hf_compiled", hf_compiled))
-        configurations.append(
-            ("**ours + compile_decoder_layers (the trainer's configuration)**", "last", ours_compiled)
-        )
+        configurations += [
+            ("ours + compile_decoder_layers, MoE blocks kept eager (as under EP > 1)", "ours_block_eager",
+             ours_compiled_block_eager),
+            ("**ours + compile_decoder_layers, MoE blocks compiled too (EP = 1, bf16)**", "last",
+             ours_compiled),
+        ]  # fmt: skip
 
     rows: list[tuple[str, float, float, str]] = []  # (name, ms, peak GiB, check)
     reference_grads: dict[str, torch.Tensor] = {}
@@ -151,7 +161,9 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 -- e.g. a compile failure: report it, keep the other rows
             print(f"{name}: failed: {type(error).__name__}: {str(error).splitlines()[0]}", file=sys.stderr)
             continue
-        ms, peak = time_updates(model, input_ids, args, device, tag if tag in ("hf", "last") else None)
+        ms, peak = time_updates(
+            model, input_ids, args, device, tag if tag in ("hf", "ours_block_eager", "last") else None
+        )
         rows.append((name, ms, peak, check))
         del model
         gc.collect()

@@ -131,6 +131,8 @@ class TokenDispatcher(ABC, Generic[MetaT]):
     """Moves routed tokens to the local experts (dispatch) and their outputs back (combine)."""
 
     name: str
+    # Whether torch.compile may trace dispatch and combine: no host sync, no collectives, shapes known from the input.
+    traceable = False
 
     def __init__(self, num_experts: int, ep_group: dist.ProcessGroup | None) -> None:
         self.num_experts = num_experts
@@ -156,6 +158,7 @@ class LocalDispatcher(TokenDispatcher[ExpertRows]):
     """EP = 1: every expert is here, so dispatch is a permutation by expert."""
 
     name = "local"
+    traceable = True
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor

@@ -53,6 +53,12 @@ class GroupedExperts(nn.Module):
             impl,
         )
 
+    @property
+    def traceable(self) -> bool:
+        """Whether torch.compile traces these experts into one graph: grouped GEMMs (the loop syncs with the host for
+        its splits) in bf16 (the one dtype grouped_mm's meta function accepts, in torch 2.11 to 2.13)."""
+        return self.impl == "grouped_mm" and self.gate_up_proj.dtype == torch.bfloat16
+
     def forward(
         self, x_NH: torch.Tensor, tokens_per_expert_e: torch.Tensor, weight_N: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -96,15 +102,23 @@ class MoeBlock(nn.Module):
         experts = GroupedExperts.from_hf(block.experts, dispatcher.ep_rank, dispatcher.ep_size, experts_impl)
         return cls(block.gate, experts, dispatcher)
 
-    # Kept out of torch.compile (see `compile_decoder_layers`): dispatchers sync with the host and call collectives
-    # and DeepEP; the parts worth fusing are fused in `steps.kernels`.
-    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.dispatcher.traceable and self.experts.traceable:  # torch.compile takes the whole block
+            return self.route_and_run(hidden_states)
+        return self.route_and_run_eager(hidden_states)
+
+    def route_and_run(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
         _, topk_weights_TK, topk_idx_TK = self.gate(x_TH)
         expert_x_NH, tokens_per_expert_e, meta = self.dispatcher.dispatch(x_TH, topk_idx_TK, topk_weights_TK)
         expert_y_NH = self.experts(expert_x_NH, tokens_per_expert_e, meta.weight_N)  # weighted in the SwiGLU
         return self.dispatcher.combine(expert_y_NH, meta).reshape(hidden_states.shape)
+
+    # Dispatchers that sync with the host for split sizes and call collectives or DeepEP stay out of torch.compile
+    # (the compiled layer graph-breaks around the block); `steps.kernels` fuses their hot spots instead.
+    @torch.compiler.disable
+    def route_and_run_eager(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.route_and_run(hidden_states)
 
     def gather_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All E experts, (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as HF holds them in memory.
@@ -157,10 +171,12 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def compile_decoder_layers(model: nn.Module) -> int:
     """On CUDA, `torch.compile` in place every module that holds a `MoeBlock` (HF's decoder layers); returns how many.
 
-    What is compiled is the rest of each layer: its RMSNorms (fp32), attention with q/k norms and RoPE, residual
-    adds, whose many small elementwise kernels dominate the policy update once the MoE block is fast. The MoE
-    block stays eager (the layer graph breaks around it). Layers of one class share their compiled code, and
-    batch shapes that vary recompile once into a dynamic-shape graph. On CPU this does nothing (returns 0).
+    Compiled: each layer's RMSNorms (fp32), attention with q/k norms and RoPE, residual adds, whose many small
+    elementwise kernels dominate the policy update once the MoE block is fast; and, with the `local` dispatcher
+    (EP = 1) and bf16 grouped-GEMM experts, the MoE block too: router, sort by expert, permutation, grouped GEMMs, SwiGLU and the per-token sum
+    in one graph, whose gathers and elementwise work inductor fuses. With the other dispatchers the block stays
+    eager (the layer graph breaks around it). Layers of one class share their compiled code, and batch shapes that
+    vary recompile once into a dynamic-shape graph. On CPU this does nothing (returns 0).
     """
     if next(model.parameters()).device.type != "cuda":
         return 0

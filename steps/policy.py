@@ -242,7 +242,9 @@ def token_logprobs(
 
     Logits are divided by the sampling temperature so that they match the engine's behaviour logprobs.
     """
-    output = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, output_router_logits=True)
+    # No KV cache in training: it would hold every layer's keys and values, and its per-layer state is a guard that
+    # recompiles compiled decoder layers once per layer (past dynamo's limit of 8, the rest would run eager).
+    output = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, output_router_logits=True, use_cache=False)
     logits_BTV = output.logits[:, :-1].float() / temperature
     targets_BT = input_ids_BT[:, 1:]
     logprobs_BT = -F.cross_entropy(logits_BTV.transpose(1, 2), targets_BT, reduction="none")
@@ -255,6 +257,8 @@ def token_values(
     """The critic's value of the state each token was chosen in, aligned as `token_logprobs` aligns logprobs:
     position t holds the value head's output at t-1 (the prefix before token t); position 0 gets 0. Also each MoE
     layer's router logits."""
-    output = critic.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, output_router_logits=True)
+    output = critic.model(
+        input_ids=input_ids_BT, attention_mask=attention_mask_BT, output_router_logits=True, use_cache=False
+    )
     values_BT = critic.score(output.last_hidden_state).squeeze(-1).float()
     return F.pad(values_BT[:, :-1], (1, 0)), output.router_logits

@@ -56,7 +56,9 @@ class RewardModelScorer:
         for start in range(0, len(texts), self.batch_size):
             encoded = self.tokenizer(texts[start : start + self.batch_size], padding=True, return_tensors="pt")
             logits_B1 = self.model(
-                input_ids=encoded["input_ids"].to(self.device), attention_mask=encoded["attention_mask"].to(self.device)
+                input_ids=encoded["input_ids"].to(self.device),
+                attention_mask=encoded["attention_mask"].to(self.device),
+                use_cache=False,  # one forward per batch: a KV cache would only hold memory
             ).logits
             scores += logits_B1[:, 0].float().cpu().tolist()
         return scores

@@ -119,6 +119,42 @@ def test_grouped_mm_and_loop_agree_in_bf16() -> None:
     assert_same(grouped, loop, rtol=2e-2, atol=2e-2)
 
 
+def test_local_block_compiles_into_one_graph() -> None:
+    """With the local dispatcher, torch.compile takes the whole block as one graph (fullgraph: no host sync, no
+    graph break), and that graph computes what eager does to the last bit (aot_eager runs the traced ops as
+    they are; bf16, since grouped_mm's meta function accepts only bf16)."""
+    hf_block, x_BSH = skewed_block()
+    hf_block, x_BSH = hf_block.to(torch.bfloat16), x_BSH.to(torch.bfloat16)
+    grad_BSH = torch.randn(x_BSH.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    block = MoeBlock.from_hf_block(hf_block, LocalDispatcher(NUM_EXPERTS, None), "grouped_mm")
+    compiled = copy.deepcopy(block)
+    compiled.compile(fullgraph=True, backend="aot_eager")
+    assert_same(forward_backward(compiled, x_BSH, grad_BSH), forward_backward(block, x_BSH, grad_BSH), rtol=0, atol=0)
+
+
+def test_block_with_untraceable_dispatcher_stays_out_of_compile() -> None:
+    """A dispatcher that syncs with the host or calls collectives (traceable False) keeps the block eager inside a
+    compiled caller: no captured graph holds the block's grouped GEMMs, and the result is eager's."""
+
+    class HostSyncingDispatcher(LocalDispatcher):
+        traceable = False
+
+    hf_block, x_BSH = skewed_block()
+    hf_block, x_BSH = hf_block.to(torch.bfloat16), x_BSH.to(torch.bfloat16)
+    block = MoeBlock.from_hf_block(hf_block, HostSyncingDispatcher(NUM_EXPERTS, None), "grouped_mm")
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording_backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+        graphs.append(graph)
+        return graph
+
+    torch._dynamo.reset()
+    caller = torch.compile(lambda x: 2 * block(x + 1), backend=recording_backend)
+    torch.testing.assert_close(caller(x_BSH), 2 * block(x_BSH + 1), rtol=0, atol=0)
+    assert graphs, "the caller's own ops were captured"
+    assert not any("grouped_mm" in str(graph.graph) for graph in graphs)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_mm_block_equals_hf_on_cuda(dtype: torch.dtype) -> None:
@@ -126,7 +162,7 @@ def test_grouped_mm_block_equals_hf_on_cuda(dtype: torch.dtype) -> None:
     hf_block, x_BSH = hf_block.to("cuda", dtype), x_BSH.to("cuda", dtype)
     grad_BSH = torch.randn(x_BSH.shape, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
     block = MoeBlock.from_hf_block(copy.deepcopy(hf_block), LocalDispatcher(NUM_EXPERTS, None), "grouped_mm")
-    # bf16: the compiled SwiGLU rounds once where the eager one rounds after each multiply
+    # bf16: the Triton SwiGLU rounds once where the eager one rounds after each multiply
     tolerance = {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {}
     assert_same(forward_backward(block, x_BSH, grad_BSH), forward_backward(hf_block, x_BSH, grad_BSH), **tolerance)
 
@@ -267,6 +303,7 @@ import sys, torch
 from steps.kernels import gather_sum_triton
 rows_NH, row_of_TK = torch.load(sys.argv[1])
 torch.save(gather_sum_triton(rows_NH, row_of_TK), sys.argv[2])
+torch.library.opcheck(gather_sum_triton, (rows_NH, row_of_TK))  # its fake (for torch.compile) agrees with it
 """
 
 
@@ -276,7 +313,8 @@ def test_gather_sum_torch_and_triton_interpreted_equal_float64(dtype: torch.dtyp
 
     Both accumulate in fp32 and round once to the rows' dtype (in different orders, so bf16 results may differ
     from each other by one unit in the last place). The interpreter runs in a fresh process, since
-    TRITON_INTERPRET must be set before triton is first imported.
+    TRITON_INTERPRET must be set before triton is first imported; there `torch.library.opcheck` also checks the
+    kernel's custom-op registration (schema, and the fake tensor torch.compile traces with).
     """
     pytest.importorskip("triton")
     rows_NH, row_of_TK, expected_TH = gather_sum_case(dtype)
@@ -308,6 +346,59 @@ def test_swiglu_equals_float64() -> None:
     torch.testing.assert_close(weight_N.grad, weight_64.grad.float())
 
 
+INTERPRET_SWIGLU = """
+import sys, torch
+from steps.kernels import swiglu_triton
+gate_up_N2I, weight_N, grad_NI = torch.load(sys.argv[1])
+gate_up_N2I.requires_grad_(True)
+if weight_N is not None:
+    weight_N.requires_grad_(True)
+out_NI = swiglu_triton(gate_up_N2I, weight_N)
+out_NI.backward(grad_NI)
+torch.save((out_NI.detach(), gate_up_N2I.grad, weight_N.grad if weight_N is not None else None), sys.argv[2])
+torch.library.opcheck(swiglu_triton, (gate_up_N2I.detach().requires_grad_(True), weight_N))
+"""
+
+
+@pytest.mark.parametrize(
+    ("rows", "inter", "weighted", "dtype"),
+    [(37, 300, True, torch.float32), (16, 256, False, torch.float32), (9, 40, True, torch.bfloat16)],
+)
+def test_swiglu_triton_interpreted_equals_float64(
+    rows: int, inter: int, weighted: bool, dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """The CUDA path's SwiGLU kernels (forward; backward with the weight's gradient), run by Triton's interpreter on
+    CPU tensors, against float64, with rows and columns that do not fill the kernels' blocks (8 rows, 256
+    columns), and without weights. `torch.library.opcheck` checks the custom ops' registration (schema, fake
+    tensors, autograd)."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(5)
+    gate_up_N2I = torch.randn(rows, 2 * inter, generator=generator).to(dtype)
+    weight_N = torch.rand(rows, generator=generator).to(dtype) if weighted else None
+    grad_NI = torch.randn(rows, inter, generator=generator).to(dtype)
+    torch.save((gate_up_N2I, weight_N, grad_NI), tmp_path / "in.pt")
+    subprocess.run(
+        [sys.executable, "-c", INTERPRET_SWIGLU, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        check=True,
+    )
+    out_NI, grad_gate_up_N2I, grad_weight_N = torch.load(tmp_path / "out.pt")
+
+    gate_up_64 = gate_up_N2I.double().requires_grad_(True)
+    weight_64 = weight_N.double().requires_grad_(True) if weight_N is not None else None
+    expected_NI = kernels.swiglu_eager(gate_up_64, weight_64)
+    expected_NI.backward(grad_NI.double())
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    assert out_NI.dtype == grad_gate_up_N2I.dtype == dtype
+    torch.testing.assert_close(out_NI.double(), expected_NI.detach(), **tolerance)
+    torch.testing.assert_close(grad_gate_up_N2I.double(), gate_up_64.grad, **tolerance)
+    if weighted:
+        assert weight_64 is not None and grad_weight_N.dtype == dtype
+        torch.testing.assert_close(grad_weight_N.double(), weight_64.grad, **tolerance)
+    else:
+        assert grad_weight_N is None
+
+
 def test_compile_decoder_layers_leaves_cpu_models_alone() -> None:
     model = Qwen3MoeForCausalLM(tiny_config())
     replace_moe_blocks(model, make_dispatcher("local", NUM_EXPERTS))
@@ -318,7 +409,7 @@ def test_compile_decoder_layers_leaves_cpu_models_alone() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_equal_torch_on_cuda(dtype: torch.dtype) -> None:
-    """Triton gather-sum and compiled SwiGLU (forward and backward) against the eager torch versions."""
+    """Triton gather-sum and SwiGLU (forward and backward) against the eager torch versions."""
     rows_NH, row_of_TK, expected_TH = gather_sum_case(dtype, "cuda")
     tolerance = {"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
     fused_TH = kernels.gather_sum(rows_NH, row_of_TK)
@@ -326,7 +417,7 @@ def test_fused_kernels_equal_torch_on_cuda(dtype: torch.dtype) -> None:
     torch.testing.assert_close(kernels.gather_sum_torch(rows_NH, row_of_TK).double().cpu(), expected_TH, **tolerance)
 
     generator = torch.Generator().manual_seed(4)
-    for rows in (300, 301):  # two row counts: the compiled function is compiled for any (dim 0 dynamic)
+    for rows in (300, 301):  # a multiple of the kernel's row block, and not
         gate_up_N2I = torch.randn(rows, 2 * 96, generator=generator).to("cuda", dtype)
         weight_N = torch.rand(rows, generator=generator).to("cuda", dtype)
         grad_NI = torch.randn(rows, 96, generator=generator).to("cuda", dtype)
@@ -339,15 +430,16 @@ def test_fused_kernels_equal_torch_on_cuda(dtype: torch.dtype) -> None:
         for fused, eager in zip(*results, strict=True):
             if dtype == torch.float32:
                 torch.testing.assert_close(fused, eager)
-            else:  # the compiled SwiGLU rounds to bf16 once, the eager one after every operation
+            else:  # the Triton SwiGLU rounds to bf16 once, the eager one after every operation
                 error = float((fused.float() - eager.float()).norm() / eager.float().norm())
                 assert error < 1e-2, f"relative error {error:.2e}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_decoder_layers_equal_eager_on_cuda() -> None:
-    """compile_decoder_layers keeps logits, router logits, loss and every gradient (fp32), also when the batch shape
-    changes; the MoE blocks stay eager, so HF's router-logit hooks keep recording."""
+    """compile_decoder_layers keeps logits, router logits, loss and every gradient (fp32, where the MoE blocks stay
+    eager: grouped_mm traces in bf16 only), also when the batch shape changes, and HF's router-logit hooks keep
+    recording."""
     torch.manual_seed(0)
     eager = Qwen3MoeForCausalLM(tiny_config()).cuda()
     replace_moe_blocks(eager, make_dispatcher("local", NUM_EXPERTS))
@@ -370,3 +462,25 @@ def test_compiled_decoder_layers_equal_eager_on_cuda() -> None:
             torch.testing.assert_close(
                 outputs[0][1][name], grad, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
             )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_block_compiled_whole_equals_eager_on_cuda() -> None:
+    """The bf16 block compiled whole by inductor (what compile_decoder_layers compiles at EP = 1) against the same
+    block eager, on the skewed inputs whose unused experts make empty groups: output, input and parameter
+    gradients within bf16 rounding (relative error < 1e-2; both run the same Triton kernels and grouped GEMMs,
+    inductor fuses the router and the permutation), and exactly zero gradients for the unused experts."""
+    hf_block, x_BSH = skewed_block()
+    hf_block, x_BSH = hf_block.to("cuda", torch.bfloat16), x_BSH.to("cuda", torch.bfloat16)
+    grad_BSH = torch.randn(x_BSH.shape, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    block = MoeBlock.from_hf_block(hf_block, LocalDispatcher(NUM_EXPERTS, None), "grouped_mm")
+    compiled = copy.deepcopy(block)
+    compiled.compile(fullgraph=True)
+    ours, reference = forward_backward(compiled, x_BSH, grad_BSH), forward_backward(block, x_BSH, grad_BSH)
+    for what, got, expected in [("out", ours[0], reference[0]), ("x.grad", ours[1], reference[1])] + [
+        (name, ours[2][name], grad) for name, grad in reference[2].items()
+    ]:
+        error = float((got.float() - expected.float()).norm() / expected.float().norm())
+        assert error < 1e-2, f"{what}: relative error {error:.1e}"
+    assert ours[2]["experts.gate_up_proj"][UNUSED_EXPERTS].abs().max() == 0
+    assert ours[2]["experts.down_proj"][UNUSED_EXPERTS].abs().max() == 0

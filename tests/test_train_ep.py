@@ -1,6 +1,7 @@
 """The train step's update with expert parallelism on CPU (gloo, processes spawned here) against one process
 running transformers' own Qwen3-MoE with the same weights: logits, loss, gradients, parameters and optimizer
-state after one optimizer step; and the checkpoint an EP = 4 run writes loads in transformers."""
+state after one optimizer step; and the checkpoint an EP = 4 run writes loads in transformers. Also: the trainer's
+forward shares compiled decoder layers across layers."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
 from steps.config import MoeloopConfig, TrainerConfig
-from steps.moe import gather_over, hf_state_dict
-from steps.policy import build_tokenizer, load_policy_shard, save_policy
+from steps.dispatch import make_dispatcher
+from steps.moe import gather_over, hf_state_dict, replace_moe_blocks
+from steps.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
 from steps.train import (
     ExperienceBatch,
     Parallel,
@@ -34,7 +37,7 @@ from steps.train import (
     save_trainer_state,
 )
 from tests.conftest import small_config
-from tests.test_moe import tiny_config
+from tests.test_moe import NUM_EXPERTS, tiny_config
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 SEED = 7
@@ -158,6 +161,29 @@ def run_rank(rank: int, world_size: int, port: int, meshes: list[int], ref: Refe
 
 def spawn(world_size: int, meshes: list[int], ref: Reference, save_to: Path | None = None) -> None:
     mp.spawn(run_rank, args=(world_size, free_port(), meshes, ref, save_to), nprocs=world_size, join=True)
+
+
+def test_trainer_forward_shares_compiled_layers() -> None:
+    """The trainer's forward (`token_logprobs`) builds no KV cache, so decoder layers compiled as
+    `compile_decoder_layers` compiles them (here on CPU, aot_eager; bf16, so the MoE blocks are traced too) share
+    their graphs, with no recompilation: with a cache, each layer's cache state is a guard, and past dynamo's
+    recompile limit (8) the later layers run eager. (The graphs are several per layer: transformers' router-logit
+    recorder breaks the graph where it runs.)"""
+    config = tiny_config()
+    config.num_hidden_layers = 10
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    replace_moe_blocks(model, make_dispatcher("local", NUM_EXPERTS))
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    input_ids_BT = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    logprobs_BT, router_logits = token_logprobs(model, input_ids_BT, torch.ones_like(input_ids_BT))
+    logprobs_BT.sum().backward()
+    assert len(router_logits) == 10
+    assert counters["frames"]["total"] == counters["frames"]["ok"], dict(counters["unimplemented"])
+    assert counters["stats"]["unique_graphs"] < config.num_hidden_layers, dict(counters["stats"])
 
 
 def test_load_balancing_loss_is_transformers_aux_loss() -> None:
