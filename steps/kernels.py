@@ -94,8 +94,9 @@ def swiglu_eager(
 SWIGLU_BLOCK_M, SWIGLU_BLOCK_I = 8, 256  # rows and columns per Triton program
 
 
-# Custom ops, so that torch.compile'd graphs call these kernels as they are: inductor's own fusion of the
-# backward, two kernels with the weight's gradient a separate reduction, moved 1.6 GB in 0.67 ms on an H200.
+# Custom ops, so that torch.compile'd graphs call these kernels as they are. Inductor's own fusion of the
+# backward is two kernels, the weight's gradient a separate reduction: 0.67 ms on an H200 at the MoE layer
+# benchmark's shape (N = 131072, I = 768), where this one-pass backward takes 0.24 ms.
 @torch.library.custom_op("moeloop::swiglu_triton", mutates_args=())
 def swiglu_triton(gate_up_N2I: torch.Tensor, weight_N: torch.Tensor | None) -> torch.Tensor:
     """`swiglu` with SiLU in one Triton pass (fp32 inside, rounded once); its backward is one pass too."""
