@@ -114,8 +114,8 @@ class MoeBlock(nn.Module):
         expert_y_NH = self.experts(expert_x_NH, tokens_per_expert_e, meta.weight_N)  # weighted in the SwiGLU
         return self.dispatcher.combine(expert_y_NH, meta).reshape(hidden_states.shape)
 
-    # Dispatchers that sync with the host for split sizes and call collectives or DeepEP stay out of torch.compile
-    # (the compiled layer graph-breaks around the block); `steps.kernels` fuses their hot spots instead.
+    # Out of torch.compile (a compiled layer graph-breaks around the block): EP dispatchers, which sync with the host
+    # for split sizes and call collectives or DeepEP; and experts that do not trace (fp32 grouped_mm, the loop).
     @torch.compiler.disable
     def route_and_run_eager(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.route_and_run(hidden_states)
@@ -172,11 +172,12 @@ def compile_decoder_layers(model: nn.Module) -> int:
     """On CUDA, `torch.compile` in place every module that holds a `MoeBlock` (HF's decoder layers); returns how many.
 
     Compiled: each layer's RMSNorms (fp32), attention with q/k norms and RoPE, residual adds, whose many small
-    elementwise kernels dominate the policy update once the MoE block is fast; and, with the `local` dispatcher
-    (EP = 1) and bf16 grouped-GEMM experts, the MoE block too: router, sort by expert, permutation, grouped GEMMs, SwiGLU and the per-token sum
-    in one graph, whose gathers and elementwise work inductor fuses. With the other dispatchers the block stays
-    eager (the layer graph breaks around it). Layers of one class share their compiled code, and batch shapes that
-    vary recompile once into a dynamic-shape graph. On CPU this does nothing (returns 0).
+    elementwise kernels dominate the policy update once the MoE block is fast. The MoE block is compiled with its
+    layer where it traces as one graph (`MoeBlock.forward`: the `local` dispatcher and bf16 grouped-GEMM experts):
+    inductor fuses the router's and the sort's small kernels, and calls `steps.kernels`' Triton ops as they are.
+    Otherwise (EP dispatchers, fp32) the block stays eager and the layer graph-breaks around it. Layers of one
+    class share their compiled code, and batch shapes that vary recompile once into a dynamic-shape graph. On CPU
+    this does nothing (returns 0).
     """
     if next(model.parameters()).device.type != "cuda":
         return 0
