@@ -12,12 +12,14 @@ Rows, all measured in the same run:
 - dense: one bf16 matmul 8192 x 8192 x 8192 (the chip's practical ceiling), and one of the experts' total
   shape, [T*K, H] @ [H, 2I] then [T*K, I] @ [I, H] forward + backward as plain matmuls (no grouping);
 - bare grouped SwiGLU: `steps.moe.GroupedExperts` on T*K rows already sorted by expert, perfectly balanced
-  (T*K/E rows each): what the experts cost with no routing at all; with the eager SwiGLU (the issue's
-  reference) and with the Triton one that `GroupedExperts` uses on CUDA;
+  (T*K/E rows each): what the experts cost with no routing at all; with torch's grouped_mm and the eager
+  SwiGLU (the issue's reference), with grouped_mm and the Triton SwiGLU, and as `GroupedExperts` runs on a
+  Hopper GPU (`steps.kernels`' Triton grouped GEMM and SwiGLU);
 - ours: `steps.moe.MoeBlock`, `local` dispatcher, `grouped_mm` experts (HF's router included): compiled whole
   (`torch.compile`, fullgraph), as `compile_decoder_layers` compiles it in bf16 at EP = 1; eager, as the
-  block runs under EP > 1, with `steps.kernels`' Triton SwiGLU and gather-sum; and eager with those
-  two swapped for their eager torch versions (the CPU path), to show what they are worth;
+  block runs under EP > 1, with `steps.kernels`' Triton grouped GEMM, SwiGLU and gather-sum; eager with
+  torch's grouped_mm instead of the Triton GEMM, and with all three swapped for their torch versions (the
+  CPU path), to show what they are worth;
 - HF transformers' `Qwen3MoeSparseMoeBlock` with `experts_implementation="grouped_mm"`, and "eager".
 Every routed row is checked against HF grouped_mm on the same weights, input and upstream gradient (relative
 error of the output, x.grad, the experts' and the router's weight gradients; "ok" below 1e-2, bf16).
@@ -51,15 +53,24 @@ from steps.moe import GroupedExperts, MoeBlock
 NOMINAL_DENSE_BF16 = 989.0  # TFLOP/s, H100/H200 SXM datasheet, dense
 
 
+TORCH_KERNELS = {  # steps.kernels' CPU paths: torch's grouped_mm, eager SwiGLU, index_select + sum
+    "grouped_linear": kernels.grouped_linear_torch,
+    "swiglu": kernels.swiglu_eager,
+    "gather_sum": kernels.gather_sum_torch,
+}
+
+
 @contextlib.contextmanager
-def eager_kernels() -> Iterator[None]:
-    """steps.kernels' CPU paths on any device: eager SwiGLU, index_select + sum gather-sum."""
-    fused = kernels.swiglu, kernels.gather_sum
-    kernels.swiglu, kernels.gather_sum = kernels.swiglu_eager, kernels.gather_sum_torch
+def torch_kernels(*names: str) -> Iterator[None]:
+    """The named steps.kernels functions (all without names) swapped for their torch versions, on any device."""
+    swapped = {name: getattr(kernels, name) for name in names or TORCH_KERNELS}
+    for name in swapped:
+        setattr(kernels, name, TORCH_KERNELS[name])
     try:
         yield
     finally:
-        kernels.swiglu, kernels.gather_sum = fused
+        for name, fn in swapped.items():
+            setattr(kernels, name, fn)
 
 
 def sync(device: torch.device) -> None:
@@ -150,10 +161,19 @@ def bare_rows(
     grad_NH = torch.randn(pairs, H, device=device, dtype=torch.bfloat16)
     balanced_E = torch.full((E,), pairs // E, device=device, dtype=torch.int64)
     bare = fwd_bwd(experts, x_NH, grad_NH, balanced_E)
-    with eager_kernels():
-        rows = [("bare grouped SwiGLU (balanced, pre-permuted), eager SwiGLU", time_ms(bare, device, warmup, reps))]
+    with torch_kernels():
+        rows = [
+            (
+                "bare grouped SwiGLU (balanced, pre-permuted): grouped_mm, eager SwiGLU",
+                time_ms(bare, device, warmup, reps),
+            )
+        ]
     if device.type == "cuda":
-        rows.append(("bare grouped SwiGLU, Triton SwiGLU (steps.kernels)", time_ms(bare, device, warmup, reps)))
+        with torch_kernels("grouped_linear"):
+            rows.append(("bare grouped SwiGLU: grouped_mm, Triton SwiGLU", time_ms(bare, device, warmup, reps)))
+        rows.append(
+            ("bare grouped SwiGLU: steps.kernels (Triton grouped GEMM and SwiGLU)", time_ms(bare, device, warmup, reps))
+        )
     return rows
 
 
@@ -206,17 +226,20 @@ def main() -> None:
     x_BSH = torch.randn(1, T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_BSH = torch.randn(1, T, H, device=device, dtype=torch.bfloat16)
 
-    ours = MoeBlock.from_hf_block(reference, make_dispatcher("local", E), "grouped_mm")
+    # From a copy: the block takes its HF block's router over (as a TopKRouter), and HF's row must stay HF's.
+    ours = MoeBlock.from_hf_block(copy.deepcopy(reference), make_dispatcher("local", E), "grouped_mm")
     compiled = copy.deepcopy(ours)  # in place, so parameter names stay those of the block
     compiled.compile(fullgraph=True)
     hf_name = "HF Qwen3MoeSparseMoeBlock, experts_implementation=grouped_mm"
     variants: list[tuple[str, nn.Module, contextlib.AbstractContextManager[None]]] = [
         ("**ours: MoeBlock compiled whole** (local dispatcher, bf16; as `compile_decoder_layers` compiles it)",
          compiled, contextlib.nullcontext()),
-        ("ours, MoeBlock eager (Triton SwiGLU and gather-sum; the block under EP > 1)",
+        ("ours, MoeBlock eager (Triton grouped GEMM, SwiGLU and gather-sum; the block under EP > 1)",
          ours, contextlib.nullcontext()),
-        ("ours, MoeBlock eager with steps.kernels' eager paths (eager SwiGLU, index_select + sum)",
-         ours, eager_kernels()),
+        ("ours, MoeBlock eager with torch's grouped_mm (Triton SwiGLU and gather-sum)",
+         ours, torch_kernels("grouped_linear")),
+        ("ours, MoeBlock eager with steps.kernels' torch paths (grouped_mm, eager SwiGLU, index_select + sum)",
+         ours, torch_kernels()),
         (hf_name, reference, contextlib.nullcontext()),
     ]  # fmt: skip
 

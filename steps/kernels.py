@@ -1,8 +1,12 @@
-"""The MoE layer's two fused kernels on CUDA, each with the plain torch version it must equal (the CPU path).
+"""The MoE layer's kernels on CUDA, each with the plain torch version it must equal (the CPU path).
 
 - `gather_sum(rows_NH, row_of_TK)`: each token's sum over its K expert rows (the combine, and the backward of
   the permutation). CUDA: one Triton pass that reads the K rows and writes the token (fp32 accumulation), with
   no [T, K, H] intermediate; elsewhere `index_select` then `sum`.
+- `expand_rows(x_TH, token_N, row_of_TK)`: its adjoint, each token copied to its K rows (the permutation, and
+  the backward of the combine). CUDA: one Triton pass that reads each token once; elsewhere `index_select`.
+- `grouped_linear(x_NK, weight_eOK, offs_e)`: F.linear per group of rows (the experts' GEMMs). Hopper GPUs,
+  bf16: a persistent Triton grouped GEMM through TMA, forward and input gradient; elsewhere `F.grouped_mm`.
 - `swiglu(gate_up_N2I, weight_N, act_fn)`: `act(gate) * up * weight`, the routing weight folded in. CUDA with
   SiLU: one Triton pass forward, and one backward that also sums the weight's gradient (fp32 inside, rounded
   once), instead of ~10 eager kernels each way; elsewhere (and for other activations) eager.
@@ -32,12 +36,14 @@ def gather_sum(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:
     An index equal to the number of rows (a slot dropped on this rank) reads a zero row.
     """
     if rows_NH.is_cuda and rows_NH.dtype in TRITON_DTYPES and HAS_TRITON:
-        if isinstance(rows_NH, AsyncCollectiveTensor):
-            # The output of a functional collective (all-to-all) is a wrapper with no storage of its own, and
-            # Triton reads raw pointers: wait for the collective and take the tensor it wrote.
-            rows_NH = rows_NH.wait()
-        return gather_sum_triton(rows_NH, row_of_TK)
+        return gather_sum_triton(waited(rows_NH), row_of_TK)
     return gather_sum_torch(rows_NH, row_of_TK)
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """The output of a functional collective (all-to-all) is a wrapper with no storage of its own, and Triton reads
+    raw pointers: wait for the collective and take the tensor it wrote."""
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def gather_sum_torch(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:
@@ -61,7 +67,7 @@ def gather_sum_triton(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.T
     out_TH = torch.empty(num_tokens, hidden, device=rows_NH.device, dtype=rows_NH.dtype)
     if num_tokens == 0 or hidden == 0:
         return out_TH
-    block_h = min(1024, 1 << (hidden - 1).bit_length())
+    block_h = min(1024, triton_block(hidden))
     grid = (num_tokens, -(-hidden // block_h))
     from steps.triton_kernels import gather_sum_kernel
 
@@ -72,6 +78,41 @@ def gather_sum_triton(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.T
 @gather_sum_triton.register_fake
 def _(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:
     return rows_NH.new_empty(row_of_TK.shape[0], rows_NH.shape[1])
+
+
+def expand_rows(x_TH: torch.Tensor, token_N: torch.Tensor, row_of_TK: torch.Tensor) -> torch.Tensor:
+    """The expert rows x_TH[token_N], where row_of_TK is token_N's inverse: the K rows of each token (a slot
+    with no row here holds the number of rows). The adjoint of `gather_sum`.
+
+    CUDA: one Triton pass that reads each token once and writes its K rows, where `index_select` reads a token
+    once per row (K times, mostly from HBM once the tokens outgrow L2); elsewhere `index_select`.
+    """
+    if x_TH.is_cuda and x_TH.dtype in TRITON_DTYPES and HAS_TRITON:
+        return expand_rows_triton(waited(x_TH), row_of_TK, token_N.shape[0])
+    return x_TH.index_select(0, token_N)
+
+
+@torch.library.custom_op("moeloop::expand_rows_triton", mutates_args=())
+def expand_rows_triton(x_TH: torch.Tensor, row_of_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """`expand_rows` in one Triton pass: a program per (token, 1024-column tile) writes the token's K rows."""
+    x_TH, row_of_TK = x_TH.contiguous(), row_of_TK.contiguous()
+    num_tokens, top_k = row_of_TK.shape
+    hidden = x_TH.shape[1]
+    out_NH = x_TH.new_empty(num_rows, hidden)
+    if num_tokens == 0 or hidden == 0 or num_rows == 0:
+        return out_NH
+    block_h = min(1024, triton_block(hidden))
+    from steps.triton_kernels import expand_rows_kernel
+
+    expand_rows_kernel[(num_tokens, -(-hidden // block_h))](
+        x_TH, row_of_TK, out_NH, num_rows, hidden, K=top_k, BLOCK_H=block_h, num_warps=4
+    )
+    return out_NH
+
+
+@expand_rows_triton.register_fake
+def _(x_TH: torch.Tensor, row_of_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return x_TH.new_empty(num_rows, x_TH.shape[1])
 
 
 def swiglu(
@@ -164,3 +205,198 @@ swiglu_triton.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_co
 def is_silu(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
     """HF's "silu" activation (transformers' `SiLUActivation`, or `nn.SiLU` in older releases), or F.silu."""
     return act_fn is F.silu or isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton grouped GEMM. On an H200 at the MoE layer's
+# shapes (benchmarks/moe_h200.md) this one was the fastest of six for all four row-grouped GEMMs of a layer.
+GROUPED_MM_CONFIG = (128, 256, 64, 8, 3)
+# The Triton grouped GEMM costs more host time than grouped_mm (a Python launch with two TMA descriptors, and the
+# custom op's autograd), so it only pays where a call's GPU time hides that. On an H200, at 4.1e11 and 8.2e11
+# FLOPs a call (Qwen3-30B-A3B's experts, 16384 tokens) the layer ran 2 to 5% faster with it; at 2.1e11 (the
+# benchmarks' 1B model) the layer is bound by host time, and ran 19% slower with it (benchmarks/moe_h200.md).
+GROUPED_MM_TRITON_MIN_FLOPS = 3e11
+
+
+def grouped_linear(x_NK: torch.Tensor, weight_eOK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+    """F.linear per group of rows: out_NO[r] = x_NK[r] @ weight_eOK[g]^T for the rows r of group g, where offs_e
+    holds each group's end row (int32, as grouped_mm's offs; empty groups allowed).
+
+    On Hopper GPUs in bf16, for calls large enough (`grouped_mm_triton_runs`): the Triton grouped GEMM
+    (`grouped_mm_triton`, its weight gradient through grouped_mm); elsewhere `F.grouped_mm`.
+    """
+    if grouped_mm_triton_runs(x_NK, weight_eOK):
+        return grouped_mm_triton(x_NK, weight_eOK, offs_e, True)
+    return grouped_linear_torch(x_NK, weight_eOK, offs_e)
+
+
+def grouped_linear_torch(x_NK: torch.Tensor, weight_eOK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+    return F.grouped_mm(x_NK, weight_eOK.transpose(1, 2), offs=offs_e)
+
+
+def grouped_mm_triton_runs(x_NK: torch.Tensor, weight_eOK: torch.Tensor) -> bool:
+    """Whether `grouped_linear` takes the Triton grouped GEMM: bf16 (its weight gradient is grouped_mm's, which
+    takes bf16 only on CUDA), on a Hopper GPU or newer (TMA), dimensions that are whole K steps, and a call large
+    enough to pay for its host time (`GROUPED_MM_TRITON_MIN_FLOPS`)."""
+    rows, (_, width, depth) = x_NK.shape[0], weight_eOK.shape
+    return (
+        HAS_TRITON and x_NK.is_cuda and x_NK.dtype == weight_eOK.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x_NK.device) >= (9, 0)
+        and width % GROUPED_MM_CONFIG[2] == 0 and depth % GROUPED_MM_CONFIG[2] == 0
+        and 2 * rows * width * depth >= GROUPED_MM_TRITON_MIN_FLOPS
+    )  # fmt: skip
+
+
+@torch.library.custom_op("moeloop::grouped_mm_triton", mutates_args=())
+def grouped_mm_triton(
+    a_NK: torch.Tensor, b_eXY: torch.Tensor, offs_e: torch.Tensor, b_transposed: bool
+) -> torch.Tensor:
+    """out[r] = a_NK[r] @ b[g] for the rows r of group g, where b[g] is b_eXY[g]^T (b_transposed: b_eXY holds
+    nn.Linear weights [e, N, K]) or b_eXY[g] ([e, K, N]); fp32 accumulation, one persistent Triton kernel."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from steps.triton_kernels import grouped_mm_kernel
+
+    a_NK, b_eXY, offs_e = tma_operand(a_NK), tma_operand(b_eXY), offs_e.contiguous()
+    num_groups, depth, width = b_eXY.shape[0], a_NK.shape[1], b_eXY.shape[1 if b_transposed else 2]
+    out_NN = a_NK.new_empty(a_NK.shape[0], width)
+    if out_NN.numel() == 0:
+        return out_NN
+    block_m, block_n, block_k, num_warps, num_stages = GROUPED_MM_CONFIG
+    b_rows = b_eXY.view(-1, b_eXY.shape[2])  # groups stacked: a tile's rows are offset by its group's
+    b_desc = TensorDescriptor.from_tensor(b_rows, [block_n, block_k] if b_transposed else [block_k, block_n])
+    # One program per multiprocessor; off CUDA only Triton's interpreter runs this (the tests), with a few.
+    num_programs = torch.cuda.get_device_properties(a_NK.device).multi_processor_count if a_NK.is_cuda else 3
+    grouped_mm_kernel[(num_programs,)](
+        TensorDescriptor.from_tensor(a_NK, [block_m, block_k]), b_desc, out_NN, offs_e, num_groups, width, depth,
+        B_TRANSPOSED=b_transposed, BLOCK_G=triton_block(num_groups), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=num_programs, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out_NN
+
+
+def tma_operand(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous, at a 16-byte aligned address (a view's offset may not be), as TMA descriptors need."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+@grouped_mm_triton.register_fake
+def _(a_NK: torch.Tensor, b_eXY: torch.Tensor, offs_e: torch.Tensor, b_transposed: bool) -> torch.Tensor:
+    return a_NK.new_empty(a_NK.shape[0], b_eXY.shape[1 if b_transposed else 2])
+
+
+def _grouped_mm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    a_NK, b_eXY, offs_e, ctx.b_transposed = inputs
+    ctx.save_for_backward(a_NK, b_eXY, offs_e)
+
+
+def _grouped_mm_backward(ctx: Any, grad_NN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The input gradient is the same kernel with b the other way round; the weight gradient, a grouped GEMM
+    over the rows (K = a group's rows), is grouped_mm's."""
+    a_NK, b_eXY, offs_e = ctx.saved_tensors
+    grad_NN = grad_NN.contiguous()
+    grad_a_NK = grouped_mm_triton(grad_NN, b_eXY, offs_e, not ctx.b_transposed) if ctx.needs_input_grad[0] else None
+    grad_b_eXY = None
+    if ctx.needs_input_grad[1]:
+        pair = (grad_NN, a_NK) if ctx.b_transposed else (a_NK, grad_NN)
+        grad_b_eXY = F.grouped_mm(pair[0].t(), pair[1], offs=offs_e)
+    return grad_a_NK, grad_b_eXY, None, None
+
+
+grouped_mm_triton.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup_context)
+
+
+ROUTER_BLOCK_T = 16  # tokens per program of the router kernels
+
+
+def softmax_topk(logits_TE: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's Qwen3-MoE routing from the router logits: softmax in fp32, the top_k probabilities (descending) and
+    their experts, divided by their sum when normalize, the weights cast back to the logits' dtype.
+
+    CUDA: one Triton pass each way (`torch.topk` alone took 0.11 ms for 16384 tokens over 128 experts on an H200);
+    elsewhere HF's own operations.
+    """
+    if logits_TE.is_cuda and logits_TE.dtype in TRITON_DTYPES and HAS_TRITON:
+        return softmax_topk_triton(logits_TE, top_k, normalize)
+    return softmax_topk_torch(logits_TE, top_k, normalize)
+
+
+def softmax_topk_torch(logits_TE: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs_TE = F.softmax(logits_TE, dtype=torch.float, dim=-1)
+    weights_TK, experts_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if normalize:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return weights_TK.to(logits_TE.dtype), experts_TK
+
+
+def _router_launch(logits_TE: torch.Tensor, top_k: int) -> tuple[tuple[int], dict[str, int]]:
+    num_tokens, num_experts = logits_TE.shape
+    blocks = {"E": num_experts, "K": top_k, "BLOCK_T": ROUTER_BLOCK_T, "BLOCK_E": triton_block(num_experts)}
+    return (-(-num_tokens // ROUTER_BLOCK_T),), blocks | {"BLOCK_K": triton_block(top_k)}
+
+
+def triton_block(size: int) -> int:
+    """The power of two Triton blocks a dimension of this size into."""
+    return 1 << max(size - 1, 0).bit_length()
+
+
+@torch.library.custom_op("moeloop::softmax_topk_triton", mutates_args=())
+def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`softmax_topk` in one Triton pass (a program per 16 tokens, all experts in registers)."""
+    logits_TE = logits_TE.contiguous()
+    weights_TK = logits_TE.new_empty(logits_TE.shape[0], top_k)
+    experts_TK = torch.empty(logits_TE.shape[0], top_k, dtype=torch.int64, device=logits_TE.device)
+    if logits_TE.shape[0]:
+        from steps.triton_kernels import softmax_topk_kernel
+
+        grid, blocks = _router_launch(logits_TE, top_k)
+        softmax_topk_kernel[grid](logits_TE, weights_TK, experts_TK, logits_TE.shape[0], NORMALIZE=normalize, **blocks)
+    return weights_TK, experts_TK
+
+
+@softmax_topk_triton.register_fake
+def _(logits_TE: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    experts_TK = torch.empty(logits_TE.shape[0], top_k, dtype=torch.int64, device=logits_TE.device)
+    return logits_TE.new_empty(logits_TE.shape[0], top_k), experts_TK
+
+
+@torch.library.custom_op("moeloop::softmax_topk_backward_triton", mutates_args=())
+def softmax_topk_backward_triton(
+    logits_TE: torch.Tensor, experts_TK: torch.Tensor, grad_weights_TK: torch.Tensor, normalize: bool
+) -> torch.Tensor:
+    """The logits' gradient of `softmax_topk_triton`'s weights, in one Triton pass."""
+    logits_TE, experts_TK, grad_weights_TK = (
+        logits_TE.contiguous(),
+        experts_TK.contiguous(),
+        grad_weights_TK.contiguous(),
+    )
+    grad_logits_TE = torch.empty_like(logits_TE)
+    if logits_TE.shape[0]:
+        from steps.triton_kernels import softmax_topk_backward_kernel
+
+        grid, blocks = _router_launch(logits_TE, experts_TK.shape[1])
+        softmax_topk_backward_kernel[grid](
+            logits_TE, experts_TK, grad_weights_TK, grad_logits_TE, logits_TE.shape[0], NORMALIZE=normalize, **blocks
+        )
+    return grad_logits_TE
+
+
+@softmax_topk_backward_triton.register_fake
+def _(
+    logits_TE: torch.Tensor, experts_TK: torch.Tensor, grad_weights_TK: torch.Tensor, normalize: bool
+) -> torch.Tensor:
+    return torch.empty_like(logits_TE)
+
+
+def _softmax_topk_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    logits_TE, _, ctx.normalize = inputs
+    ctx.save_for_backward(logits_TE, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _softmax_topk_backward(ctx: Any, grad_weights_TK: torch.Tensor, _: Any) -> tuple[torch.Tensor, None, None]:
+    logits_TE, experts_TK = ctx.saved_tensors
+    return softmax_topk_backward_triton(logits_TE, experts_TK, grad_weights_TK, ctx.normalize), None, None
+
+
+softmax_topk_triton.register_autograd(_softmax_topk_backward, setup_context=_softmax_topk_setup_context)

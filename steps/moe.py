@@ -1,9 +1,10 @@
 """A Qwen3-MoE sparse block with grouped-GEMM experts and expert parallelism, a drop-in for HF's block.
 
 `MoeBlock` replaces transformers' `Qwen3MoeSparseMoeBlock` (and bypasses its `_experts_implementation`):
-- routing is HF's own: the block keeps the `Qwen3MoeTopKRouter` module (softmax in fp32, top-k, optional
-  renormalisation, cast back), so `output_router_logits=True` records the same router logits through HF's
-  `OutputRecorder` hook and the model's load-balancing aux loss is unchanged;
+- routing is HF's: the block keeps the `Qwen3MoeTopKRouter` module (softmax in fp32, top-k, optional
+  renormalisation, cast back), as a `TopKRouter` (the same computation, one Triton pass on CUDA), so
+  `output_router_logits=True` records the same router logits through HF's `OutputRecorder` hook and the
+  model's load-balancing aux loss is unchanged;
 - tokens are permuted by expert (and, with expert parallelism, moved to the rank holding the expert) by a
   dispatcher from `steps.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
   summed per token (the routing weight folded into the SwiGLU output, before the linear down projection);
@@ -65,13 +66,14 @@ class GroupedExperts(nn.Module):
         """Rows grouped by expert through their experts; with weight_N, each row's output scaled by its weight.
 
         The weight multiplies the SwiGLU output (I wide) before the down projection, which is linear, so this is
-        the weighted expert output without an H-wide multiply. On CUDA the SwiGLU is compiled (`steps.kernels`).
+        the weighted expert output without an H-wide multiply. On CUDA the SwiGLU is a Triton kernel, and so are the
+        grouped GEMMs' forward and input gradient on Hopper in bf16 for large calls (`steps.kernels`).
         """
         if self.impl == "grouped_mm":
             offs_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)  # end row of each expert; empty groups ok
-            gate_up_N2I = F.grouped_mm(x_NH, self.gate_up_proj.transpose(1, 2), offs=offs_e)
+            gate_up_N2I = kernels.grouped_linear(x_NH, self.gate_up_proj, offs_e)
             hidden_NI = kernels.swiglu(gate_up_N2I, weight_N, self.act_fn)
-            return F.grouped_mm(hidden_NI, self.down_proj.transpose(1, 2), offs=offs_e)
+            return kernels.grouped_linear(hidden_NI, self.down_proj, offs_e)
         splits = tokens_per_expert_e.tolist()
         weights = weight_N.split(splits) if weight_N is not None else [None] * len(splits)
         outputs = []
@@ -79,6 +81,18 @@ class GroupedExperts(nn.Module):
             gate_up_n2I = F.linear(x_nH, self.gate_up_proj[expert])
             outputs.append(F.linear(kernels.swiglu(gate_up_n2I, weight_n, self.act_fn), self.down_proj[expert]))
         return torch.cat(outputs)
+
+
+class TopKRouter(Qwen3MoeTopKRouter):
+    """HF's Qwen3-MoE router, its softmax, top-k and renormalisation as `kernels.softmax_topk` (one Triton pass each
+    way on CUDA, HF's own operations elsewhere). A subclass, so transformers' router-logit recorder, which matches
+    modules by `isinstance`, still hooks it."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states, self.weight)
+        router_scores, router_indices = kernels.softmax_topk(router_logits, self.top_k, self.norm_topk_prob)
+        return router_logits, router_scores, router_indices
 
 
 class MoeBlock(nn.Module):
@@ -97,9 +111,11 @@ class MoeBlock(nn.Module):
         """This EP rank's block, with the EP rank and size of the dispatcher's group.
 
         The router module is taken over as it is (same parameter, and an already installed router-logit hook
-        keeps recording); the experts are this rank's slice of the fused tensors, copied.
+        keeps recording), its class swapped in place for `TopKRouter`, so block.gate routes with our kernel from
+        now on too; the experts are this rank's slice of the fused tensors, copied.
         """
         experts = GroupedExperts.from_hf(block.experts, dispatcher.ep_rank, dispatcher.ep_size, experts_impl)
+        block.gate.__class__ = TopKRouter
         return cls(block.gate, experts, dispatcher)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

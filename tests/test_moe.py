@@ -5,21 +5,25 @@ otherwise."""
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import importlib.util
 import logging
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from steps import kernels
-from steps.dispatch import LocalDispatcher, make_dispatcher
+from steps.dispatch import LocalDispatcher, make_dispatcher, sort_by_expert
 from steps.errors import MoeloopError
 from steps.moe import GroupedExperts, MoeBlock, compile_decoder_layers, hf_state_dict, replace_moe_blocks
 
@@ -282,6 +286,26 @@ def test_experts_must_split_evenly() -> None:
         make_dispatcher("all_to_all", 7, two_rank_group())  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("num_experts", [8, 255, 256, 300])  # uint8 keys up to 255 (the drop key), then int16
+def test_sort_by_expert_with_narrow_keys(num_experts: int) -> None:
+    """Rows sorted by expert, stably, with dropped slots (-1) last, whichever key dtype the sort uses."""
+    generator = torch.Generator().manual_seed(5)
+    num_tokens, top_k = 50, 4
+    topk_idx_TK = torch.randint(-1, num_experts, (num_tokens, top_k), generator=generator)
+    topk_idx_TK[0] = torch.tensor([num_experts - 1, 0, -1, num_experts - 1])  # the largest key is sorted too
+    weights_TK = torch.rand(num_tokens, top_k, generator=generator)
+    kept = int((topk_idx_TK >= 0).sum())
+    token_N, row_of_TK, weight_N, tokens_per_expert_E = sort_by_expert(topk_idx_TK, weights_TK, num_experts, kept)
+
+    slots = sorted((int(e), s) for s, e in enumerate(topk_idx_TK.flatten().tolist()) if e >= 0)  # stable by slot
+    assert token_N.tolist() == [s // top_k for _, s in slots]
+    assert torch.equal(weight_N, weights_TK.flatten()[[s for _, s in slots]])
+    assert torch.equal(tokens_per_expert_E, torch.bincount(topk_idx_TK[topk_idx_TK >= 0], minlength=num_experts))
+    expected_row_of_S = torch.full((num_tokens * top_k,), kept)
+    expected_row_of_S[[s for _, s in slots]] = torch.arange(kept)
+    assert torch.equal(row_of_TK.flatten(), expected_row_of_S)
+
+
 def gather_sum_case(dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """rows_NH, row_of_TK with some slots dropped (index N: a zero row), and the float64 sums they must give.
 
@@ -296,6 +320,18 @@ def gather_sum_case(dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tens
     padded_NH = torch.cat([rows_NH.double(), torch.zeros(1, hidden, dtype=torch.float64)])
     expected_TH = padded_NH[row_of_TK].sum(1)
     return rows_NH.to(device), row_of_TK.to(device), expected_TH
+
+
+def interpreted(script: str, inputs: tuple[Any, ...], tmp_path: Path) -> Any:
+    """What script saves to argv[2] from the inputs it loads from argv[1], run under Triton's interpreter (on CPU
+    tensors) in a fresh process, since TRITON_INTERPRET must be set before triton is first imported."""
+    torch.save(inputs, tmp_path / "in.pt")
+    subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        check=True,
+    )
+    return torch.load(tmp_path / "out.pt")
 
 
 INTERPRET_GATHER_SUM = """
@@ -320,15 +356,82 @@ def test_gather_sum_torch_and_triton_interpreted_equal_float64(dtype: torch.dtyp
     rows_NH, row_of_TK, expected_TH = gather_sum_case(dtype)
     tolerance = {"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
     torch.testing.assert_close(kernels.gather_sum(rows_NH, row_of_TK).double(), expected_TH, **tolerance)
-    torch.save((rows_NH, row_of_TK), tmp_path / "in.pt")
-    subprocess.run(
-        [sys.executable, "-c", INTERPRET_GATHER_SUM, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-        check=True,
-    )
-    interpreted_TH = torch.load(tmp_path / "out.pt")
+    interpreted_TH = interpreted(INTERPRET_GATHER_SUM, (rows_NH, row_of_TK), tmp_path)
     assert interpreted_TH.dtype == dtype
     torch.testing.assert_close(interpreted_TH.double(), expected_TH, **tolerance)
+
+
+INTERPRET_EXPAND_ROWS = """
+import sys, torch
+from steps.kernels import expand_rows_triton
+x_TH, row_of_TK, num_rows = torch.load(sys.argv[1])
+torch.save(expand_rows_triton(x_TH, row_of_TK, num_rows), sys.argv[2])
+torch.library.opcheck(expand_rows_triton, (x_TH, row_of_TK, num_rows))
+"""
+
+
+def expand_rows_case(dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x_TH, token_N and its inverse row_of_TK, from gather_sum_case's rows (20 slots dropped, H = 1100)."""
+    rows_NH, row_of_TK, _ = gather_sum_case(dtype)
+    x_TH = torch.randn(row_of_TK.shape[0], rows_NH.shape[1], generator=torch.Generator().manual_seed(8)).to(dtype)
+    token_N = torch.empty(rows_NH.shape[0], dtype=torch.int64)
+    kept_TK = row_of_TK < rows_NH.shape[0]
+    token_N[row_of_TK[kept_TK]] = torch.arange(row_of_TK.shape[0]).unsqueeze(1).expand_as(row_of_TK)[kept_TK]
+    return x_TH.to(device), token_N.to(device), row_of_TK.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expand_rows_triton_interpreted_equals_index_select(dtype: torch.dtype, tmp_path: Path) -> None:
+    """The CUDA path's expand-rows kernel (each token written to its K rows, dropped slots skipped), run by
+    Triton's interpreter on CPU tensors, copies exactly what `index_select` gathers; opcheck checks its custom-op
+    registration."""
+    pytest.importorskip("triton")
+    x_TH, token_N, row_of_TK = expand_rows_case(dtype)
+    expanded_NH = interpreted(INTERPRET_EXPAND_ROWS, (x_TH, row_of_TK, token_N.shape[0]), tmp_path)
+    assert torch.equal(expanded_NH, x_TH.index_select(0, token_N))
+
+
+INTERPRET_SOFTMAX_TOPK = """
+import sys, torch
+from steps.kernels import softmax_topk_triton
+logits_TE, top_k, normalize, grad_TK = torch.load(sys.argv[1])
+logits_TE.requires_grad_(True)
+weights_TK, experts_TK = softmax_topk_triton(logits_TE, top_k, normalize)
+weights_TK.backward(grad_TK)
+torch.save((weights_TK.detach(), experts_TK, logits_TE.grad), sys.argv[2])
+torch.library.opcheck(softmax_topk_triton, (logits_TE.detach().requires_grad_(True), top_k, normalize))
+"""
+
+
+@pytest.mark.parametrize(
+    ("experts", "top_k", "normalize", "dtype"),
+    [(128, 8, True, torch.bfloat16), (12, 3, False, torch.float32), (7, 2, True, torch.float32)],
+)
+def test_softmax_topk_triton_interpreted_equals_float64(
+    experts: int, top_k: int, normalize: bool, dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """The router's Triton kernels (softmax, top-k, renormalisation; the logits' gradient), run by Triton's
+    interpreter on CPU tensors, against HF's operations in float64: the same experts in the same order, weights
+    and gradient within the dtype's rounding, with expert counts that do not fill the kernel's blocks and a
+    token count that does not fill its 16 rows. Logits are distinct (a permutation of k / 16, exact in bf16), so
+    no tie makes the choice implementation-defined."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(9)
+    logits_TE = torch.stack([torch.randperm(experts, generator=generator) for _ in range(37)]) / 16 - 4
+    logits_TE = logits_TE.to(dtype)
+    grad_TK = torch.randn(37, top_k, generator=generator).to(dtype)
+    weights_TK, experts_TK, grad_logits_TE = interpreted(
+        INTERPRET_SOFTMAX_TOPK, (logits_TE, top_k, normalize, grad_TK), tmp_path
+    )
+
+    logits_64 = logits_TE.double().requires_grad_(True)
+    expected_weights_TK, expected_experts_TK = kernels.softmax_topk_torch(logits_64, top_k, normalize)
+    expected_weights_TK.backward(grad_TK.double())
+    assert torch.equal(experts_TK, expected_experts_TK)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-3}
+    assert weights_TK.dtype == grad_logits_TE.dtype == dtype
+    torch.testing.assert_close(weights_TK.double(), expected_weights_TK.detach(), **tolerance)
+    torch.testing.assert_close(grad_logits_TE.double(), logits_64.grad, **tolerance)
 
 
 def test_swiglu_equals_float64() -> None:
@@ -376,13 +479,7 @@ def test_swiglu_triton_interpreted_equals_float64(
     gate_up_N2I = torch.randn(rows, 2 * inter, generator=generator).to(dtype)
     weight_N = torch.rand(rows, generator=generator).to(dtype) if weighted else None
     grad_NI = torch.randn(rows, inter, generator=generator).to(dtype)
-    torch.save((gate_up_N2I, weight_N, grad_NI), tmp_path / "in.pt")
-    subprocess.run(
-        [sys.executable, "-c", INTERPRET_SWIGLU, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-        check=True,
-    )
-    out_NI, grad_gate_up_N2I, grad_weight_N = torch.load(tmp_path / "out.pt")
+    out_NI, grad_gate_up_N2I, grad_weight_N = interpreted(INTERPRET_SWIGLU, (gate_up_N2I, weight_N, grad_NI), tmp_path)
 
     gate_up_64 = gate_up_N2I.double().requires_grad_(True)
     weight_64 = weight_N.double().requires_grad_(True) if weight_N is not None else None
@@ -399,6 +496,68 @@ def test_swiglu_triton_interpreted_equals_float64(
         assert grad_weight_N is None
 
 
+INTERPRET_GROUPED_MM = """
+import sys, torch
+from steps import kernels
+kernels.GROUPED_MM_CONFIG = (16, 32, 16, 4, 2)  # small blocks: partial row, column and group tiles
+a_NK, b_eXY, offs_e, b_transposed, grad_NN = torch.load(sys.argv[1])
+a_NK.requires_grad_(True)
+b_eXY.requires_grad_(True)
+out_NN = kernels.grouped_mm_triton(a_NK, b_eXY, offs_e, b_transposed)
+out_NN.backward(grad_NN)
+torch.save((out_NN.detach(), a_NK.grad, b_eXY.grad), sys.argv[2])
+# Not test_aot_dispatch_*: the weight gradient is grouped_mm's, whose meta function takes bf16 only, and
+# Triton's interpreter computes bf16 dot products wrongly (it runs them in numpy, which has no bf16).
+torch.library.opcheck(
+    kernels.grouped_mm_triton, (a_NK.detach().requires_grad_(True), b_eXY.detach().requires_grad_(True), offs_e,
+    b_transposed), test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+)
+"""
+
+
+def triton_release() -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in importlib.metadata.version("triton").split(".")[:2])
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
+
+
+@pytest.mark.skipif(
+    triton_release() < (3, 9),
+    reason="needs Triton >= 3.9, whose interpreter runs loops bounded by a tensor (3.6's fails)",
+)
+@pytest.mark.parametrize(("b_transposed", "dtype"), [(True, torch.float16), (False, torch.float32)])
+def test_grouped_mm_triton_interpreted_equals_float64(b_transposed: bool, dtype: torch.dtype, tmp_path: Path) -> None:
+    """The Triton grouped GEMM (TMA descriptors, persistent), forward and both gradients, run by Triton's
+    interpreter on CPU tensors against float64: empty groups, groups that end inside a row tile, a column tile
+    past the last column, and b either way round (nn.Linear weights [e, N, K], or [e, K, N])."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(6)
+    depth, width = 48, 40
+    offs_e = torch.tensor([0, 37, 42, 42, 92], dtype=torch.int32)  # 0, 37, 5, 0 and 50 rows
+    a_NK = torch.randn(92, depth, generator=generator).to(dtype)
+    b_eXY = torch.randn((5, width, depth) if b_transposed else (5, depth, width), generator=generator).to(dtype)
+    grad_NN = torch.randn(92, width, generator=generator).to(dtype)
+    out_NN, grad_a_NK, grad_b_eXY = interpreted(
+        INTERPRET_GROUPED_MM, (a_NK, b_eXY, offs_e, b_transposed, grad_NN), tmp_path
+    )
+
+    a_64, b_64 = a_NK.double().requires_grad_(True), b_eXY.double().requires_grad_(True)
+    starts = [0, *offs_e[:-1].tolist()]
+    expected_NN = torch.cat(
+        [
+            a_64[s:e] @ (b_64[g].t() if b_transposed else b_64[g])
+            for g, (s, e) in enumerate(zip(starts, offs_e.tolist()))
+        ]
+    )
+    expected_NN.backward(grad_NN.double())
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
+    for got, expected in ((out_NN, expected_NN.detach()), (grad_a_NK, a_64.grad), (grad_b_eXY, b_64.grad)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected, **tolerance)
+    assert grad_b_eXY[[0, 3]].abs().max() == 0  # empty groups: zero weight gradients
+
+
 def test_compile_decoder_layers_leaves_cpu_models_alone() -> None:
     model = Qwen3MoeForCausalLM(tiny_config())
     replace_moe_blocks(model, make_dispatcher("local", NUM_EXPERTS))
@@ -409,12 +568,24 @@ def test_compile_decoder_layers_leaves_cpu_models_alone() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_equal_torch_on_cuda(dtype: torch.dtype) -> None:
-    """Triton gather-sum and SwiGLU (forward and backward) against the eager torch versions."""
+    """Triton gather-sum, expand-rows, router top-k and SwiGLU (forward and backward) against the torch versions."""
     rows_NH, row_of_TK, expected_TH = gather_sum_case(dtype, "cuda")
     tolerance = {"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
     fused_TH = kernels.gather_sum(rows_NH, row_of_TK)
     torch.testing.assert_close(fused_TH.double().cpu(), expected_TH, **tolerance)
     torch.testing.assert_close(kernels.gather_sum_torch(rows_NH, row_of_TK).double().cpu(), expected_TH, **tolerance)
+    x_TH, token_N, row_of_TK = expand_rows_case(dtype, "cuda")
+    assert torch.equal(kernels.expand_rows(x_TH, token_N, row_of_TK), x_TH.index_select(0, token_N))
+    logits_TE = (torch.stack([torch.randperm(128) for _ in range(300)]) / 16 - 4).to("cuda", dtype)  # no ties
+    routed = []
+    for fn in (kernels.softmax_topk, kernels.softmax_topk_torch):
+        logits = logits_TE.clone().requires_grad_(True)
+        weights_TK, experts_TK = fn(logits, 8, True)
+        weights_TK.backward(torch.linspace(-1, 1, 300 * 8, device="cuda").view(300, 8).to(dtype))
+        routed.append((weights_TK.detach(), experts_TK, logits.grad))
+    assert torch.equal(routed[0][1], routed[1][1])
+    torch.testing.assert_close(routed[0][0], routed[1][0], **tolerance)
+    torch.testing.assert_close(routed[0][2], routed[1][2], **tolerance)
 
     generator = torch.Generator().manual_seed(4)
     for rows in (300, 301):  # a multiple of the kernel's row block, and not
@@ -433,6 +604,38 @@ def test_fused_kernels_equal_torch_on_cuda(dtype: torch.dtype) -> None:
             else:  # the Triton SwiGLU rounds to bf16 once, the eager one after every operation
                 error = float((fused.float() - eager.float()).norm() / eager.float().norm())
                 assert error < 1e-2, f"relative error {error:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_linear_equals_grouped_mm_on_cuda() -> None:
+    """The Triton grouped GEMM (on Hopper) against torch's grouped_mm in bf16, output and both gradients, with
+    empty groups, groups that end inside a row tile and a column tile past the last column; and `grouped_linear`
+    takes it only for calls as large as a Qwen3-30B-A3B layer's."""
+    bf16_cuda: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
+    generator = torch.Generator().manual_seed(7)
+    offs_e = torch.tensor([0, 300, 301, 301, 818, 948], dtype=torch.int32, device="cuda")
+    x_NK = torch.randn(948, 192, generator=generator).to("cuda", torch.bfloat16)
+    weight_eOK = (0.1 * torch.randn(6, 320, 192, generator=generator)).to("cuda", torch.bfloat16)
+    grad_NO = torch.randn(948, 320, generator=generator).to("cuda", torch.bfloat16)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert not kernels.grouped_mm_triton_runs(x_NK, weight_eOK)  # too small to pay for its host time
+    rows_NK = torch.empty(131072, 2048, **bf16_cuda)  # 16384 tokens, top-8
+    assert kernels.grouped_mm_triton_runs(rows_NK, torch.empty(128, 768, 2048, **bf16_cuda)) == hopper  # 30B-A3B
+    assert not kernels.grouped_mm_triton_runs(rows_NK[:, :1024], torch.empty(64, 768, 1024, **bf16_cuda))  # 1B
+    del rows_NK
+    if not hopper:
+        pytest.skip("the Triton grouped GEMM needs TMA (Hopper or newer)")
+    results = []
+    triton_linear = partial(kernels.grouped_mm_triton, b_transposed=True)
+    for fn in (triton_linear, lambda x, w, offs: F.grouped_mm(x, w.transpose(1, 2), offs=offs)):
+        x, weight = x_NK.clone().requires_grad_(True), weight_eOK.clone().requires_grad_(True)
+        out_NO = fn(x, weight, offs_e)
+        out_NO.backward(grad_NO)
+        results.append((out_NO.detach(), x.grad, weight.grad))
+    for what, ours, reference in zip(("out", "x.grad", "weight.grad"), *results, strict=True):
+        error = float((ours.float() - reference.float()).norm() / reference.float().norm())
+        assert error < 1e-2, f"{what}: relative error {error:.1e}"
+    assert results[0][2][[0, 3]].abs().max() == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
