@@ -238,11 +238,11 @@ def grouped_mm_triton_runs(x_NK: torch.Tensor, weight_eOK: torch.Tensor) -> bool
     takes bf16 only on CUDA), on a Hopper GPU or newer (TMA), dimensions that are whole K steps, and a call large
     enough to pay for its host time (`GROUPED_MM_TRITON_MIN_FLOPS`)."""
     rows, (_, width, depth) = x_NK.shape[0], weight_eOK.shape
-    return (
+    return (  # the device query last: this runs on every call, and small calls stop before it
         HAS_TRITON and x_NK.is_cuda and x_NK.dtype == weight_eOK.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x_NK.device) >= (9, 0)
         and width % GROUPED_MM_CONFIG[2] == 0 and depth % GROUPED_MM_CONFIG[2] == 0
         and 2 * rows * width * depth >= GROUPED_MM_TRITON_MIN_FLOPS
+        and torch.cuda.get_device_capability(x_NK.device) >= (9, 0)
     )  # fmt: skip
 
 
@@ -297,9 +297,9 @@ def _grouped_mm_backward(ctx: Any, grad_NN: torch.Tensor) -> tuple[torch.Tensor 
     grad_NN = grad_NN.contiguous()
     grad_a_NK = grouped_mm_triton(grad_NN, b_eXY, offs_e, not ctx.b_transposed) if ctx.needs_input_grad[0] else None
     grad_b_eXY = None
-    if ctx.needs_input_grad[1]:
-        pair = (grad_NN, a_NK) if ctx.b_transposed else (a_NK, grad_NN)
-        grad_b_eXY = F.grouped_mm(pair[0].t(), pair[1], offs=offs_e)
+    if ctx.needs_input_grad[1]:  # per group left^T @ right: [N, K] for nn.Linear weights, else [K, N]
+        left, right = (grad_NN, a_NK) if ctx.b_transposed else (a_NK, grad_NN)
+        grad_b_eXY = F.grouped_mm(left.t(), right, offs=offs_e)
     return grad_a_NK, grad_b_eXY, None, None
 
 

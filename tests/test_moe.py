@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -348,9 +347,8 @@ def test_gather_sum_torch_and_triton_interpreted_equal_float64(dtype: torch.dtyp
     """The CPU path, and the CUDA path's Triton kernel run by Triton's interpreter on CPU tensors, against float64.
 
     Both accumulate in fp32 and round once to the rows' dtype (in different orders, so bf16 results may differ
-    from each other by one unit in the last place). The interpreter runs in a fresh process, since
-    TRITON_INTERPRET must be set before triton is first imported; there `torch.library.opcheck` also checks the
-    kernel's custom-op registration (schema, and the fake tensor torch.compile traces with).
+    from each other by one unit in the last place). In the interpreter's process `torch.library.opcheck` also
+    checks the kernel's custom-op registration (schema, and the fake tensor torch.compile traces with).
     """
     pytest.importorskip("triton")
     rows_NH, row_of_TK, expected_TH = gather_sum_case(dtype)
@@ -531,7 +529,6 @@ def test_grouped_mm_triton_interpreted_equals_float64(b_transposed: bool, dtype:
     """The Triton grouped GEMM (TMA descriptors, persistent), forward and both gradients, run by Triton's
     interpreter on CPU tensors against float64: empty groups, groups that end inside a row tile, a column tile
     past the last column, and b either way round (nn.Linear weights [e, N, K], or [e, K, N])."""
-    pytest.importorskip("triton")
     generator = torch.Generator().manual_seed(6)
     depth, width = 48, 40
     offs_e = torch.tensor([0, 37, 42, 42, 92], dtype=torch.int32)  # 0, 37, 5, 0 and 50 rows
@@ -627,7 +624,7 @@ def test_grouped_linear_equals_grouped_mm_on_cuda() -> None:
         pytest.skip("the Triton grouped GEMM needs TMA (Hopper or newer)")
     results = []
     triton_linear = partial(kernels.grouped_mm_triton, b_transposed=True)
-    for fn in (triton_linear, lambda x, w, offs: F.grouped_mm(x, w.transpose(1, 2), offs=offs)):
+    for fn in (triton_linear, kernels.grouped_linear_torch):
         x, weight = x_NK.clone().requires_grad_(True), weight_eOK.clone().requires_grad_(True)
         out_NO = fn(x, weight, offs_e)
         out_NO.backward(grad_NO)
