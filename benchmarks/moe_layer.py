@@ -5,8 +5,9 @@
 Defaults: hidden 2048, expert intermediate 768, 128 experts, top-8, 16384 tokens, bf16, random init
 (router and experts ~ N(0, 0.02), inputs ~ N(0, 1)). FLOPs count the expert matmuls only: per routed
 (token, expert) pair 2*H*2I (gate+up) + 2*I*H (down) forward, and twice that backward (input and weight
-gradients), so 18*H*I per pair for forward + backward. Each row is the median of --reps timed iterations
-(CUDA events) after --warmup; every iteration sets the parameter and input gradients to None first.
+gradients), so 18*H*I per pair for forward + backward. The rows take turns (`time_interleaved`, as the chip's
+clocks fall under its power cap): --rounds rounds of --reps timed iterations each (CUDA events), after --warmup;
+a row's figure is the median of its rounds' medians. Every iteration sets the gradients to None first.
 
 Rows, all measured in the same run:
 - dense: one bf16 matmul 8192 x 8192 x 8192 (the chip's practical ceiling), and one of the experts' total
@@ -35,6 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ from steps.dispatch import make_dispatcher
 from steps.moe import GroupedExperts, MoeBlock
 
 NOMINAL_DENSE_BF16 = 989.0  # TFLOP/s, H100/H200 SXM datasheet, dense
+BARE_REFERENCE = "bare grouped SwiGLU (balanced, pre-permuted): grouped_mm, eager SwiGLU (the issue's reference)"
 
 
 TORCH_KERNELS = {  # three of steps.kernels' torch paths (the router and expand-rows stay Triton on CUDA)
@@ -99,6 +102,28 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int)
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+Row = tuple[str, Callable[[], Any], Callable[[], contextlib.AbstractContextManager[None]]]  # name, step, context
+
+
+def time_interleaved(rows: list[Row], device: torch.device, warmup: int, reps: int, rounds: int) -> dict[str, float]:
+    """Median milliseconds per step of each row, its reps timed in each of rounds, the rows taking turns.
+
+    Under sustained load an H200 holds its power cap by lowering its clocks (nvidia-smi: 1980 MHz idle, 1185 to
+    1620 MHz in this benchmark, "SW power cap"), so the same step runs ~10% slower after a few dozen iterations
+    than on a cool chip. Timed one after the other, rows would be compared at different clocks; taking turns,
+    they share them (benchmarks/moe_h200.md).
+    """
+    for _, step, context in rows:
+        with context():
+            time_ms(step, device, warmup, 1)
+    times: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+    for _ in range(rounds):
+        for name, step, context in rows:
+            with context():
+                times[name].append(time_ms(step, device, 1, reps))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, *extra: Any) -> Callable[[], torch.Tensor]:
     params = list(module.parameters())
 
@@ -132,12 +157,17 @@ def hf_block(args: argparse.Namespace, device: torch.device, impl: str) -> Qwen3
     return block
 
 
-def dense_tflops(device: torch.device, size: int, warmup: int, reps: int) -> float:
+def dense_step(device: torch.device, size: int) -> Callable[[], torch.Tensor]:
+    """One bf16 matmul size x size x size, 2 * size**3 FLOPs."""
     a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
-    return 2 * size**3 / time_ms(lambda: a @ b, device, warmup, reps) / 1e9
+    return lambda: a @ b
 
 
-def dense_swiglu_ms(pairs: int, H: int, I: int, device: torch.device, warmup: int, reps: int) -> float:
+def dense_tflops(device: torch.device, size: int, warmup: int, reps: int) -> float:
+    return 2 * size**3 / time_ms(dense_step(device, size), device, warmup, reps) / 1e9
+
+
+def dense_swiglu_step(pairs: int, H: int, I: int, device: torch.device) -> Callable[[], None]:
     """The experts' total shape as plain matmuls (no grouping): the best the same FLOPs could do as dense GEMMs."""
     x = torch.randn(pairs, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     w1 = (0.02 * torch.randn(2 * I, H, device=device)).to(torch.bfloat16).requires_grad_(True)
@@ -149,31 +179,23 @@ def dense_swiglu_ms(pairs: int, H: int, I: int, device: torch.device, warmup: in
         g, u = (x @ w1.t()).chunk(2, dim=-1)
         ((F.silu(g) * u) @ w2.t()).backward(grad)
 
-    return time_ms(step, device, warmup, reps)
+    return step
 
 
-def bare_rows(
-    reference: Qwen3MoeSparseMoeBlock, pairs: int, E: int, H: int, device: torch.device, warmup: int, reps: int
-) -> list[tuple[str, float]]:
-    """Balanced, pre-permuted rows through the layer's own GroupedExperts: eager SwiGLU, then as landed."""
+def bare_rows(reference: Qwen3MoeSparseMoeBlock, pairs: int, E: int, H: int, device: torch.device) -> list[Row]:
+    """Balanced, pre-permuted rows through the layer's own GroupedExperts: torch's grouped_mm and eager SwiGLU (the
+    issue's reference), then with steps.kernels' kernels one by one (on CUDA)."""
     experts = GroupedExperts.from_hf(reference.experts, 0, 1, "grouped_mm")
     x_NH = torch.randn(pairs, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_NH = torch.randn(pairs, H, device=device, dtype=torch.bfloat16)
     balanced_E = torch.full((E,), pairs // E, device=device, dtype=torch.int64)
     bare = fwd_bwd(experts, x_NH, grad_NH, balanced_E)
-    with torch_kernels():
-        rows = [
-            (
-                "bare grouped SwiGLU (balanced, pre-permuted): grouped_mm, eager SwiGLU",
-                time_ms(bare, device, warmup, reps),
-            )
-        ]
+    rows: list[Row] = [(BARE_REFERENCE, bare, torch_kernels)]
     if device.type == "cuda":
-        with torch_kernels("grouped_linear"):
-            rows.append(("bare grouped SwiGLU: grouped_mm, Triton SwiGLU", time_ms(bare, device, warmup, reps)))
-        rows.append(
-            ("bare grouped SwiGLU: steps.kernels (Triton SwiGLU and grouped GEMM)", time_ms(bare, device, warmup, reps))
-        )
+        rows += [
+            ("bare grouped SwiGLU: grouped_mm, Triton SwiGLU", bare, partial(torch_kernels, "grouped_linear")),
+            ("bare grouped SwiGLU: steps.kernels (Triton SwiGLU and grouped GEMM)", bare, contextlib.nullcontext),
+        ]
     return rows
 
 
@@ -203,8 +225,9 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="iterations of each row before the rounds")
+    parser.add_argument("--reps", type=int, default=10, help="timed iterations of each row per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds in which the rows take turns")
     parser.add_argument("--dense-size", type=int, default=8192)
     parser.add_argument("--eager-reps", type=int, default=3, help="0 skips HF's eager loop")
     parser.add_argument("--profile-dir", type=Path, default=None)
@@ -214,15 +237,16 @@ def main() -> None:
     T, H, I, E, K = args.tokens, args.hidden, args.intermediate, args.experts, args.top_k
     pairs = T * K
     flops = 18 * H * I * pairs  # forward 6*H*I per pair, backward twice that
-    w, r = args.warmup, args.reps
+    dense_name = f"dense bf16 matmul {args.dense_size}^3"
 
-    results: list[tuple[str, float]] = []  # (row, ms)
-
-    dense = dense_tflops(device, args.dense_size, w, r)
     torch.manual_seed(0)
-    results.append(("dense SwiGLU, experts' total shape, no grouping", dense_swiglu_ms(pairs, H, I, device, w, r)))
+    rows: list[Row] = [
+        (dense_name, dense_step(device, args.dense_size), contextlib.nullcontext),
+        ("dense SwiGLU, experts' total shape, no grouping", dense_swiglu_step(pairs, H, I, device),
+         contextlib.nullcontext),
+    ]  # fmt: skip
     reference = hf_block(args, device, "grouped_mm")
-    results += bare_rows(reference, pairs, E, H, device, w, r)
+    rows += bare_rows(reference, pairs, E, H, device)
     x_BSH = torch.randn(1, T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_BSH = torch.randn(1, T, H, device=device, dtype=torch.bfloat16)
 
@@ -231,24 +255,24 @@ def main() -> None:
     compiled = copy.deepcopy(ours)  # in place, so parameter names stay those of the block
     compiled.compile(fullgraph=True)
     hf_name = "HF Qwen3MoeSparseMoeBlock, experts_implementation=grouped_mm"
-    variants: list[tuple[str, nn.Module, contextlib.AbstractContextManager[None]]] = [
+    variants: list[tuple[str, nn.Module, Callable[[], contextlib.AbstractContextManager[None]]]] = [
         ("**ours: MoeBlock compiled whole** (local dispatcher, bf16; as `compile_decoder_layers` compiles it)",
-         compiled, contextlib.nullcontext()),
-        ("ours, MoeBlock eager (steps.kernels as on CUDA; the block under EP > 1)",
-         ours, contextlib.nullcontext()),
+         compiled, contextlib.nullcontext),
+        ("ours, MoeBlock eager (steps.kernels as on CUDA; the block under EP > 1)", ours, contextlib.nullcontext),
         ("ours, MoeBlock eager with torch's grouped_mm (the other kernels Triton)",
-         ours, torch_kernels("grouped_linear")),
+         ours, partial(torch_kernels, "grouped_linear")),
         ("ours, MoeBlock eager with grouped_mm, eager SwiGLU, index_select + sum (Triton router, expand-rows)",
-         ours, torch_kernels()),
-        (hf_name, reference, contextlib.nullcontext()),
+         ours, torch_kernels),
+        (hf_name, reference, contextlib.nullcontext),
     ]  # fmt: skip
+    rows += [(name, fwd_bwd(module, x_BSH, grad_BSH), context) for name, module, context in variants]
+    results = time_interleaved(rows, device, args.warmup, args.reps, args.rounds)
+    dense = 2 * args.dense_size**3 / results.pop(dense_name) / 1e9
 
     outputs: dict[str, tuple[torch.Tensor, ...]] = {}
     for name, module, context in variants:
-        step = fwd_bwd(module, x_BSH, grad_BSH)
-        with context:
-            results.append((name, time_ms(step, device, w, r)))
-            out = step()
+        with context():
+            out = fwd_bwd(module, x_BSH, grad_BSH)()
         grads = dict(module.named_parameters())
         outputs[name] = (out.detach().clone(), x_BSH.grad.clone()) + tuple(
             grads[p].grad.clone() for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")
@@ -257,7 +281,7 @@ def main() -> None:
     if args.eager_reps:
         reference.experts.config._experts_implementation = "eager"
         eager_ms = time_ms(fwd_bwd(reference, x_BSH, grad_BSH), device, 1, args.eager_reps)
-        results.append((f"HF Qwen3MoeSparseMoeBlock, eager (per-expert loop), {args.eager_reps} iterations", eager_ms))
+        results[f"HF Qwen3MoeSparseMoeBlock, eager (per-expert loop), {args.eager_reps} iterations"] = eager_ms
         reference.experts.config._experts_implementation = "grouped_mm"
 
     with torch.no_grad():
@@ -270,18 +294,17 @@ def main() -> None:
             table = profile(tag, fwd_bwd(module, x_BSH, grad_BSH), args.profile_dir, device)
             print(f"\n### profile: {tag} (3 iterations; top 12)\n" + "\n".join(table.splitlines()[:15]))
 
-    bare_ms = results[1][1]
-    hf_ms = dict(results)[hf_name]
+    bare_ms, hf_ms = results[BARE_REFERENCE], results[hf_name]
     print(f"\n## MoE layer forward + backward: T={T} tokens, H={H}, I={I}, E={E}, top-{K}, bf16")
     print(
         f"\n{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
         f"transformers {__import__('transformers').__version__}; expert FLOPs per fwd+bwd {flops / 1e12:.3f} T; "
-        f"{balance}; median of {r} after {w} warm-up\n"
+        f"{balance}; median over {args.rounds} rounds of each row's median of {args.reps}, the rows taking turns\n"
     )
     print(f"| row | ms | TFLOP/s | % dense {args.dense_size}^3 | vs bare grouped (eager SwiGLU) | vs HF grouped_mm |")
     print("|---|---|---|---|---|---|")
     print(f"| dense bf16 matmul {args.dense_size}^3 | | {dense:.0f} | 100% | | |")
-    for name, ms in results:
+    for name, ms in results.items():
         tflops = flops / ms / 1e9
         print(
             f"| {name} | {ms:.2f} | {tflops:.0f} | {100 * tflops / dense:.0f}% | {bare_ms / ms:.2f}x | {hf_ms / ms:.2f}x |"
