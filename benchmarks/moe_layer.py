@@ -219,8 +219,8 @@ def profile(name: str, fn: Callable[[], Any], out_dir: Path, device: torch.devic
     return table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_layer_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The layer's shape, the timing in turns and the device: what this script and expert_gemms.py both take."""
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=768)
@@ -228,11 +228,16 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=5, help="iterations of each row before the rounds")
     parser.add_argument("--reps", type=int, default=10, help="timed iterations of each row per round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds in which the rows take turns")
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds in which the rows take turns")
     parser.add_argument("--dense-size", type=int, default=8192)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_layer_arguments(parser, rounds=5)
     parser.add_argument("--eager-reps", type=int, default=3, help="0 skips HF's eager loop")
     parser.add_argument("--profile-dir", type=Path, default=None)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
     T, H, I, E, K = args.tokens, args.hidden, args.intermediate, args.experts, args.top_k
