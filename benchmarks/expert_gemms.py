@@ -4,8 +4,9 @@ one dense matmul: where the layer stands against its GEMMs' practical ceiling.
     PYTHONPATH=. python3 benchmarks/expert_gemms.py [--tokens 16384]
 
 Shapes as benchmarks/moe_layer.py's (a): T tokens, hidden H, expert intermediate I, E experts, top-K, bf16; the
-group sizes come from the same random router (`moe_layer.hf_block`'s) on N(0, 1) inputs. For each of the forward and the two gradients
-of gate_up ([T*K, H] x [H, 2I]) and down ([T*K, I] x [I, H]), three rows, timed in turns (`time_interleaved`):
+group sizes come from the same random router (`moe_layer.hf_block`'s) on N(0, 1) inputs. For each of the forward
+and the two gradients of gate_up ([T*K, H] x [H, 2I]) and down ([T*K, I] x [I, H]), three rows, timed in turns
+(`time_interleaved`):
 - the layer's kernel: `steps.kernels`' Triton grouped GEMM for the forward and input gradients (where
   `grouped_mm_triton_runs`, else torch's grouped_mm), torch's grouped_mm for the weight gradients;
 - torch's grouped_mm (CUTLASS) for all six;
