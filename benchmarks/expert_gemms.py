@@ -34,11 +34,13 @@ from steps import kernels
 
 
 def layer_kernel(a_NK: torch.Tensor, b_eXY: torch.Tensor, offs_e: torch.Tensor, b_transposed: bool) -> torch.Tensor:
-    """What `grouped_linear` (b_transposed) or its input gradient runs for these operands."""
-    weight_eOK = b_eXY if b_transposed else b_eXY.transpose(1, 2)  # the shape the size gate reads
-    if kernels.grouped_mm_triton_runs(a_NK, weight_eOK):
-        return kernels.grouped_mm_triton(a_NK, b_eXY, offs_e, b_transposed)
-    return F.grouped_mm(a_NK, b_eXY.transpose(1, 2) if b_transposed else b_eXY, offs=offs_e)
+    """What the layer runs: `grouped_linear` for a forward (b_transposed, nn.Linear weights); for an input gradient,
+    the Triton GEMM where its forward took it (the same size gate, on the weight as the forward sees it)."""
+    if b_transposed:
+        return kernels.grouped_linear(a_NK, b_eXY, offs_e)
+    if kernels.grouped_mm_triton_runs(a_NK, b_eXY.transpose(1, 2)):
+        return kernels.grouped_mm_triton(a_NK, b_eXY, offs_e, False)
+    return F.grouped_mm(a_NK, b_eXY, offs=offs_e)
 
 
 def main() -> None:
