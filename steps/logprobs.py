@@ -1,0 +1,112 @@
+"""Token log-probabilities and values of packed microbatches (`steps.packing`), in the padded batch's layout.
+
+The LM head computes the log-probability of each token's target only, a chunk of rows at a time
+(`ChunkedTokenLogprobs`): the [N, V] logits (151936 wide for Qwen3) are never held whole, in the forward or the
+backward, where HF's head and a cross-entropy would keep them, their fp32 copy and their gradient (about 30 GB
+at 16k tokens). `LogprobHead` swaps it into the model's `lm_head` in place, so parameter names, checkpoints and a
+plain logits call are unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from steps.packing import Microbatch
+
+CHUNK_ROWS = 4096  # 4096 x 151936 fp32 logits: 2.5 GB at a time
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """log_softmax(hidden_NH @ weight_VH.T / temperature)[n, targets_N[n]] for every row n, chunk by chunk.
+
+    The forward keeps only each row's log-sum-exp; the backward recomputes a chunk's logits from it (the gradient
+    of a log-probability with respect to the logits is onehot(target) - softmax). Logits are computed as HF's head
+    computes them, in the weight's dtype, then taken to fp32.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        logprobs_N = hidden_NH.new_empty(len(hidden_NH), dtype=torch.float32)
+        lse_N = torch.empty_like(logprobs_N)
+        for start in range(0, len(hidden_NH), CHUNK_ROWS):
+            rows = slice(start, start + CHUNK_ROWS)
+            logits_cV = F.linear(hidden_NH[rows], weight_VH).float() / temperature
+            lse_N[rows] = torch.logsumexp(logits_cV, dim=-1)
+            logprobs_N[rows] = logits_cV.gather(1, targets_N[rows, None]).squeeze(1) - lse_N[rows]
+        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N)
+        ctx.temperature = temperature
+        return logprobs_N
+
+    @staticmethod
+    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # type: ignore[override]
+        hidden_NH, weight_VH, targets_N, lse_N = ctx.saved_tensors
+        grad_hidden_NH = torch.empty_like(hidden_NH)
+        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
+        for start in range(0, len(hidden_NH), CHUNK_ROWS):
+            rows = slice(start, start + CHUNK_ROWS)
+            logits_cV = F.linear(hidden_NH[rows], weight_VH).float() / ctx.temperature
+            grad_logits_cV = torch.exp(logits_cV - lse_N[rows, None]).mul_(-grad_N[rows, None])
+            grad_logits_cV.scatter_add_(1, targets_N[rows, None], grad_N[rows, None])
+            grad_logits_cV = (grad_logits_cV / ctx.temperature).to(hidden_NH.dtype)
+            grad_hidden_NH[rows] = grad_logits_cV @ weight_VH
+            grad_weight_VH += (grad_logits_cV.T @ hidden_NH[rows]).float()
+        return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), None, None
+
+
+class LogprobHead(nn.Linear):
+    """An LM head (`nn.Linear`, no bias) that, given targets, returns their log-probabilities instead of logits."""
+
+    def forward(  # type: ignore[override]
+        self, hidden_NH: torch.Tensor, targets_N: torch.Tensor | None = None, temperature: float = 1.0
+    ) -> torch.Tensor:
+        if targets_N is None:
+            return super().forward(hidden_NH)
+        return ChunkedTokenLogprobs.apply(hidden_NH, self.weight, targets_N, temperature)
+
+
+def use_logprob_head(model: nn.Module) -> None:
+    """Swap the causal LM's head for a `LogprobHead`, in place (same parameter, same name)."""
+    if model.lm_head.bias is not None:
+        raise ValueError("the LM head has a bias, which LogprobHead does not compute")
+    model.lm_head.__class__ = LogprobHead
+
+
+def packed_token_logprobs(
+    model: nn.Module, micro: Microbatch, temperature: float = 1.0
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`steps.policy.token_logprobs` of the microbatch's samples: [n, T] (position 0 and the padding 0), and each
+    MoE layer's router logits [N, E]. The model's head is a `LogprobHead`."""
+    output = body_forward(model.model, micro)
+    hidden_NH = output.last_hidden_state[0]
+    next_token_N = micro.input_ids_1N[0].roll(-1)  # the target of a sample's last token is not used
+    next_logprobs_N = model.lm_head(hidden_NH, next_token_N, temperature)
+    return micro.unpack(shift_into_place(next_logprobs_N, micro)), output.router_logits
+
+
+def packed_token_values(critic: nn.Module, micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`steps.policy.token_values` of the microbatch's samples: [n, T], and each MoE layer's router logits."""
+    output = body_forward(critic.model, micro)
+    values_N = critic.score(output.last_hidden_state[0]).squeeze(-1).float()
+    return micro.unpack(shift_into_place(values_N, micro)), output.router_logits
+
+
+def body_forward(body: nn.Module, micro: Microbatch) -> Any:
+    # No KV cache (see steps.policy.token_logprobs); the sample boundaries go down to the attention function.
+    return body(
+        input_ids=micro.input_ids_1N,
+        position_ids=micro.position_ids_1N,
+        output_router_logits=True,
+        use_cache=False,
+        **micro.attention_kwargs(),
+    )
+
+
+def shift_into_place(per_prefix_N: torch.Tensor, micro: Microbatch) -> torch.Tensor:
+    """Values computed at each token for the token after it, moved onto that token; a sample's first token gets 0."""
+    return torch.where(micro.position_ids_1N[0] > 0, per_prefix_N.roll(1), 0.0)
