@@ -39,6 +39,9 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(down_proj_eHI)  # [e, H, I]
         self.act_fn = act_fn
         self.impl = impl
+        # The dtype the GEMMs run in when it is not the parameters' own: FSDP2's mixed precision computes with bf16
+        # copies of fp32 parameters (steps.sharding); None: the parameters' dtype.
+        self.compute_dtype: torch.dtype | None = None
 
     @classmethod
     def from_hf(
@@ -58,7 +61,7 @@ class GroupedExperts(nn.Module):
     def traceable(self) -> bool:
         """Whether torch.compile traces these experts into one graph: grouped GEMMs (the loop syncs with the host for
         its splits) in bf16 (the one dtype grouped_mm's meta function accepts, in torch 2.11 to 2.13)."""
-        return self.impl == "grouped_mm" and self.gate_up_proj.dtype == torch.bfloat16
+        return self.impl == "grouped_mm" and (self.compute_dtype or self.gate_up_proj.dtype) == torch.bfloat16
 
     def forward(
         self, x_NH: torch.Tensor, tokens_per_expert_e: torch.Tensor, weight_N: torch.Tensor | None = None

@@ -1,0 +1,118 @@
+"""The trainer's models under FSDP2 over the (dp, ep) mesh: mixed precision, activation checkpointing, clipping.
+
+`shard_trainer_model` applies `torch.distributed.fsdp.fully_shard` (torchtitan's layout, HSDP-style for the
+experts):
+- each decoder layer is one FSDP unit over all ranks (attention, norms, router): its weights are sharded over
+  the world and all-gathered for its forward and backward;
+- with EP > 1, each layer's experts are a unit of their own over the dp ranks that hold the same EP slice: the
+  slice is sharded over them (`steps.moe.GroupedExperts` already holds only this EP rank's experts);
+- the model's body (embeddings, final norm) and its head (LM head or value head) are the last two units.
+Gradients are summed, not averaged, in the reduce-scatters: every loss is already divided by the whole
+minibatch's counts (`steps.grpo.aggregate`), so the sum over the ranks is one process's gradient. The expert
+gradients reach their EP rank through the all-to-all's backward and are summed over dp; dense ones over all.
+
+`trainer.precision`:
+- `bf16`: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`. The sharded parameters (the optimizer's
+  master weights), their gradients and AdamW's moments are fp32; each unit computes with bf16 copies
+  all-gathered for its forward and backward, so the experts take the bf16 grouped-GEMM and Triton path.
+- `fp32`: everything fp32 (CPU, and the equality tests).
+
+Activation checkpointing (`trainer.activation_checkpointing`) is HF's per-decoder-layer one (a layer's input is
+kept, the rest recomputed in the backward), which wraps the layer's call, FSDP's hooks and the compiled layer
+(`steps.moe.compile_decoder_layers`) included; FSDP2 unshards for the recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from steps.moe import MoeBlock
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_trainer_model(
+    model: nn.Module, world_mesh: DeviceMesh, dp_mesh: DeviceMesh, precision: str, activation_checkpointing: bool
+) -> nn.Module:
+    """model (a Qwen3-MoE causal LM or token classifier with `MoeBlock`s) under FSDP2, in place; see the module
+    docstring. Returns model."""
+    policy = mixed_precision(precision)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    units: list[FSDPModule] = []
+    for layer in model.model.layers:
+        block = layer.mlp
+        if isinstance(block, MoeBlock):
+            block.experts.compute_dtype = PRECISIONS[precision]
+            if block.dispatcher.ep_size > 1:  # another mesh than the layer's: a unit of its own
+                units.append(fully_shard(block.experts, mesh=dp_mesh, mp_policy=policy))
+        units.append(fully_shard(layer, mesh=world_mesh, mp_policy=policy))
+    head = model.lm_head if hasattr(model, "lm_head") else model.score
+    units.append(fully_shard(head, mesh=world_mesh, mp_policy=policy))
+    units.append(fully_shard(model.model, mesh=world_mesh, mp_policy=policy))
+    for unit in units:  # a plain SUM (gloo has no PREMUL_SUM, which a divide factor of 1 would otherwise take)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, device: torch.device) -> float:
+    """`clip_grad_norm_` over sharded gradients: each rank's squared norm of its shards, summed over all ranks.
+
+    Every parameter's shards are disjoint across the world: a dense weight's over all ranks, an expert's over its
+    dp ranks within each EP slice, and the EP slices hold different experts. So one all-reduce sums the whole
+    model's squared norm, the experts' part summed over EP as before. Summed in the parameters' order, the same
+    to the last bit on every rank and re-run.
+    """
+    gradients = [p.grad for p in parameters if p.grad is not None]
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in gradients:
+        square += local(grad).float().pow(2).sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(square)
+    total_norm = square.sqrt()
+    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
+    for grad in gradients:
+        local(grad).mul_(scale.to(local(grad).dtype))
+    return float(total_norm)
+
+
+def full_value(value: torch.Tensor, parameter: nn.Parameter) -> torch.Tensor:
+    """A parameter's value or optimizer state (a DTensor, or the local shard of one kept on the CPU by
+    `steps.offload`) as the whole tensor of this rank's EP slice. Collective over the parameter's mesh."""
+    if not isinstance(parameter, DTensor):
+        return value.detach().clone()
+    if not isinstance(value, DTensor):
+        value = DTensor.from_local(
+            value.to(parameter.device), parameter.device_mesh, parameter.placements,
+            shape=parameter.shape, stride=parameter.stride(),
+        )  # fmt: skip
+    return value.full_tensor()
+
+
+def shard_like(full: torch.Tensor, parameter: nn.Parameter) -> torch.Tensor:
+    """The inverse of `full_value`: this rank's shard of full (its EP slice's whole tensor), a DTensor laid out as
+    parameter is. Every rank holds full, so each takes its shard locally, with no communication."""
+    if not isinstance(parameter, DTensor):
+        return full.to(parameter.device)
+    return distribute_tensor(
+        full.to(parameter.device), parameter.device_mesh, parameter.placements, src_data_rank=None
+    )
