@@ -59,17 +59,17 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, checkpoint_dir: Path):
-        from steps.policy import load_policy
-
-        self.model, self.tokenizer = load_policy(checkpoint_dir)
-        self.model.eval()
-        self.checkpoint_dir = checkpoint_dir
+        self.load_weights(checkpoint_dir)
 
     def load_weights(self, checkpoint_dir: Path) -> None:
-        # Through from_pretrained: the files hold each expert apart, the in-memory model fuses them.
+        """The checkpoint's model in place of the current one (through from_pretrained: the files hold each expert
+        apart, the in-memory model fuses them), on the GPU in bf16 where there is one, else in fp32 on the CPU, as
+        vLLM's `dtype: auto`."""
         from steps.policy import load_policy
 
-        self.model, _ = load_policy(checkpoint_dir)
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.model, self.tokenizer = load_policy(checkpoint_dir, torch.bfloat16 if cuda else torch.float32, device)
         self.model.eval()
         self.checkpoint_dir = checkpoint_dir
 
@@ -93,7 +93,7 @@ class TransformersEngine:
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         greedy = sampling.temperature == 0
-        input_ids_BP = torch.tensor(prompts, dtype=torch.long)
+        input_ids_BP = torch.tensor(prompts, dtype=torch.long, device=self.model.device)
         output = self.model.generate(
             input_ids=input_ids_BP,
             attention_mask=torch.ones_like(input_ids_BP),

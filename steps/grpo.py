@@ -23,12 +23,12 @@ def group_advantages(
     _, group_index_N = torch.unique(group_ids_N, return_inverse=True)
     groups = int(group_index_N.max()) + 1
     counts_G = torch.bincount(group_index_N, minlength=groups).to(rewards_N.dtype)
-    mean_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, rewards_N) / counts_G
+    mean_G = rewards_N.new_zeros(groups).index_add_(0, group_index_N, rewards_N) / counts_G
     varied_N = varied_groups(rewards_N, group_ids_N)
     centred_N = torch.where(varied_N, rewards_N - mean_G[group_index_N], torch.zeros_like(rewards_N))
     if not scale:
         return centred_N
-    square_sum_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, centred_N**2)
+    square_sum_G = rewards_N.new_zeros(groups).index_add_(0, group_index_N, centred_N**2)
     std_G = (square_sum_G / (counts_G - 1).clamp(min=1)).sqrt()
     return centred_N / (std_G[group_index_N] + eps)
 
@@ -37,10 +37,8 @@ def varied_groups(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.T
     """Whether each sample's group has rewards that are not all equal (exact comparison: equal floats only)."""
     _, group_index_N = torch.unique(group_ids_N, return_inverse=True)
     groups = int(group_index_N.max()) + 1
-    low_G = torch.full((groups,), torch.inf, dtype=rewards_N.dtype).scatter_reduce(0, group_index_N, rewards_N, "amin")
-    high_G = torch.full((groups,), -torch.inf, dtype=rewards_N.dtype).scatter_reduce(
-        0, group_index_N, rewards_N, "amax"
-    )
+    low_G = rewards_N.new_full((groups,), torch.inf).scatter_reduce(0, group_index_N, rewards_N, "amin")
+    high_G = rewards_N.new_full((groups,), -torch.inf).scatter_reduce(0, group_index_N, rewards_N, "amax")
     return (high_G > low_G)[group_index_N]
 
 

@@ -76,14 +76,16 @@ def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast,
     return Qwen3MoeForCausalLM(config)
 
 
-def load_policy(directory: Path) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokenizerFast]:
-    """Load an HF checkpoint folder in fp32 (the trainer's and the CPU engine's precision)."""
+def load_policy(
+    directory: Path, dtype: torch.dtype | str = "auto", device: torch.device | None = None
+) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokenizerFast]:
+    """Load an HF checkpoint folder, by default in the dtype its weights are stored in (a bf16 start stays bf16)."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
     except (OSError, ValueError) as error:
         raise MoeloopError(f"not a loadable HF checkpoint: {directory} ({str(error).splitlines()[0]})") from None
-    return model, tokenizer
+    return model.to(device) if device is not None else model, tokenizer
 
 
 def save_policy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:

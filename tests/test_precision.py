@@ -1,0 +1,25 @@
+"""Checkpoints keep the dtype they came in: a bf16 HF checkpoint as model.checkpoint is a bf16 checkpoint 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from steps.policy import build_tiny_model, build_tokenizer, save_policy
+from steps.start import start
+from steps.storage import RunStorage
+from tests.conftest import small_config
+
+
+def test_start_keeps_a_bf16_checkpoint_bf16(run_root: Path, tmp_path: Path) -> None:
+    source = tmp_path / "bf16"
+    tokenizer = build_tokenizer(["abcdefghijklmnopqrstuvwxyz: "])
+    save_policy(build_tiny_model(small_config().model.tiny, tokenizer, seed=1).to(torch.bfloat16), tokenizer, source)
+    storage = RunStorage(str(run_root / "run"))
+    start(storage.uri, small_config(model={"checkpoint": str(source)}))
+    weights = Path(storage.uri) / storage.checkpoint(0) / "model.safetensors"
+    with safe_open(weights, "pt") as file:
+        assert {file.get_tensor(key).dtype for key in file.keys()} == {torch.bfloat16}
+    assert weights.stat().st_size <= (source / "model.safetensors").stat().st_size * 1.01
