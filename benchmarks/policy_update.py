@@ -1,35 +1,48 @@
-"""Policy-update tokens/s of a ~1B-parameter Qwen3-MoE on one GPU: ours against HF transformers' grouped_mm experts.
+"""Policy-update throughput on one GPU: the product's train step against a careful user of HF transformers.
 
-    PYTHONPATH=. python3 benchmarks/policy_update.py [--batch 8] [--seq 2048]
+    PYTHONPATH=. python3 benchmarks/policy_update.py [--batches rl uniform] [--rows careful careful_gc ...]
 
-The model is a `Qwen3MoeForCausalLM` built from a `Qwen3MoeConfig` sized to ~1B parameters (Qwen3-30B-A3B's
-shape scaled down: hidden 1024, 12 layers, 64 experts of intermediate 384, top-8, 16 query heads and 4 KV
-heads of 128, every layer sparse, untied embeddings, vocabulary 32768), random init, bf16 weights, SDPA
-attention. One update = zero_grad, forward with labels (HF's causal-LM loss), backward, fused
-`torch.optim.AdamW` step (bf16 states, as the parameters). Same initial weights (each row updates its own
-copy), batch, loss and optimizer for every row:
-- HF: transformers' model with `experts_implementation="grouped_mm"`; and the same with every decoder layer
-  `torch.compile`'d (`layer.compile()`, HF's MoE block inside the compiled layer);
-- ours: the same model after `steps.moe.replace_moe_blocks(model, make_dispatcher("local", E), "grouped_mm")`
-  (on an H200: `steps.kernels`' Triton SwiGLU, router top-k, expand-rows and gather-sum; at this model's
-  shapes the experts' GEMMs stay grouped_mm); the same after `steps.moe.compile_decoder_layers(model)` with the
-  MoE blocks kept eager (the layer graph-breaks around them, as under EP > 1); and after
-  `compile_decoder_layers(model)` as it compiles a bf16 model at EP = 1: each layer whole, MoE block included.
-Each row's model is first checked against HF's on the first batch: the loss, and the relative error of all
-gradients together (‖g − g_HF‖ / ‖g_HF‖ over every parameter, bf16).
-tokens/s is batch * seq over the median update time of --reps after --warmup. MFU = model FLOPs per update /
-time / peak, model FLOPs = 6 * active parameters * tokens (active: every matmul weight except the expert
-weights, plus top_k / num_experts of those; the embedding lookup is not a matmul) + causal attention
-6 * layers * batch * seq^2 * heads * head_dim (QK^T and PV, half the square, forward + backward). The peak
-is the dense bf16 matmul measured in the same run, and the 989 TFLOP/s datasheet figure.
+The model is a `Qwen3MoeForCausalLM` sized to ~1B parameters (Qwen3-30B-A3B's shape scaled down: hidden 1024, 12
+layers, 64 experts of intermediate 384, top-8, 16 query and 4 KV heads of 128, every layer sparse, untied
+embeddings, vocabulary 32768), random init, the same initial weights for every row. One update is one optimizer
+step over the whole batch (one minibatch), gradients accumulated over its microbatches.
+
+Batches:
+- `rl`, RL-shaped: 64 samples, `rng = random.Random(0)`, each `(prompt, response) = (rng.randint(128, 512),
+  min(4096, int(rng.lognormvariate(6.8, 0.8)) + 256))`: 117,558 real tokens, the longest 4,529; padded per
+  microbatch of 8 consecutive samples, 45.8% of the tokens are padding.
+- `uniform`: 8 samples of 2048 tokens (no padding).
+
+Rows (`--rows`):
+- `careful`, `careful_gc`: careful HF, as a careful user of transformers trains: HF's model (grouped_mm experts,
+  SDPA) with fp32 weights under FSDP2 `fully_shard` per decoder layer and at the root,
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, fused fp32 AdamW, every decoder layer
+  `torch.compile`'d, padded microbatches of 8 consecutive samples, HF's causal-LM loss over the real tokens;
+  `careful_gc` with HF's gradient checkpointing.
+- `bf16_hf`, `bf16_ours`: the last table's bf16-everything rows (bf16 weights and AdamW moments, which no careful
+  user trains with): HF grouped_mm with compiled layers; `steps.model.moe.replace_moe_blocks` and
+  `compile_decoder_layers`. Padded microbatches of 8.
+- `product`, `product_ac`: the train step's own functions: the model as `python -m steps.train` loads it
+  (`steps.rl.state.load_trainer_model` from an HF checkpoint of the same weights, trainer.precision bf16: FSDP2
+  mixed precision, fp32 master weights and moments, packed attention, compiled layers), and one minibatch of
+  `steps.rl.update.actor_steps` (GRPO's clipped surrogate and the routers' aux loss) over packed microbatches
+  of at most --max-tokens tokens; `product_ac` with trainer.activation_checkpointing. Also timed, reported
+  apart: its no-gradient logprob pass over the batch (`steps.rl.batch.frozen_logprobs`, the old policy's).
+
+Real tokens/s: the batch's real (unpadded) tokens over the median update time of --reps after --warmup. MFU:
+model FLOPs per update (6 x active parameters x real tokens, active = every matmul weight except the experts' plus
+top_k / num_experts of those, the embedding not a matmul; plus causal attention 6 x layers x heads x head_dim x
+the sum over samples of length^2) over the time, against the dense bf16 matmul measured in the same run. Peak GiB:
+`torch.cuda.max_memory_allocated` over the row's updates.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
+import random
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,11 +50,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from moe_layer import NOMINAL_DENSE_BF16, dense_tflops, profile, time_ms
+from moe_layer import dense_tflops, time_ms
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from steps.dispatch import make_dispatcher
-from steps.moe import compile_decoder_layers, replace_moe_blocks
+from steps.config import MoeloopConfig, load_config
+from steps.model.dispatch import make_dispatcher
+from steps.model.moe import compile_decoder_layers, replace_moe_blocks
+from steps.model.policy import build_tokenizer, save_policy
+from steps.rl.batch import ExperienceBatch, frozen_logprobs
+from steps.rl.grpo import group_advantages
+from steps.rl.parallel import Parallel, init_parallel
+from steps.rl.state import load_trainer_model
+from steps.rl.update import actor_steps
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = ("careful", "careful_gc", "bf16_hf", "bf16_ours", "product", "product_ac")
 
 
 def build_config(args: argparse.Namespace) -> Qwen3MoeConfig:
@@ -59,10 +83,12 @@ def build_config(args: argparse.Namespace) -> Qwen3MoeConfig:
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        max_position_embeddings=max(4096, args.seq),
+        max_position_embeddings=8192,
         tie_word_embeddings=False,
-        output_router_logits=False,
         use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
     )
     config._attn_implementation = "sdpa"
     config._experts_implementation = "grouped_mm"
@@ -83,10 +109,119 @@ def active_parameters(model: torch.nn.Module, config: Qwen3MoeConfig) -> tuple[i
     return total, active
 
 
+def sample_lengths(batch: str) -> list[tuple[int, int]]:
+    """(prompt, response) lengths of the batch's samples."""
+    if batch == "uniform":
+        return [(256, 2048 - 256)] * 8
+    rng = random.Random(0)
+    return [(rng.randint(128, 512), min(4096, int(rng.lognormvariate(6.8, 0.8)) + 256)) for _ in range(64)]
+
+
+def experience(lengths: list[tuple[int, int]], vocab: int, device: torch.device) -> ExperienceBatch:
+    """Random tokens in the batch's shape, right-padded, 8 samples per prompt group, random rewards."""
+    generator = torch.Generator().manual_seed(0)
+    width = max(p + r for p, r in lengths)
+    input_ids_BT = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask_BT = torch.zeros(len(lengths), width, dtype=torch.long)
+    response_mask_BT = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for row, (prompt, response) in enumerate(lengths):
+        input_ids_BT[row, : prompt + response] = torch.randint(2, vocab, (prompt + response,), generator=generator)
+        attention_mask_BT[row, : prompt + response] = 1
+        response_mask_BT[row, prompt : prompt + response] = True
+    behavior_BT = -2 * torch.rand(input_ids_BT.shape, generator=generator) * response_mask_BT
+    rewards_B = torch.rand(len(lengths), generator=generator)
+    groups_B = torch.arange(len(lengths)) // 8
+    return ExperienceBatch(input_ids_BT, attention_mask_BT, response_mask_BT, behavior_BT, rewards_B, groups_B).to(
+        device
+    )
+
+
+def padded_microbatches(batch: ExperienceBatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+    """HF's input: microbatches of 8 consecutive samples, each padded to its longest; (ids, mask, labels, share of
+    the batch's real tokens)."""
+    total = float(batch.attention_mask_BT.sum())
+    micro = []
+    for start in range(0, len(batch.input_ids_BT), 8):
+        mask_bT = batch.attention_mask_BT[start : start + 8]
+        width = int(mask_bT.sum(1).max())
+        ids_bT, mask_bT = batch.input_ids_BT[start : start + 8, :width], mask_bT[:, :width]
+        labels_bT = ids_bT.masked_fill(mask_bT == 0, -100)
+        micro.append((ids_bT, mask_bT, labels_bT, float(mask_bT.sum()) / total))
+    return micro
+
+
+def hf_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro: list) -> Callable[[], None]:
+    def update() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for ids_bT, mask_bT, labels_bT, share in micro:
+            (model(input_ids=ids_bT, attention_mask=mask_bT, labels=labels_bT).loss * share).backward()
+        optimizer.step()
+
+    return update
+
+
+def careful_hf(initial: torch.nn.Module, checkpointing: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM(initial.config)
+    model.load_state_dict(initial.state_dict())
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        layer.compile()
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+
+def bf16_everything(initial: torch.nn.Module, ours: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM(initial.config)
+    model.load_state_dict(initial.state_dict())
+    model.to(torch.bfloat16)
+    if ours:
+        replace_moe_blocks(model, make_dispatcher("local", initial.config.num_experts), "grouped_mm")
+        compile_decoder_layers(model)
+    else:
+        for layer in model.model.layers:
+            layer.compile()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+
+def product_config(args: argparse.Namespace, checkpointing: bool) -> MoeloopConfig:
+    data = load_config(REPO / "configs" / "tiny.yaml").model_dump()
+    data["trainer"].update(
+        minibatch_size=64, epochs=1, learning_rate=1e-5, precision="bf16", activation_checkpointing=checkpointing,
+        max_tokens_per_microbatch=args.max_tokens,
+    )  # fmt: skip
+    data["rollout"].update(max_new_tokens=4096, prompts_per_iteration=8, samples_per_prompt=8)
+    return MoeloopConfig.model_validate(data)
+
+
+def product_update(
+    checkpoint: Path, batch: ExperienceBatch, config: MoeloopConfig, parallel: Parallel
+) -> tuple[Callable[[], None], Callable[[], None], torch.nn.Module]:
+    """(one actor minibatch step, the old-policy logprob pass, the model), as the train step runs them."""
+    model, _, optimizer = load_trainer_model(checkpoint, config.trainer, parallel)
+    rows_B = torch.arange(len(batch.rewards_B))
+    advantages_B = group_advantages(batch.rewards_B, batch.group_ids_B, scale=True)
+    temperature = config.rollout.temperature
+    old_logprobs_BT = frozen_logprobs(model, batch, temperature, config.trainer.max_tokens_per_microbatch, parallel)
+
+    def update() -> None:
+        actor_steps(model, optimizer, batch, [rows_B], advantages_B, old_logprobs_BT, None, None, config, parallel)
+
+    def logprob_pass() -> None:
+        frozen_logprobs(model, batch, temperature, config.trainer.max_tokens_per_microbatch, parallel)
+
+    return update, logprob_pass, model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batches", nargs="+", default=["rl", "uniform"], choices=["rl", "uniform"])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--max-tokens", type=int, default=32768, help="the product's trainer.max_tokens_per_microbatch")
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=384)
@@ -96,150 +231,75 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dense-size", type=int, default=8192)
-    parser.add_argument("--no-compile", action="store_true", help="skip the rows with compiled decoder layers")
-    parser.add_argument(
-        "--profile-dir", type=Path, default=None, help="kernel tables of HF's update and of ours, compiled two ways"
-    )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = torch.device("cuda")
     config = build_config(args)
+    product_settings = product_config(args, checkpointing=False).trainer
+    parallel = init_parallel(product_settings)  # a one-process group: FSDP2 needs one, for every row
+    dense = dense_tflops(device, args.dense_size, 3, 10)
 
     torch.manual_seed(0)
     with torch.device(device):
-        initial = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    initial.train()
-    assert initial.config._experts_implementation == "grouped_mm", initial.config._experts_implementation
+        initial = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # bf16-representable weights, so that the bf16 checkpoint holds exactly them
+        for p in initial.parameters():
+            p.copy_(p.to(torch.bfloat16))
     total, active = active_parameters(initial, config)
-    tokens = args.batch * args.seq
-    input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
-    model_flops = 6 * active * tokens + 6 * args.layers * args.batch * args.seq**2 * args.heads * args.head_dim
-    dense = dense_tflops(device, args.dense_size, 3, 10)
-
-    def hf(model: torch.nn.Module) -> None:
-        pass
-
-    def hf_compiled(model: torch.nn.Module) -> None:
-        for layer in model.model.layers:
-            layer.compile()
-
-    def ours(model: torch.nn.Module) -> None:
-        replace_moe_blocks(model, make_dispatcher("local", args.experts), "grouped_mm")
-
-    def ours_compiled(model: torch.nn.Module) -> None:
-        ours(model)
-        assert compile_decoder_layers(model) == args.layers
-
-    def ours_compiled_block_eager(model: torch.nn.Module) -> None:
-        dispatcher = make_dispatcher("local", args.experts)
-        dispatcher.traceable = False  # the block stays out of the compiled layer, as with the EP dispatchers
-        replace_moe_blocks(model, dispatcher, "grouped_mm")
-        assert compile_decoder_layers(model) == args.layers
-
-    configurations: list[tuple[str, str, Callable[[torch.nn.Module], None]]] = [
-        ("HF transformers, experts_implementation=grouped_mm", "hf", hf),
-        ("ours: replace_moe_blocks(local, grouped_mm), as landed", "ours", ours),
-    ]
-    if not args.no_compile and device.type == "cuda":
-        configurations.insert(1, ("HF grouped_mm, decoder layers torch.compile'd", "hf_compiled", hf_compiled))
-        configurations += [
-            ("ours + compile_decoder_layers, MoE blocks kept eager (as under EP > 1)", "ours_block_eager",
-             ours_compiled_block_eager),
-            ("**ours + compile_decoder_layers, MoE blocks compiled too (EP = 1, bf16)**", "last",
-             ours_compiled),
-        ]  # fmt: skip
-
-    rows: list[tuple[str, float, float, str]] = []  # (name, ms, peak GiB, check)
-    reference_grads: dict[str, torch.Tensor] = {}
-    for name, tag, prepare in configurations:
-        model = copy.deepcopy(initial)
-        try:
-            prepare(model)
-            check = check_against(model, input_ids, reference_grads)
-        except Exception as error:  # noqa: BLE001 -- e.g. a compile failure: report it, keep the other rows
-            print(f"{name}: failed: {type(error).__name__}: {str(error).splitlines()[0]}", file=sys.stderr)
-            continue
-        ms, peak = time_updates(
-            model, input_ids, args, device, tag if tag in ("hf", "ours_block_eager", "last") else None
-        )
-        rows.append((name, ms, peak, check))
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
+    checkpoint = Path(tempfile.mkdtemp()) / "checkpoint"
+    save_policy(initial.to(torch.bfloat16), build_tokenizer(["abc"]), checkpoint)
+    initial.float().cpu()  # off the GPU, so that it is in no row's peak
     print(
-        f"\n## Policy update: Qwen3-MoE {total / 1e9:.2f} B parameters ({active / 1e6:.0f} M active), "
-        f"batch {args.batch} x {args.seq} tokens, bf16, fused AdamW"
-    )
-    print(
-        f"\nH={args.hidden}, {args.layers} layers, {args.experts} experts x I={args.intermediate}, top-{args.top_k}, "
-        f"{args.heads} q / {args.kv_heads} kv heads x {args.head_dim}, vocab {args.vocab}; model FLOPs per update "
-        f"{model_flops / 1e12:.1f} T; dense bf16 {args.dense_size}^3 measured {dense:.0f} TFLOP/s; "
-        f"median of {args.reps} updates after {args.warmup}; "
-        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
+        f"## Policy update, Qwen3-MoE {total / 1e9:.2f} B parameters ({active / 1e6:.0f} M active): H={args.hidden}, "
+        f"{args.layers} layers, {args.experts} experts x I={args.intermediate}, top-{args.top_k}, {args.heads} q / "
+        f"{args.kv_heads} kv heads x {args.head_dim}, vocab {args.vocab}; dense bf16 {args.dense_size}^3 measured "
+        f"{dense:.0f} TFLOP/s; median of {args.reps} updates after {args.warmup}; "
+        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
         f"transformers {__import__('transformers').__version__}\n"
     )
-    print(
-        "| model | ms / update | tokens/s | vs HF | TFLOP/s | MFU (measured dense) | MFU (989 nominal) | peak GiB "
-        "| check vs HF: loss, grad rel err |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    hf_ms = rows[0][1]
-    for name, ms, peak, check in rows:
-        tflops = model_flops / ms / 1e9
-        print(
-            f"| {name} | {ms:.1f} | {tokens / ms * 1e3:,.0f} | {hf_ms / ms:.2f}x | {tflops:.0f} | "
-            f"{100 * tflops / dense:.1f}% | {100 * tflops / NOMINAL_DENSE_BF16:.1f}% | {peak:.1f} | {check} |"
-        )
-
-
-def time_updates(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    args: argparse.Namespace,
-    device: torch.device,
-    profile_tag: str | None,
-) -> tuple[float, float]:
-    """Median ms per update (zero_grad, forward with labels, backward, fused AdamW step) and peak GiB; with a
-    profile_tag and --profile-dir, a kernel table of 3 more updates."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-
-    def update() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-        optimizer.step()
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    ms = time_ms(update, device, args.warmup, args.reps)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    if profile_tag is not None and args.profile_dir is not None:
-        args.profile_dir.mkdir(parents=True, exist_ok=True)
-        profile(f"update_{profile_tag}", update, args.profile_dir, device)
-    return ms, peak
-
-
-def check_against(model: torch.nn.Module, input_ids: torch.Tensor, reference_grads: dict[str, torch.Tensor]) -> str:
-    """Loss and gradients of model on the batch; the first call stores them as the reference (HF's)."""
-    loss = model(input_ids=input_ids, labels=input_ids).loss
-    loss.backward()
-    loss = loss.detach()
-    grads = {name: p.grad.float() for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    if not reference_grads:
-        reference_grads.update(grads, loss=loss.detach().float())
-        return f"{float(loss):.4f} (reference)"
-    assert grads.keys() == reference_grads.keys() - {"loss"}, "parameter names differ from HF's"
-    squared_error = sum(float((grads[n] - reference_grads[n]).square().sum()) for n in grads)
-    squared_norm = sum(float(reference_grads[n].square().sum()) for n in grads)
-    relative = (squared_error / squared_norm) ** 0.5
-    loss_error = abs(float(loss) - float(reference_grads["loss"]))
-    verdict = "ok" if relative < 2e-2 and loss_error < 1e-2 else "MISMATCH"
-    return f"{float(loss):.4f}, {relative:.1e}: {verdict}"
+    for name in args.batches:
+        lengths = sample_lengths(name)
+        batch = experience(lengths, args.vocab, device)
+        real = sum(p + r for p, r in lengths)
+        flops = 6 * active * real + 6 * args.layers * args.heads * args.head_dim * sum((p + r) ** 2 for p, r in lengths)
+        micro = padded_microbatches(batch)
+        padded = sum(ids.numel() for ids, *_ in micro)
+        print(f"\n### Batch {name}: {len(lengths)} samples, {real:,} real tokens ({1 - real / padded:.1%} padding in "
+              f"microbatches of 8), longest {max(p + r for p, r in lengths)}; {flops / 1e12:.1f} model TFLOP per "
+              f"update\n")  # fmt: skip
+        print("| row | s / update | real tokens/s | vs careful HF | MFU (measured dense) | peak GiB |")
+        print("|---|---|---|---|---|---|")
+        baseline = None
+        for row in args.rows:
+            torch.cuda.reset_peak_memory_stats(device)
+            extra = ""
+            try:
+                if row.startswith("product"):
+                    settings = product_config(args, checkpointing=row == "product_ac")
+                    update, logprob_pass, model = product_update(checkpoint, batch, settings, parallel)
+                    passes = time_ms(logprob_pass, device, 1, args.reps) / 1e3
+                    extra = f" (its logprob pass: {passes:.2f} s, {real / passes:,.0f} tokens/s)"
+                else:
+                    maker = {"careful": lambda: careful_hf(initial, False), "careful_gc": lambda: careful_hf(initial, True),
+                             "bf16_hf": lambda: bf16_everything(initial, False),
+                             "bf16_ours": lambda: bf16_everything(initial, True)}[row]  # fmt: skip
+                    model, optimizer = maker()
+                    update = hf_update(model, optimizer, micro)
+                seconds = time_ms(update, device, args.warmup, args.reps) / 1e3
+            except torch.OutOfMemoryError:
+                print(f"| {row} | out of memory | | | | |")
+                continue
+            finally:
+                model = update = None  # noqa: F841 -- free the row's model before the next
+                gc.collect()
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.empty_cache()
+            baseline = baseline or (seconds if row == "careful" else None)
+            ratio = f"{baseline / seconds:.2f}x" if baseline else ""
+            print(f"| {row}{extra} | {seconds:.3f} | {real / seconds:,.0f} | {ratio} | "
+                  f"{100 * flops / seconds / 1e12 / dense:.1f}% | {peak:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

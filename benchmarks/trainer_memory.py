@@ -1,0 +1,153 @@
+"""The most decoder layers of a Qwen3-30B-A3B-shaped policy that the product's train step trains on one GPU, and its
+peak memory per layer count.
+
+    PYTHONPATH=. python3 benchmarks/trainer_memory.py --layers 14 16 [--offload] [--checkpointing]
+
+The shape is Qwen3-30B-A3B's (hidden 2048, moe_intermediate 768, 128 experts, top-8, 32 query / 4 KV heads of
+128, vocabulary 151936), with --layers decoder layers; the batch is --samples samples of --seq tokens (a 512-token
+prompt, the rest response), one minibatch. Each layer count runs in a fresh process, as the train step does:
+1. the reference policy (random weights, as the train step's checkpoint 0) sharded as the trainer's, its logprobs
+   over the batch computed once (`steps.rl.batch.frozen_logprobs`), then freed;
+2. the policy (the same weights) as the trainer holds it (`steps.model.sharding.prepare_trainer_model`:
+   trainer.precision bf16, fp32 master weights and AdamW moments; the moments in host memory with --offload), its
+   old logprobs, and one optimizer step of `steps.rl.update.actor_steps` over packed microbatches.
+The weights are made in memory (random, HF's init scale) instead of read from safetensors, which would need the
+model on disk first; everything else is the train step's own code. Peak: `torch.cuda.max_memory_allocated` over
+all of it, and the reference pass's alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from steps.config import MoeloopConfig, load_config
+from steps.model.policy import shard_model
+from steps.model.sharding import prepare_trainer_model
+from steps.rl.batch import ExperienceBatch, frozen_logprobs
+from steps.rl.grpo import group_advantages
+from steps.rl.parallel import Parallel, init_parallel
+from steps.rl.state import make_optimizer
+from steps.rl.update import actor_steps
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shape(layers: int) -> Qwen3MoeConfig:
+    config = Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None, router_aux_loss_coef=0.001,
+    )  # fmt: skip
+    config._experts_implementation = "grouped_mm"
+    return config
+
+
+def trainer_config(args: argparse.Namespace) -> MoeloopConfig:
+    data = load_config(REPO / "configs" / "tiny.yaml").model_dump()
+    data["trainer"].update(
+        minibatch_size=args.samples, epochs=1, learning_rate=1e-5, precision="bf16",
+        activation_checkpointing=args.checkpointing, max_tokens_per_microbatch=args.max_tokens,
+        offload_optimizer=args.offload,
+    )  # fmt: skip
+    data["rollout"].update(max_new_tokens=args.seq, prompts_per_iteration=1, samples_per_prompt=args.samples)
+    return MoeloopConfig.model_validate(data)
+
+
+def random_model(config: Qwen3MoeConfig, settings: object, parallel: Parallel) -> torch.nn.Module:
+    """The trainer's model of config with random weights (normal, std 0.02; norms 1), made on the GPU."""
+    model = shard_model(AutoModelForCausalLM, config, "local", "grouped_mm", parallel.ep_group, parallel.device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
+    return prepare_trainer_model(model, settings, parallel)
+
+
+def batch(args: argparse.Namespace, device: torch.device) -> ExperienceBatch:
+    generator = torch.Generator().manual_seed(0)
+    shape_BT = (args.samples, args.seq)
+    response_mask_BT = torch.zeros(shape_BT, dtype=torch.bool)
+    response_mask_BT[:, 512:] = True
+    return ExperienceBatch(
+        torch.randint(2, 151936, shape_BT, generator=generator), torch.ones(shape_BT, dtype=torch.long),
+        response_mask_BT, -2 * torch.rand(shape_BT, generator=generator) * response_mask_BT,
+        torch.rand(args.samples, generator=generator), torch.zeros(args.samples, dtype=torch.long),
+    ).to(device)  # fmt: skip
+
+
+def measure(args: argparse.Namespace) -> dict:
+    config = trainer_config(args)
+    settings = config.trainer
+    parallel = init_parallel(settings)
+    experience = batch(args, parallel.device)
+    temperature, budget = config.rollout.temperature, settings.max_tokens_per_microbatch
+    started = time.perf_counter()
+    reference = random_model(shape(args.layers[0]), settings, parallel)
+    ref_logprobs_BT = frozen_logprobs(reference, experience, temperature, budget, parallel)
+    del reference
+    reference_peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.empty_cache()
+    model = random_model(shape(args.layers[0]), settings, parallel)
+    optimizer = make_optimizer(model, settings)
+    old_logprobs_BT = frozen_logprobs(model, experience, temperature, budget, parallel)
+    advantages_B = torch.linspace(-1, 1, args.samples, device=parallel.device)
+    rows_B = torch.arange(args.samples)
+    step_started = time.perf_counter()
+    measured = actor_steps(
+        model, optimizer, experience, [rows_B], advantages_B, old_logprobs_BT, None, ref_logprobs_BT, config, parallel
+    )
+    torch.cuda.synchronize()
+    return {
+        "layers": args.layers[0],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "reference_pass_peak_gib": round(reference_peak, 2),
+        "step_seconds": round(time.perf_counter() - step_started, 2),
+        "seconds": round(time.perf_counter() - started, 1),
+        "tokens_per_second": round(args.samples * args.seq / (time.perf_counter() - step_started), 1),
+        "grad_norm": measured["grad_norm"][0],
+        "offload": args.offload,
+        "checkpointing": args.checkpointing,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", required=True, help="layer counts, each in a fresh process")
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--offload", action="store_true", help="trainer.offload_optimizer")
+    parser.add_argument("--checkpointing", action="store_true", help="trainer.activation_checkpointing")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # run one layer count here
+    args = parser.parse_args()
+    if args.one:
+        try:
+            print(json.dumps(measure(args)), flush=True)
+        except torch.OutOfMemoryError:
+            print(json.dumps({"layers": args.layers[0], "out_of_memory": True}), flush=True)
+        return
+    flags = [f for f, on in (("--offload", args.offload), ("--checkpointing", args.checkpointing)) if on]
+    for layers in args.layers:
+        command = [sys.executable, __file__, "--one", "--layers", str(layers), "--samples", str(args.samples),
+                   "--seq", str(args.seq), "--max-tokens", str(args.max_tokens), *flags]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
+        print(done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:], flush=True)
+
+
+if __name__ == "__main__":
+    main()
