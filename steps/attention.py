@@ -1,13 +1,12 @@
 """Causal attention over packed microbatches (`steps.packing`): no token attends across a sample boundary.
 
-The trainer's model runs with `packed_attention(device, dtype)` as HF's attention implementation:
-- CUDA, bf16/fp16: `varlen`, registered here in HF's `AttentionInterface`, is flash attention's varlen kernel
-  (`torch.nn.attention.varlen.varlen_attn`, bundled with torch) over the samples' `cu_seqlens`, which HF passes
-  from the model's keyword arguments down to the attention function. Its cost is the samples' own causal
-  squares, not the microbatch's; HF builds no mask for an implementation it does not know.
-- elsewhere (CPU; fp32, which the flash kernel does not take): HF's `sdpa`, exact. With no attention mask and
-  packed `position_ids` (each sample counting from 0), HF builds the block-diagonal causal mask itself
-  (`masking_utils.find_packed_sequence_indices`).
+The trainer's model runs with `VARLEN`, registered here in HF's `AttentionInterface`, as its attention
+implementation. HF passes the samples' `cu_seqlens` from the model's keyword arguments down to the attention
+function, and builds no mask for an implementation it does not know. The cost is the samples' own causal squares,
+not the microbatch's:
+- CUDA, bf16/fp16: flash attention's varlen kernel (`torch.nn.attention.varlen.varlen_attn`, bundled with torch);
+- elsewhere (CPU; fp32, which the flash kernel does not take): SDPA over the samples right-padded to the longest,
+  causal (a real query sees no padding, which comes after it), exact.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
 
@@ -23,11 +23,6 @@ VARLEN = "moeloop_varlen"
 _VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters
 # torch 2.10 and later say causal as a window (left unbounded, right 0); earlier releases as is_causal.
 _CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMETERS else {"is_causal": True}
-
-
-def packed_attention(device: torch.device, dtype: torch.dtype) -> str:
-    """The attention implementation for packed microbatches of a model computing in dtype on device."""
-    return VARLEN if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else "sdpa"
 
 
 def varlen_attention(
@@ -49,6 +44,8 @@ def varlen_attention(
     if cu_seq_lens_q is None or max_length_q is None or query_1hND.shape[0] != 1:
         raise ValueError(f"{VARLEN} attention takes one packed row and its cu_seq_lens (steps.packing.Microbatch)")
     query_NhD, key_NkD, value_NkD = (t[0].transpose(0, 1) for t in (query_1hND, key_1kND, value_1kND))
+    if not (query_NhD.is_cuda and query_NhD.dtype in (torch.bfloat16, torch.float16)):
+        return padded_attention(query_NhD, key_NkD, value_NkD, cu_seq_lens_q, scaling).unsqueeze(0), None
     options: dict[str, Any] = {"scale": scaling, **_CAUSAL}
     groups = query_NhD.shape[1] // key_NkD.shape[1]
     if groups > 1:
@@ -63,3 +60,18 @@ def varlen_attention(
 
 
 AttentionInterface.register(VARLEN, varlen_attention)
+
+
+def padded_attention(
+    query_NhD: torch.Tensor, key_NkD: torch.Tensor, value_NkD: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The exact path: each sample's tokens as a row of a right-padded batch [n, heads, L, D], causal SDPA, and
+    the real tokens back in packed order [N, h, D]."""
+    lengths = cu_seqlens.diff().tolist()
+    padded = [
+        torch.nn.utils.rnn.pad_sequence(t.split(lengths), batch_first=True).transpose(1, 2)
+        for t in (query_NhD, key_NkD, value_NkD)
+    ]
+    out_nhLD = F.scaled_dot_product_attention(*padded, is_causal=True, scale=scale, enable_gqa=True)
+    out_nLhD = out_nhLD.transpose(1, 2)
+    return torch.cat([out_nLhD[i, :length] for i, length in enumerate(lengths)])

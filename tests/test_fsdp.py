@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3MoeForCausalLM
 
+from steps.attention import VARLEN
 from steps.logprobs import body_forward, packed_token_logprobs, use_logprob_head
 from steps.moe import MoeBlock, gather_over
 from steps.offload import OffloadedAdamW
@@ -89,7 +90,7 @@ def check_mesh(rank: int, expert_parallel: int, checkpointing: bool, offload: bo
     world_mesh = init_device_mesh("cpu", (world_size,))
     ep_group = mesh["ep"].get_group()
     model, _ = load_policy_shard(ref.checkpoint, "auto", "grouped_mm", ep_group, torch.device("cpu"))
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = VARLEN
     use_logprob_head(model)
     shard_trainer_model(model, world_mesh, mesh["dp"], "fp32", checkpointing)
     model.train()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM, Qwen3MoeForTokenClassification
 
+from steps.attention import VARLEN
 from steps.logprobs import ChunkedTokenLogprobs, packed_token_logprobs, packed_token_values, use_logprob_head
 from steps.packing import pack_rows, plan_microbatches
 from steps.policy import pack_sequences, token_logprobs, token_values
@@ -54,6 +55,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_batch() -> None:
     padded_model = Qwen3MoeForCausalLM(config)
     packed_model = copy.deepcopy(padded_model)
     use_logprob_head(packed_model)
+    packed_model.config._attn_implementation = VARLEN
     input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(*samples(), pad_id=0)
     lengths_B = attention_mask_BT.sum(1)
     weights_BT = torch.randn(input_ids_BT.shape, generator=torch.Generator().manual_seed(2)) * response_mask_BT
@@ -83,6 +85,7 @@ def test_packed_values_equal_the_padded_batch() -> None:
     input_ids_BT, attention_mask_BT, _ = pack_sequences(*samples(), pad_id=0)
     lengths_B = attention_mask_BT.sum(1)
     values_BT, _ = token_values(critic, input_ids_BT, attention_mask_BT)
+    critic.config._attn_implementation = VARLEN
     micro = pack_rows(input_ids_BT, lengths_B, [4, 0, 6], pad_id=0)
     values_nT, _ = packed_token_values(critic, micro)
     mask_nT = attention_mask_BT[micro.rows_n].bool()
@@ -112,6 +115,7 @@ def test_empty_microbatch_runs_a_forward_of_no_rows() -> None:
     config._attn_implementation = "sdpa"
     model = Qwen3MoeForCausalLM(config)
     use_logprob_head(model)
+    model.config._attn_implementation = VARLEN
     input_ids_BT, attention_mask_BT, _ = pack_sequences(*samples(), pad_id=0)
     micro = pack_rows(input_ids_BT, attention_mask_BT.sum(1), [], pad_id=0)
     logprobs_nT, router_logits_L = packed_token_logprobs(model, micro)
