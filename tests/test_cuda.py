@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from steps.attention import VARLEN, varlen_attention
+from steps.model.attention import VARLEN, varlen_attention
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -16,13 +16,13 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3MoeForCausalLM
 
-from steps.attention import VARLEN
-from steps.logprobs import body_forward, packed_token_logprobs, use_logprob_head
-from steps.moe import MoeBlock, gather_over
-from steps.offload import OffloadedAdamW
-from steps.packing import pack_rows, plan_microbatches
-from steps.policy import build_tokenizer, load_policy_shard, pack_sequences, save_policy, token_logprobs
-from steps.sharding import clip_grad_norm, full_value, shard_trainer_model
+from steps.model.attention import VARLEN
+from steps.model.logprobs import body_forward, packed_token_logprobs, use_logprob_head
+from steps.model.moe import MoeBlock, gather_over
+from steps.rl.offload import OffloadedAdamW
+from steps.rl.packing import pack_rows, plan_microbatches
+from steps.model.policy import build_tokenizer, load_policy_shard, pack_sequences, save_policy, token_logprobs
+from steps.model.sharding import clip_grad_norm, full_value, shard_trainer_model
 from tests.test_moe import tiny_config
 from tests.test_train_ep import free_port
 

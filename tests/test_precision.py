@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from steps.policy import build_tiny_model, build_tokenizer, save_policy
+from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
 from steps.start import start
-from steps.storage import RunStorage
+from steps.storage.run import RunStorage
 from tests.conftest import small_config
 
 

@@ -1,4 +1,4 @@
-"""Causal attention over packed microbatches (`steps.packing`): no token attends across a sample boundary.
+"""Causal attention over packed microbatches (`steps.rl.packing`): no token attends across a sample boundary.
 
 The trainer's model runs with `VARLEN`, registered here in HF's `AttentionInterface`, as its attention
 implementation. HF passes the samples' `cu_seqlens` from the model's keyword arguments down to the attention
@@ -42,7 +42,7 @@ def varlen_attention(
     """HF's attention-function interface over one packed row: q [1, h, N, D], k and v [1, k, N, D] (k KV heads);
     returns [1, N, h, D]. Letters: h query heads, k KV heads, N packed tokens, D head size."""
     if cu_seq_lens_q is None or max_length_q is None or query_1hND.shape[0] != 1:
-        raise ValueError(f"{VARLEN} attention takes one packed row and its cu_seq_lens (steps.packing.Microbatch)")
+        raise ValueError(f"{VARLEN} attention takes one packed row and its cu_seq_lens (steps.rl.packing.Microbatch)")
     query_NhD, key_NkD, value_NkD = (t[0].transpose(0, 1) for t in (query_1hND, key_1kND, value_1kND))
     if not (query_NhD.is_cuda and query_NhD.dtype in (torch.bfloat16, torch.float16)):
         return padded_attention(query_NhD, key_NkD, value_NkD, cu_seq_lens_q, scaling).unsqueeze(0), None

@@ -5,10 +5,10 @@ experts):
 - each decoder layer is one FSDP unit over all ranks (attention, norms, router): its weights are sharded over
   the world and all-gathered for its forward and backward;
 - with EP > 1, each layer's experts are a unit of their own over the dp ranks that hold the same EP slice: the
-  slice is sharded over them (`steps.moe.GroupedExperts` already holds only this EP rank's experts);
+  slice is sharded over them (`steps.model.moe.GroupedExperts` already holds only this EP rank's experts);
 - the model's body (embeddings, final norm) and its head (LM head or value head) are the last two units.
 Gradients are summed, not averaged, in the reduce-scatters: every loss is already divided by the whole
-minibatch's counts (`steps.grpo.aggregate`), so the sum over the ranks is one process's gradient. The expert
+minibatch's counts (`steps.rl.grpo.aggregate`), so the sum over the ranks is one process's gradient. The expert
 gradients reach their EP rank through the all-to-all's backward and are summed over dp; dense ones over all.
 
 `trainer.precision`:
@@ -19,7 +19,7 @@ gradients reach their EP rank through the all-to-all's backward and are summed o
 
 Activation checkpointing (`trainer.activation_checkpointing`) is HF's per-decoder-layer one (a layer's input is
 kept, the rest recomputed in the backward), which wraps the layer's call, FSDP's hooks and the compiled layer
-(`steps.moe.compile_decoder_layers`) included; FSDP2 unshards for the recompute.
+(`steps.model.moe.compile_decoder_layers`) included; FSDP2 unshards for the recompute.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from steps.moe import MoeBlock
+from steps.model.moe import MoeBlock
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -97,7 +97,7 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, device: 
 
 def full_value(value: torch.Tensor, parameter: nn.Parameter) -> torch.Tensor:
     """A parameter's value or optimizer state (a DTensor, or the local shard of one kept on the CPU by
-    `steps.offload`) as the whole tensor of this rank's EP slice. Collective over the parameter's mesh."""
+    `steps.rl.offload`) as the whole tensor of this rank's EP slice. Collective over the parameter's mesh."""
     if not isinstance(parameter, DTensor):
         return value.detach().clone()
     if not isinstance(value, DTensor):

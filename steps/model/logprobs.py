@@ -1,4 +1,4 @@
-"""Token log-probabilities and values of packed microbatches (`steps.packing`), in the padded batch's layout.
+"""Token log-probabilities and values of packed microbatches (`steps.rl.packing`), in the padded batch's layout.
 
 The LM head computes the log-probability of each token's target only, a chunk of rows at a time
 (`ChunkedTokenLogprobs`): the [N, V] logits (151936 wide for Qwen3) are never held whole, in the forward or the
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.packing import Microbatch
+from steps.rl.packing import Microbatch
 
 CHUNK_ROWS = 4096  # 4096 x 151936 fp32 logits: 2.5 GB at a time
 
@@ -80,7 +80,7 @@ def use_logprob_head(model: nn.Module) -> None:
 def packed_token_logprobs(
     model: nn.Module, micro: Microbatch, temperature: float = 1.0
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """`steps.policy.token_logprobs` of the microbatch's samples: [n, T] (position 0 and the padding 0), and each
+    """`steps.model.policy.token_logprobs` of the microbatch's samples: [n, T] (position 0 and the padding 0), and each
     MoE layer's router logits [N, E]. The model's head is a `LogprobHead`."""
     output = body_forward(model.model, micro)
     hidden_NH = output.last_hidden_state[0]
@@ -90,14 +90,14 @@ def packed_token_logprobs(
 
 
 def packed_token_values(critic: nn.Module, micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """`steps.policy.token_values` of the microbatch's samples: [n, T], and each MoE layer's router logits."""
+    """`steps.model.policy.token_values` of the microbatch's samples: [n, T], and each MoE layer's router logits."""
     output = body_forward(critic.model, micro)
     values_N = critic.score(output.last_hidden_state[0]).squeeze(-1).float()
     return micro.unpack(shift_into_place(values_N, micro)), output.router_logits
 
 
 def body_forward(body: nn.Module, micro: Microbatch) -> Any:
-    # No KV cache (see steps.policy.token_logprobs); the sample boundaries go down to the attention function.
+    # No KV cache (see steps.model.policy.token_logprobs); the sample boundaries go down to the attention function.
     return body(
         input_ids=micro.input_ids_1N,
         position_ids=micro.position_ids_1N,
