@@ -179,12 +179,27 @@ class TrainerConfig(Strict):
     max_grad_norm: float = Field(1.0, gt=0)
     minibatch_size: int = Field(128, gt=0)
     epochs: int = Field(1, gt=0)
-    # Processes of the train step (torchrun); 1 runs it as one plain process without torch.distributed.
+    # Processes of the train step (torchrun), one per GPU where there are GPUs; 1 runs it as one plain process.
     world_size: int = Field(1, gt=0)
     expert_parallel: int = Field(1, gt=0)  # EP ranks sharing one copy of the experts; dp = world_size / EP
     # auto: local at EP = 1, else DeepEP where it runs (CUDA), else all_to_all (see steps/model/dispatch.py).
     dispatcher: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
     experts_impl: Literal["grouped_mm", "loop"] = "grouped_mm"
+    # bf16: bf16 compute over fp32 master weights and fp32 AdamW moments, gradients reduced in fp32 (FSDP2's
+    # mixed precision); fp32: everything fp32. auto: bf16 where CUDA is, else fp32 (steps/model/sharding.py).
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    # Recompute each decoder layer in the backward, keeping only its input: less memory, about a third more compute.
+    activation_checkpointing: bool = False
+    # Samples are bin-packed into microbatches of at most this many tokens (no padding); one optimizer step per
+    # minibatch. A sample longer than this is a microbatch of its own.
+    max_tokens_per_microbatch: int = Field(16384, gt=0)
+    # AdamW's moments in host memory (steps/rl/offload.py): 8 bytes per parameter less on the GPU.
+    offload_optimizer: bool = False
+
+    def compute_precision(self, cuda: bool) -> Literal["bf16", "fp32"]:
+        if self.precision == "auto":
+            return "bf16" if cuda else "fp32"
+        return self.precision
 
     @model_validator(mode="after")
     def _mesh(self) -> TrainerConfig:

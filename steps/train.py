@@ -3,13 +3,14 @@ with PPO the critic's too, in critic/).
 
 Starts from the trainer state of the previous iteration (checkpoint 0 for the first, and for PPO a critic made
 from it), so the optimizer's moments carry across iterations. The reference policy for the KL is checkpoint 0,
-the SFT start. The update is in steps/rl/update.py, its losses and advantages in steps/rl/grpo.py and
-steps/rl/ppo.py (steps/rl/README.md).
+the SFT start: its logprobs are computed once, before the policy is loaded. The update is in steps/rl/update.py,
+its losses and advantages in steps/rl/grpo.py and steps/rl/ppo.py (steps/rl/README.md).
 
-With `trainer.world_size` > 1 it runs under torchrun over a (dp, ep) device mesh: each rank holds the dense
-weights and routers whole and its EP slice of the experts, and takes a distinct share of every minibatch's
-samples. The update equals one process's on the whole minibatch (tests/test_train_ep.py). Rank 0 alone writes:
-the report, and the trainer state with the experts gathered, so the storage layout and publish are unchanged.
+One process per GPU where there is CUDA: under torchrun when `trainer.world_size` > 1, over a (dp, ep) device
+mesh; each rank holds its models under FSDP2 (steps/model/sharding.py) at `trainer.precision`, and takes its
+packed microbatches of every minibatch. The update equals one process's on the whole minibatch
+(tests/test_train_ep.py, tests/test_fsdp.py). Rank 0 alone writes: the report, and the trainer state unsharded with
+the experts gathered, so the storage layout and publish are unchanged.
 """
 
 from __future__ import annotations
@@ -33,12 +34,11 @@ from steps.common import (
 )
 from steps.config import MoeloopConfig
 from steps.errors import run_cli
-from steps.model.policy import load_policy_shard
 from steps.rl.batch import experience_batch
 from steps.rl.parallel import Parallel, init_parallel
-from steps.rl.state import load_trainer_start, save_trainer_state
+from steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state
 from steps.rl.update import Critic, policy_update
-from steps.storage.cache import fetch_checkpoint, local_scratch
+from steps.storage.cache import local_scratch
 from steps.storage.experience import read_rewards, read_rollouts
 from steps.storage.run import CRITIC_DIR, RunStorage
 
@@ -62,15 +62,18 @@ def update_policy(
     seed = derive_seed(config.run_name, config.seed, "train", iteration)
     torch.manual_seed(seed)
     settings = config.trainer
+    batch = experience_batch(rollouts, rewards_by_sample).to(parallel.device)
+    ref_logprobs_BT = reference_logprobs(storage, batch, config, parallel)
     model, tokenizer, optimizer, critic = load_trainer_start(storage, iteration, scratch, config, parallel)
-    reference, _ = load_policy_shard(
-        fetch_checkpoint(storage, 0), settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device
-    )
-    batch = experience_batch(rollouts, rewards_by_sample, tokenizer.pad_token_id).to(parallel.device)
     started = time.perf_counter()
-    report = policy_update(model, reference, optimizer, batch, config, seed, parallel, critic)
+    report = policy_update(model, ref_logprobs_BT, optimizer, batch, config, seed, parallel, critic)
     seconds = time.perf_counter() - started
     report["train_tokens_per_second"] = round(int(batch.attention_mask_BT.sum()) * settings.epochs / seconds, 1)
+    report["device"] = str(parallel.device)
+    report["precision"] = settings.compute_precision(parallel.device.type == "cuda")
+    report["attention"] = model.config._attn_implementation
+    if parallel.device.type == "cuda":
+        report["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(parallel.device)
     return UpdatedTrainer(model, tokenizer, optimizer, critic, report)
 
 
@@ -96,8 +99,7 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
             storage.commit_folder(output, state, extra={"iteration": iteration})
         return report
     finally:
-        if parallel.world_size > 1:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def main() -> None:

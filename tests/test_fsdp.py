@@ -21,8 +21,9 @@ from steps.model.logprobs import body_forward, packed_token_logprobs, use_logpro
 from steps.model.moe import MoeBlock, gather_over
 from steps.rl.offload import OffloadedAdamW
 from steps.rl.packing import pack_rows, plan_microbatches
+from steps.rl.parallel import Parallel, clip_grad_norm
 from steps.model.policy import build_tokenizer, load_policy_shard, pack_sequences, save_policy, token_logprobs
-from steps.model.sharding import clip_grad_norm, full_value, shard_trainer_model
+from steps.model.sharding import full_value, shard_trainer_model
 from tests.test_moe import tiny_config
 from tests.test_train_ep import free_port
 
@@ -101,9 +102,9 @@ def check_mesh(rank: int, expert_parallel: int, checkpointing: bool, offload: bo
     plan = plan_microbatches(lengths_B.tolist(), MAX_TOKENS, world_size)
     assert len(plan[rank]) > 1
     for rows in plan[rank]:
-        micro = pack_rows(input_ids_BT, lengths_B, rows, pad_id=0)
+        micro = pack_rows(input_ids_BT, lengths_B, rows)
         with torch.no_grad():
-            logits_NV = model.lm_head(body_forward(model.model, micro).last_hidden_state[0])
+            logits_NV = model.lm_head(body_forward(model.model, micro)[0])
         if not micro.empty:
             torch.testing.assert_close(logits_NV, micro.pack(ref.logits_BTV), **TOLERANCE)
         logprobs_nT, _ = packed_token_logprobs(model, micro)
@@ -112,7 +113,7 @@ def check_mesh(rank: int, expert_parallel: int, checkpointing: bool, offload: bo
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum)
     assert float(loss_sum) == pytest.approx(ref.loss, rel=1e-5)
-    assert clip_grad_norm(model.parameters(), MAX_NORM, torch.device("cpu")) > MAX_NORM
+    assert clip_grad_norm(model.parameters(), MAX_NORM, Parallel(rank, world_size)) > MAX_NORM
     grads = full_by_name(model, {name: p.grad for name, p in model.named_parameters()}, ep_group)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref.grads[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")

@@ -19,13 +19,16 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
 from steps.config import MoeloopConfig, TrainerConfig
+from steps.model.attention import VARLEN
 from steps.model.dispatch import make_dispatcher
-from steps.model.moe import gather_over, hf_state_dict, replace_moe_blocks
-from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
-from steps.rl.batch import ExperienceBatch, experience_batch
-from steps.rl.parallel import Parallel, expert_parameters, init_parallel, mesh_parallel, rank_share
+from steps.model.logprobs import body_forward, use_logprob_head
+from steps.model.moe import hf_state_dict, replace_moe_blocks
+from steps.model.policy import build_tokenizer, save_policy, token_logprobs
+from steps.model.sharding import reshard
+from steps.rl.batch import ExperienceBatch, experience_batch, frozen_logprobs, rank_microbatches
+from steps.rl.parallel import Parallel, expert_parameters, init_parallel, mesh_parallel
 from steps.rl.router_loss import load_balancing_loss
-from steps.rl.state import make_optimizer, optimizer_state_by_name, save_trainer_state
+from steps.rl.state import load_trainer_model, make_optimizer, optimizer_state_by_name, save_trainer_state, whole
 from steps.rl.update import policy_update
 from tests.conftest import small_config
 from tests.test_moe import NUM_EXPERTS, tiny_config
@@ -51,16 +54,19 @@ def experience() -> ExperienceBatch:
         "prompt_id": [i // 4 for i in range(12)],
     }
     rewards = [0.0, 0.5, 1.0, 0.25, 1.0, 0.0, 0.0, 0.75, 0.5, 0.5, 0.5, 0.5]
-    return experience_batch(rollouts, {f"s{i}": r for i, r in enumerate(rewards)}, pad_id=0)
+    return experience_batch(rollouts, {f"s{i}": r for i, r in enumerate(rewards)})
 
 
-def train_config() -> MoeloopConfig:
-    """One optimizer step over the whole batch, clipped (max_grad_norm is below the gradient's norm), with KL."""
+def train_config(activation_checkpointing: bool = False) -> MoeloopConfig:
+    """One optimizer step over the whole batch, clipped (max_grad_norm is below the gradient's norm), with KL. The
+    token budget gives every rank one microbatch, so the load-balancing loss is HF's over the minibatch (with more,
+    it is the token-weighted mean of the microbatches'; tests/test_fsdp.py checks several microbatches)."""
     return small_config(
         iterations=1,
-        trainer={"minibatch_size": 12, "epochs": 1, "learning_rate": 1e-3, "max_grad_norm": 0.05},
+        trainer={"minibatch_size": 12, "epochs": 1, "learning_rate": 1e-3, "max_grad_norm": 0.05,
+                 "max_tokens_per_microbatch": 1024, "activation_checkpointing": activation_checkpointing},
         algorithm={"kl_coef": 0.1},
-    )
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,13 @@ class Reference:
     optimizer_state: dict[str, dict[str, torch.Tensor]]
 
 
+def for_packed_forwards(model: Qwen3MoeForCausalLM) -> Qwen3MoeForCausalLM:
+    """HF's model as the trainer's forwards take it (logprob head, packed attention), not sharded."""
+    use_logprob_head(model)
+    model.config._attn_implementation = VARLEN
+    return model
+
+
 def reference(tmp_path: Path) -> Reference:
     config = tiny_config()
     config.router_aux_loss_coef = 0.1  # large enough that its gradient shows
@@ -84,10 +97,12 @@ def reference(tmp_path: Path) -> Reference:
     batch = experience()
     with torch.no_grad():
         logits_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
-    reference_model = copy.deepcopy(model)
-    optimizer = make_optimizer(model, train_config().trainer)
-    report = policy_update(model, reference_model, optimizer, batch, train_config(), SEED)
-    assert report["optimizer_steps"] == 1 and report["grad_norm"] > train_config().trainer.max_grad_norm
+    model = for_packed_forwards(model)
+    settings = train_config().trainer
+    ref_logprobs_BT = frozen_logprobs(copy.deepcopy(model), batch, 1.0, settings.max_tokens_per_microbatch, Parallel())
+    optimizer = make_optimizer(model, settings)
+    report = policy_update(model, ref_logprobs_BT, optimizer, batch, train_config(), SEED)
+    assert report["optimizer_steps"] == 1 and report["grad_norm"] > settings.max_grad_norm
     return Reference(
         tmp_path / "checkpoint",
         logits_BTV,
@@ -98,26 +113,28 @@ def reference(tmp_path: Path) -> Reference:
     )
 
 
-def check_mesh(parallel: Parallel, ref: Reference, save_to: Path | None) -> None:
-    """This rank's share of the batch through the sharded policy, then everything compared with the reference."""
-    cpu = torch.device("cpu")
-    model, tokenizer = load_policy_shard(ref.checkpoint, "auto", "grouped_mm", parallel.ep_group, cpu)
-    reference_model, _ = load_policy_shard(ref.checkpoint, "auto", "grouped_mm", parallel.ep_group, cpu)
-    num_experts = model.config.num_experts
-    assert model.model.layers[0].mlp.experts.down_proj.shape[0] == num_experts // parallel.ep_group.size()
+def check_mesh(parallel: Parallel, ref: Reference, checkpointing: bool, save_to: Path | None) -> None:
+    """This rank's microbatches of the batch through the sharded policy, then everything compared with the
+    reference."""
+    config = train_config(checkpointing)
+    reference_model, _, _ = load_trainer_model(ref.checkpoint, config.trainer, parallel)
     batch = experience()
-    rows = rank_share(torch.arange(12), parallel)
+    ref_logprobs_BT = frozen_logprobs(reference_model, batch, 1.0, config.trainer.max_tokens_per_microbatch, parallel)
+    model, tokenizer, optimizer = load_trainer_model(ref.checkpoint, config.trainer, parallel)
+    num_experts = model.config.num_experts
+    assert model.model.layers[0].mlp.dispatcher.num_local_experts == num_experts // parallel.ep_group.size()
+    [micro] = rank_microbatches(batch, torch.arange(12), config.trainer.max_tokens_per_microbatch, parallel)
     with torch.no_grad():
-        logits_bTV = model(input_ids=batch.input_ids_BT[rows], attention_mask=batch.attention_mask_BT[rows]).logits
-    torch.testing.assert_close(logits_bTV, ref.logits_BTV[rows], **TOLERANCE)
+        logits_NV = model.lm_head(body_forward(model.model, micro)[0])
+    reshard(model)
+    torch.testing.assert_close(logits_NV, micro.pack(ref.logits_BTV), **TOLERANCE)
 
-    optimizer = make_optimizer(model, train_config().trainer)
-    report = policy_update(model, reference_model, optimizer, batch, train_config(), SEED, parallel)
+    report = policy_update(model, ref_logprobs_BT, optimizer, batch, config, SEED, parallel)
     for key in ("loss", "kl", "clip_fraction", "grad_norm", "logprob_mismatch", "behavior_kl"):
         assert report[key] == pytest.approx(ref.report[key], rel=1e-5, abs=1e-7), key
     experts = expert_parameters(model)
     for name, parameter in model.named_parameters():
-        grad = gather_over(parameter.grad, parallel.ep_group) if parameter in experts else parameter.grad
+        grad = whole(parameter.grad, parameter, experts, parallel)
         torch.testing.assert_close(grad, ref.grads[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
     for name, tensor in hf_state_dict(model).items():
         torch.testing.assert_close(tensor, ref.params[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
@@ -135,22 +152,25 @@ def free_port() -> int:
         return listener.getsockname()[1]
 
 
-def run_rank(rank: int, world_size: int, port: int, meshes: list[int], ref: Reference, save_to: Path | None) -> None:
-    """As torchrun starts a rank: env:// rendezvous, then init_parallel; then one more mesh per extra EP size."""
+def run_rank(rank: int, world_size: int, port: int, meshes: list[tuple[int, bool]], ref: Reference,
+             save_to: Path | None) -> None:
+    """As torchrun starts a rank: env:// rendezvous, then init_parallel; then one more mesh per further (EP size,
+    activation checkpointing)."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_num_threads(1)  # several processes share 2 cores
-    parallel = init_parallel(TrainerConfig(world_size=world_size, expert_parallel=meshes[0]))
+    (expert_parallel, checkpointing), *more = meshes
+    parallel = init_parallel(TrainerConfig(world_size=world_size, expert_parallel=expert_parallel))
     try:
-        check_mesh(parallel, ref, save_to)
-        for expert_parallel in meshes[1:]:
-            check_mesh(mesh_parallel(expert_parallel, "cpu"), ref, None)
+        check_mesh(parallel, ref, checkpointing, save_to)
+        for expert_parallel, checkpointing in more:
+            check_mesh(mesh_parallel(expert_parallel, "cpu"), ref, checkpointing, None)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(world_size: int, meshes: list[int], ref: Reference, save_to: Path | None = None) -> None:
+def spawn(world_size: int, meshes: list[tuple[int, bool]], ref: Reference, save_to: Path | None = None) -> None:
     mp.spawn(run_rank, args=(world_size, free_port(), meshes, ref, save_to), nprocs=world_size, join=True)
 
 
@@ -182,20 +202,22 @@ def test_load_balancing_loss_is_transformers_aux_loss() -> None:
     model = Qwen3MoeForCausalLM(tiny_config())
     batch = experience()
     output = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT, output_router_logits=True)
-    ours = load_balancing_loss(output.router_logits, batch.attention_mask_BT, 8, 2, Parallel())
+    mask_t = batch.attention_mask_BT.reshape(-1)
+    ours = load_balancing_loss(output.router_logits, mask_t, 8, 2, int(mask_t.sum()), Parallel())
     torch.testing.assert_close(ours, output.aux_loss)
 
 
 @pytest.mark.slow
 def test_ep2_update_equals_one_process(tmp_path: Path) -> None:
-    spawn(2, [2], reference(tmp_path))
+    spawn(2, [(2, False)], reference(tmp_path))
 
 
 @pytest.mark.slow
-def test_ep4_and_dp2_x_ep2_updates_equal_one_process_and_ep4_checkpoint_loads(tmp_path: Path) -> None:
-    """4 processes: EP = 4 (which also writes its trainer state), then a (dp, ep) = (2, 2) mesh."""
+def test_ep4_dp2_x_ep2_and_dp4_updates_equal_one_process_and_ep4_checkpoint_loads(tmp_path: Path) -> None:
+    """4 processes under FSDP2: EP = 4 (which also writes its trainer state), then (dp, ep) = (2, 2) with activation
+    checkpointing, then (4, 1)."""
     ref = reference(tmp_path)
-    spawn(4, [4, 2], ref, save_to=tmp_path / "state")
+    spawn(4, [(4, False), (2, True), (1, False)], ref, save_to=tmp_path / "state")
     published = AutoModelForCausalLM.from_pretrained(tmp_path / "state", dtype=torch.float32)
     expected = Qwen3MoeForCausalLM(published.config)
     expected.load_state_dict(ref.params, strict=True)

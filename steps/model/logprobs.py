@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from steps.rl.packing import Microbatch
 
@@ -82,29 +83,53 @@ def packed_token_logprobs(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """`steps.model.policy.token_logprobs` of the microbatch's samples: [n, T] (position 0 and the padding 0), and each
     MoE layer's router logits [N, E]. The model's head is a `LogprobHead`."""
-    output = body_forward(model.model, micro)
-    hidden_NH = output.last_hidden_state[0]
+    hidden_NH, router_logits_L = body_forward(model.model, micro)
     next_token_N = micro.input_ids_1N[0].roll(-1)  # the target of a sample's last token is not used
     next_logprobs_N = model.lm_head(hidden_NH, next_token_N, temperature)
-    return micro.unpack(shift_into_place(next_logprobs_N, micro)), output.router_logits
+    return micro.unpack(shift_into_place(next_logprobs_N, micro)), router_logits_L
 
 
 def packed_token_values(critic: nn.Module, micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """`steps.model.policy.token_values` of the microbatch's samples: [n, T], and each MoE layer's router logits."""
-    output = body_forward(critic.model, micro)
-    values_N = critic.score(output.last_hidden_state[0]).squeeze(-1).float()
-    return micro.unpack(shift_into_place(values_N, micro)), output.router_logits
+    hidden_NH, router_logits_L = body_forward(critic.model, micro)
+    values_N = critic.score(hidden_NH).squeeze(-1).float()
+    return micro.unpack(shift_into_place(values_N, micro)), router_logits_L
 
 
-def body_forward(body: nn.Module, micro: Microbatch) -> Any:
-    # No KV cache (see steps.model.policy.token_logprobs); the sample boundaries go down to the attention function.
-    return body(
-        input_ids=micro.input_ids_1N,
-        position_ids=micro.position_ids_1N,
-        output_router_logits=True,
-        use_cache=False,
-        **micro.attention_kwargs(),
-    )
+class RouterLogits:
+    """Each MoE layer's router logits [N, E] of a forward, recorded by forward hooks on the routers, installed once
+    on a model's body. (HF's own recorder, `output_router_logits=True`, looks its hooks up by the model's class,
+    which FSDP2's `fully_shard` replaces with a subclass of its own.)"""
+
+    def __init__(self, body: nn.Module) -> None:
+        self.recorded: list[torch.Tensor] | None = None
+        for module in body.modules():
+            if isinstance(module, Qwen3MoeTopKRouter):
+                module.register_forward_hook(self.record)
+
+    @torch.compiler.disable  # a graph break, as HF's recorder makes, rather than a recompile per layer
+    def record(self, module: nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> None:
+        if self.recorded is not None:  # None outside a forward: activation checkpointing's recompute
+            self.recorded.append(output[0])
+
+    @classmethod
+    def of(cls, body: nn.Module) -> RouterLogits:
+        if "_router_logits" not in body.__dict__:
+            body.__dict__["_router_logits"] = cls(body)
+        return body.__dict__["_router_logits"]
+
+
+def body_forward(body: nn.Module, micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The body's last hidden states [N, H] of the microbatch, and each MoE layer's router logits."""
+    recorder = RouterLogits.of(body)
+    recorder.recorded = []
+    try:
+        # No KV cache (see steps.model.policy.token_logprobs); the sample boundaries go down to attention.
+        output = body(input_ids=micro.input_ids_1N, position_ids=micro.position_ids_1N, use_cache=False,
+                      **micro.attention_kwargs())  # fmt: skip
+        return output.last_hidden_state[0], tuple(recorder.recorded)
+    finally:
+        recorder.recorded = None
 
 
 def shift_into_place(per_prefix_N: torch.Tensor, micro: Microbatch) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
 from steps.model import kernels
@@ -142,12 +143,17 @@ class MoeBlock(nn.Module):
     def gather_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All E experts, (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as HF holds them in memory.
 
-        Collective over the EP group: every EP rank must call it.
+        Collective over the EP group (and, under FSDP2, over the dp ranks that shard this EP slice): every rank must
+        call it.
         """
         group = self.dispatcher.ep_group
-        return gather_over(self.experts.gate_up_proj.detach(), group), gather_over(
-            self.experts.down_proj.detach(), group
-        )
+        gate_up_proj, down_proj = (unsharded(p.detach()) for p in (self.experts.gate_up_proj, self.experts.down_proj))
+        return gather_over(gate_up_proj, group), gather_over(down_proj, group)
+
+
+def unsharded(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (an FSDP2 shard) made whole on every rank of its mesh (collective); a plain tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def gather_over(local_eXY: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -175,12 +181,11 @@ def replace_moe_blocks(
 
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """model's state dict as the HF model has it: every MoE block's experts gathered over its EP group.
-
-    Collective: every EP rank must call it. `Qwen3MoeForCausalLM.load_state_dict` takes the result, and
+    """model's state dict as the HF model has it: unsharded (FSDP2), every MoE block's experts gathered over its EP
+    group. Collective: every rank must call it. `Qwen3MoeForCausalLM.load_state_dict` takes the result, and
     `save_pretrained` writes the HF checkpoint from there.
     """
-    state = model.state_dict()
+    state = {key: unsharded(value) for key, value in model.state_dict().items()}
     for name, module in model.named_modules():
         if isinstance(module, MoeBlock):
             state[f"{name}.experts.gate_up_proj"], state[f"{name}.experts.down_proj"] = module.gather_experts()

@@ -30,7 +30,7 @@ from transformers import (
 from steps.config import TinyModelConfig
 from steps.errors import MoeloopError
 from steps.model.dispatch import make_dispatcher
-from steps.model.moe import ExpertsImpl, MoeBlock, compile_decoder_layers, replace_moe_blocks
+from steps.model.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
 
 PAD, EOS = "<pad>", "<eos>"
 
@@ -105,7 +105,6 @@ def load_policy_shard(
     config, tokenizer = read_config(directory)
     model = shard_model(AutoModelForCausalLM, config, dispatcher, experts_impl, ep_group, device)
     model.load_state_dict(read_hf_shard(directory, model, device), strict=True)
-    compile_decoder_layers(model)  # CUDA only: HF's elementwise code around the MoE blocks dominates, eager
     return model, tokenizer
 
 
@@ -133,7 +132,6 @@ def load_critic_shard(
     state = read_hf_shard(directory, model, device, skip=head)
     state.update({key: torch.zeros_like(model.state_dict()[key], device=device) for key in head})
     model.load_state_dict(state, strict=True)
-    compile_decoder_layers(model)
     return model, tokenizer
 
 
@@ -152,9 +150,12 @@ def shard_model(
     ep_group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> torch.nn.Module:
-    """An uninitialised fp32 model of auto_class on device, its MoE blocks holding this EP rank's experts."""
+    """An uninitialised fp32 model of auto_class on device, its MoE blocks holding this EP rank's experts. Its
+    config keeps the dtype the checkpoint is stored in, which the trainer state is saved in again."""
+    stored_dtype = config.dtype
     with torch.device("meta"):
         model = auto_class.from_config(config, dtype=torch.float32)
+    model.config.dtype = stored_dtype
     replace_moe_blocks(model, make_dispatcher(dispatcher, config.num_experts, ep_group), experts_impl)
     model.to_empty(device=device)
     # The rotary frequencies are a non-persistent buffer, in no checkpoint: to_empty left them uninitialised.
@@ -204,17 +205,24 @@ def read_hf_shard(
     return state
 
 
+def stored_dtype(config: Any) -> torch.dtype:
+    """The dtype a checkpoint's config says its weights are stored in (fp32 where it says none)."""
+    dtype = config.dtype
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
+
+
 def save_hf_state_dict(
     state: dict[str, torch.Tensor], config: Qwen3MoeConfig, tokenizer: PreTrainedTokenizerFast, directory: Path
 ) -> None:
     """Write an HF checkpoint from a full state dict (all experts, as `steps.model.moe.hf_state_dict` gathers them):
-    the policy's, or the critic's (its config names `Qwen3MoeForTokenClassification`)."""
+    the policy's, or the critic's (its config names `Qwen3MoeForTokenClassification`), in the config's dtype."""
     critic = Qwen3MoeForTokenClassification.__name__ in (config.architectures or [])
     with torch.device("meta"):
         model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(
             config, dtype=torch.float32
         )
-    model.load_state_dict(state, strict=True, assign=True)
+    dtype = stored_dtype(config)
+    model.load_state_dict({key: value.to(dtype) for key, value in state.items()}, strict=True, assign=True)
     save_policy(model, tokenizer, directory)
 
 

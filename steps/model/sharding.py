@@ -24,10 +24,7 @@ kept, the rest recomputed in the backward), which wraps the layer's call, FSDP's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -74,27 +71,6 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, device: torch.device) -> float:
-    """`clip_grad_norm_` over sharded gradients: each rank's squared norm of its shards, summed over all ranks.
-
-    Every parameter's shards are disjoint across the world: a dense weight's over all ranks, an expert's over its
-    dp ranks within each EP slice, and the EP slices hold different experts. So one all-reduce sums the whole
-    model's squared norm, the experts' part summed over EP as before. Summed in the parameters' order, the same
-    to the last bit on every rank and re-run.
-    """
-    gradients = [p.grad for p in parameters if p.grad is not None]
-    square = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in gradients:
-        square += local(grad).float().pow(2).sum()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(square)
-    total_norm = square.sqrt()
-    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
-    for grad in gradients:
-        local(grad).mul_(scale.to(local(grad).dtype))
-    return float(total_norm)
-
-
 def full_value(value: torch.Tensor, parameter: nn.Parameter) -> torch.Tensor:
     """A parameter's value or optimizer state (a DTensor, or the local shard of one kept on the CPU by
     `steps.rl.offload`) as the whole tensor of this rank's EP slice. Collective over the parameter's mesh."""
@@ -116,3 +92,11 @@ def shard_like(full: torch.Tensor, parameter: nn.Parameter) -> torch.Tensor:
     return distribute_tensor(
         full.to(parameter.device), parameter.device_mesh, parameter.placements, src_data_rank=None
     )
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP unit's gathered parameters. A root unit keeps them after a forward without a backward (the
+    no-gradient passes), and its parameters then read as the gathered ones."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

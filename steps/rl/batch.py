@@ -8,10 +8,14 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from steps.config import TrainerConfig
-from steps.model.policy import pack_sequences, token_logprobs
-from steps.rl.parallel import Parallel, all_gather_rows, rank_share
+from steps.model.logprobs import packed_token_logprobs
+from steps.model.policy import pack_sequences
+from steps.model.sharding import reshard
+from steps.rl.packing import Microbatch, pack_rows, plan_microbatches
+from steps.rl.parallel import Parallel
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,10 @@ class ExperienceBatch:
         return ExperienceBatch(*(getattr(self, f.name)[rows_b] for f in fields(self)))
 
 
-def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, float], pad_id: int) -> ExperienceBatch:
+def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, float]) -> ExperienceBatch:
+    """The rollouts right-padded (with token 0, which no forward reads: they run on packed microbatches)."""
     prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
-    input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id)
+    input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id=0)
     behavior_BT = torch.zeros(input_ids_BT.shape)
     for row, (prompt, logprobs) in enumerate(zip(prompts, rollouts["behavior_logprobs"], strict=False)):
         behavior_BT[row, len(prompt) : len(prompt) + len(logprobs)] = torch.tensor(logprobs)
@@ -69,31 +74,41 @@ def minibatch_schedule(batch_size: int, settings: TrainerConfig, seed: int, worl
 
 @torch.no_grad()
 def frozen_pass(
-    per_token: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]],
+    per_token: Callable[[torch.nn.Module, Microbatch], tuple[torch.Tensor, Any]],
     model: torch.nn.Module,
     batch: ExperienceBatch,
-    minibatch: int,
+    max_tokens: int,
     parallel: Parallel,
 ) -> torch.Tensor:
-    """per_token(input_ids, attention_mask)[0] (token logprobs or values) for the whole batch on every rank: each
-    rank computes its share in eval mode, then the shares are all-gathered."""
+    """per_token(model, microbatch)[0] (token logprobs or values, [n, T]) for the whole batch, on every rank: each
+    rank runs its microbatches of the batch's packing in eval mode; each row is then summed in from the one rank
+    that computed it (the others hold zeros there)."""
     model.eval()
-    batch_size = len(batch.input_ids_BT)
-    rows_b = rank_share(torch.arange(batch_size), parallel)
-    # Every rank runs the MoE layers (collectives inside) equally often: the chunk count of the largest share.
-    largest_share = -(-batch_size // parallel.world_size)
-    chunks = [
-        per_token(batch.input_ids_BT[rows], batch.attention_mask_BT[rows])[0]
-        for rows in rows_b.tensor_split(-(-largest_share // minibatch))
-    ]
-    return all_gather_rows(torch.cat(chunks), batch_size, parallel)
+    values_BT = torch.zeros(batch.input_ids_BT.shape, device=batch.input_ids_BT.device)
+    for micro in rank_microbatches(batch, torch.arange(len(batch.input_ids_BT)), max_tokens, parallel):
+        values_BT[micro.rows_n] = per_token(model, micro)[0]
+    reshard(model)
+    if parallel.world_size > 1:
+        dist.all_reduce(values_BT)
+    return values_BT
+
+
+def rank_microbatches(
+    batch: ExperienceBatch, rows_b: torch.Tensor, max_tokens: int, parallel: Parallel
+) -> list[Microbatch]:
+    """This rank's packed microbatches of the samples rows_b (`steps.rl.packing.plan_microbatches`: every rank
+    runs as many)."""
+    lengths_B = batch.attention_mask_BT.sum(1)
+    plan = plan_microbatches(lengths_B[rows_b].tolist(), max_tokens, parallel.world_size)[parallel.rank]
+    return [pack_rows(batch.input_ids_BT, lengths_B, rows_b[members].tolist()) for members in plan]
 
 
 def frozen_logprobs(
-    model: torch.nn.Module, batch: ExperienceBatch, temperature: float, minibatch: int, parallel: Parallel
+    model: torch.nn.Module, batch: ExperienceBatch, temperature: float, max_tokens: int, parallel: Parallel
 ) -> torch.Tensor:
     """The whole batch's token logprobs on every rank."""
-    return frozen_pass(partial(token_logprobs, model, temperature=temperature), model, batch, minibatch, parallel)
+    logprobs = partial(packed_token_logprobs, temperature=temperature)
+    return frozen_pass(logprobs, model, batch, max_tokens, parallel)
 
 
 def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:

@@ -92,10 +92,14 @@ class Microbatch:
     def empty(self) -> bool:
         return len(self.rows_n) == 0
 
+    def real_tokens(self) -> torch.Tensor:
+        """1 for each token of a sample, [N]: all of them, or none in the empty microbatch."""
+        return torch.full((self.num_tokens,), 0.0 if self.empty else 1.0, device=self.input_ids_1N.device)
+
     def unpack(self, values_N: torch.Tensor) -> torch.Tensor:
         """Per-token values [N] as the padded layout [n, T], zero at the padding (no rows for the empty one)."""
-        if self.empty:
-            return values_N.new_zeros((0, self.width))
+        if self.empty:  # no rows, but in the graph: the rank's backward still reaches every parameter
+            return values_N[:0].unsqueeze(1).expand(0, self.width)
         padded_nT = values_N.new_zeros((len(self.rows_n), self.width))
         return padded_nT.index_put((self.row_N, self.column_N), values_N)
 
@@ -115,17 +119,17 @@ class Microbatch:
         }
 
 
-def pack_rows(input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, rows: list[int], pad_id: int) -> Microbatch:
+def pack_rows(input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, rows: list[int]) -> Microbatch:
     """The samples `rows` of a right-padded batch (sample b is its first lengths_B[b] tokens) as one microbatch.
 
-    No rows is the empty microbatch: one pad token, so that the rank still runs every collective; its values are
-    given no weight (its unpacked values have no rows)."""
+    No rows is the empty microbatch: one token (id 0), so that the rank still runs every collective; its values
+    are given no weight (its unpacked values have no rows)."""
     device, width = input_ids_BT.device, input_ids_BT.shape[1]
     rows_n = torch.tensor(rows, dtype=torch.long, device=device)
     if not rows:
         zero_1 = torch.zeros(1, dtype=torch.long, device=device)
         cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        return Microbatch(rows_n, torch.full((1, 1), pad_id, device=device), zero_1.view(1, 1), cu_seqlens, 1,
+        return Microbatch(rows_n, zero_1.view(1, 1), zero_1.view(1, 1), cu_seqlens, 1,
                           zero_1, zero_1, width)  # fmt: skip
     lengths_n = lengths_B[rows_n]
     total = int(lengths_n.sum())

@@ -1,4 +1,4 @@
-"""The MoE routers' load-balancing loss (HF's), split over the ranks so that the shares add up to one process's."""
+"""The MoE routers' load-balancing loss (HF's), split over the ranks and microbatches."""
 
 from __future__ import annotations
 
@@ -11,19 +11,24 @@ from steps.rl.parallel import Parallel
 
 def load_balancing_loss(
     router_logits_L: tuple[torch.Tensor, ...],
-    attention_mask_bT: torch.Tensor,
+    mask_t: torch.Tensor,
     num_experts: int,
     top_k: int,
+    minibatch_tokens: int,
     parallel: Parallel,
 ) -> torch.Tensor:
-    """This rank's share of HF's load-balancing loss (`load_balancing_loss_func`) over the whole minibatch.
+    """This rank's share of HF's load-balancing loss (`load_balancing_loss_func`) for one microbatch index.
 
     That loss is E * sum_e f_e * P_e: f_e the share of top-k assignments to expert e and P_e its mean router
-    probability, over all layers and unpadded tokens. f has no gradient, so with f and the token count summed over
-    all ranks first, the ranks' shares E * f . (their P sums) / count add up to the loss and to its gradient (the
-    router gradients are summed over all ranks). A rank's own aux loss, on its tokens only, would not.
+    probability, over all layers and real tokens (mask_t: 1 for the tokens of router_logits' rows that count). f has
+    no gradient. Here f is over the tokens of this microbatch on all ranks (the ranks run equally many, summed
+    first), and P's sum over this rank's tokens is divided by the whole minibatch's tokens (minibatch_tokens, all
+    ranks): the ranks' shares add up to the loss of the microbatch index, weighted by its share of the minibatch's
+    tokens. With one microbatch per rank that is HF's loss over the minibatch; with more, the token-weighted mean
+    of each microbatch's (f cannot be known for the whole minibatch before its last microbatch has run, and the
+    earlier ones' graphs are gone by then).
     """
-    mask_t = attention_mask_bT.reshape(-1).float()
+    mask_t = mask_t.float()
     assigned_E = mask_t.new_zeros(num_experts)
     probability_sum_E = mask_t.new_zeros(num_experts)
     for logits_tE in router_logits_L:
@@ -34,16 +39,20 @@ def load_balancing_loss(
     counts = torch.cat([assigned_E, (mask_t.sum() * len(router_logits_L)).reshape(1)])
     if parallel.world_size > 1:
         dist.all_reduce(counts)
-    assigned_E, rows = counts[:-1], counts[-1]
-    return num_experts * ((assigned_E / rows) * (probability_sum_E / rows)).sum()
+    assigned_E, rows = counts[:-1], counts[-1].clamp(min=1)
+    return num_experts * ((assigned_E / rows) * (probability_sum_E / (minibatch_tokens * len(router_logits_L)))).sum()
 
 
 def router_aux_loss(
-    model: torch.nn.Module, router_logits_L: tuple, attention_mask_bT: torch.Tensor, parallel: Parallel
+    model: torch.nn.Module,
+    router_logits_L: tuple,
+    mask_t: torch.Tensor,
+    minibatch_tokens: int,
+    parallel: Parallel,
 ) -> torch.Tensor:
     """The load-balancing loss of model's routers, weighted by its config's router_aux_loss_coef."""
     config = model.config
     aux = load_balancing_loss(
-        router_logits_L, attention_mask_bT, config.num_experts, config.num_experts_per_tok, parallel
+        router_logits_L, mask_t, config.num_experts, config.num_experts_per_tok, minibatch_tokens, parallel
     )
     return config.router_aux_loss_coef * aux

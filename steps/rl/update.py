@@ -9,18 +9,26 @@ are one process's on the whole minibatch.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
 from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
-from steps.model.policy import token_logprobs, token_values
-from steps.rl.batch import ExperienceBatch, frozen_logprobs, frozen_pass, masked_mean, minibatch_schedule
+from steps.model.logprobs import packed_token_logprobs, packed_token_values
+from steps.rl.batch import (
+    ExperienceBatch,
+    frozen_logprobs,
+    frozen_pass,
+    masked_mean,
+    minibatch_schedule,
+    rank_microbatches,
+)
 from steps.rl.grpo import behavior_weights, clipped_policy_loss, group_advantages, varied_groups
-from steps.rl.parallel import Parallel, all_reduce_sum, clip_gradients, expert_parameters, rank_share, sync_gradients
+from steps.rl.packing import Microbatch
+from steps.rl.parallel import Parallel, all_reduce_sum, clip_grad_norm
 from steps.rl.ppo import gae, token_rewards, value_loss, whiten
 from steps.rl.router_loss import router_aux_loss
 
@@ -33,21 +41,31 @@ class Critic:
     optimizer: torch.optim.Optimizer
 
 
-def optimizer_step(
+def minibatch_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    loss: torch.Tensor,
-    max_grad_norm: float,
+    batch: ExperienceBatch,
+    minibatch_rows: torch.Tensor,
+    loss_of: Callable[[Microbatch], tuple[torch.Tensor, tuple[torch.Tensor, ...], list[float]]],
+    config: MoeloopConfig,
     parallel: Parallel,
-) -> float:
-    """Backward, gradients summed over the ranks and clipped, one step; returns the gradient norm before clipping."""
-    experts = expert_parameters(model)
+) -> tuple[float, list[float]]:
+    """One optimizer step over a minibatch. For each of this rank's packed microbatches of it, loss_of(micro) gives
+    (that microbatch's part of the minibatch's loss, its router logits, figures to report); its loss and the
+    routers' aux loss are backpropagated. Then the gradients (summed over the ranks in FSDP2's reduce-scatters) are
+    clipped and the optimizer steps. Returns the gradient norm before clipping and the figures summed over the
+    microbatches and ranks."""
+    settings = config.trainer
+    minibatch_tokens = int(batch.attention_mask_BT[minibatch_rows].sum())
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    sync_gradients(model, experts, parallel)
-    grad_norm = clip_gradients(model, experts, max_grad_norm, parallel)
+    sums: list[float] = []
+    for micro in rank_microbatches(batch, minibatch_rows, settings.max_tokens_per_microbatch, parallel):
+        loss, router_logits_L, figures = loss_of(micro)
+        (loss + router_aux_loss(model, router_logits_L, micro.real_tokens(), minibatch_tokens, parallel)).backward()
+        sums = [a + b for a, b in zip(sums, figures, strict=True)] if sums else figures
+    grad_norm = clip_grad_norm(model.parameters(), settings.max_grad_norm, parallel)
     optimizer.step()
-    return grad_norm
+    return grad_norm, all_reduce_sum(sums, parallel)
 
 
 def ppo_advantages(
@@ -61,8 +79,8 @@ def ppo_advantages(
     """(whitened advantages_BT, returns_BT, old_values_BT): GAE over the token rewards, with the critic's values
     before the update. Whitened over the whole batch's response tokens, so the minibatch split changes nothing."""
     algorithm, mask_BT = config.algorithm, batch.response_mask_BT
-    values = partial(token_values, critic.model)
-    old_values_BT = frozen_pass(values, critic.model, batch, config.trainer.minibatch_size, parallel) * mask_BT
+    budget = config.trainer.max_tokens_per_microbatch
+    old_values_BT = frozen_pass(packed_token_values, critic.model, batch, budget, parallel) * mask_BT
     rewards_BT = token_rewards(batch.rewards_B, mask_BT, algorithm.kl_coef, old_logprobs_BT, ref_logprobs_BT)
     advantages_BT, returns_BT = gae(rewards_BT, old_values_BT, mask_BT, algorithm.gae_gamma, algorithm.gae_lambda)
     return whiten(advantages_BT, mask_BT), returns_BT, old_values_BT
@@ -70,7 +88,7 @@ def ppo_advantages(
 
 def policy_update(
     model: torch.nn.Module,
-    reference: torch.nn.Module,
+    ref_logprobs_BT: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     batch: ExperienceBatch,
     config: MoeloopConfig,
@@ -79,7 +97,8 @@ def policy_update(
     critic: Critic | None = None,
 ) -> dict[str, Any]:
     """Advantages, then epochs x minibatches of clipped-surrogate steps of the policy (PPO: then as many clipped
-    value-loss steps of the critic, over the same minibatches); returns what it measured (the same on all ranks)."""
+    value-loss steps of the critic, over the same minibatches); returns what it measured (the same on all ranks).
+    ref_logprobs_BT: the reference policy's token logprobs of the batch (`steps.rl.state.reference_logprobs`)."""
     settings, algorithm = config.trainer, config.algorithm
     if (algorithm.name == "ppo") != (critic is not None):
         raise MoeloopError(f"algorithm {algorithm.name} {'needs' if critic is None else 'takes no'} critic")
@@ -88,13 +107,13 @@ def policy_update(
     if algorithm.drop_equal_groups:
         kept_B = varied_groups(batch.rewards_B, batch.group_ids_B)
         report["dropped_samples"] = int((~kept_B).sum())
-        batch = batch.select(kept_B.nonzero().squeeze(1))
+        kept_b = kept_B.nonzero().squeeze(1)
+        batch, ref_logprobs_BT = batch.select(kept_b), ref_logprobs_BT[kept_b]
     if len(batch.rewards_B) < parallel.world_size:  # nothing left that every rank could take a share of
         return {**report, "optimizer_steps": 0, "response_tokens": int(batch.response_mask_BT.sum())}
     mask_BT = batch.response_mask_BT
     # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1.
-    old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.minibatch_size, parallel)
-    ref_logprobs_BT = frozen_logprobs(reference, batch, temperature, settings.minibatch_size, parallel)
+    old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.max_tokens_per_microbatch, parallel)
     log_ratio_BT = ref_logprobs_BT - old_logprobs_BT
     report["kl"] = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT)
     # Engine vs trainer: mean |difference| and KL(behaviour || trainer), k3. With a stale behaviour policy
@@ -151,31 +170,31 @@ def actor_steps(
     model.train()
     for minibatch_rows in schedule:
         num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
-        rows = rank_share(minibatch_rows, parallel)
-        input_ids_bT, attention_mask_bT = batch.input_ids_BT[rows], batch.attention_mask_BT[rows]
-        logprobs_bT, router_logits_L = token_logprobs(model, input_ids_bT, attention_mask_bT, temperature)
-        terms = clipped_policy_loss(
-            logprobs_bT,
-            old_logprobs_BT[rows],
-            advantages[rows],
-            mask_BT[rows],
-            clip_low=algorithm.clip_eps,
-            clip_high=algorithm.clip_eps_high,
-            aggregation=algorithm.loss_aggregation,
-            max_length=config.rollout.max_new_tokens,
-            num_tokens=num_tokens,
-            num_sequences=len(minibatch_rows),
-            weights_BT=weights_BT[rows] if weights_BT is not None else None,
-            ref_logprobs_BT=kl_reference_BT[rows] if kl_reference_BT is not None else None,
-            kl_coef=algorithm.kl_coef if kl_reference_BT is not None else 0.0,
-        )
-        aux = router_aux_loss(model, router_logits_L, attention_mask_bT, parallel)
-        measured["grad_norm"].append(
-            optimizer_step(model, optimizer, terms.loss + aux, config.trainer.max_grad_norm, parallel)
-        )
-        # The rank's loss is its part of the minibatch's; its clip fraction is over its tokens.
-        share_tokens = float(mask_BT[rows].sum())
-        loss, clipped = all_reduce_sum([terms.loss.item(), float(terms.clip_fraction) * share_tokens], parallel)
+
+        def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[float]]:
+            logprobs_nT, router_logits_L = packed_token_logprobs(model, micro, temperature)
+            rows = micro.rows_n
+            terms = clipped_policy_loss(
+                logprobs_nT,
+                old_logprobs_BT[rows],
+                advantages[rows],
+                mask_BT[rows],
+                clip_low=algorithm.clip_eps,
+                clip_high=algorithm.clip_eps_high,
+                aggregation=algorithm.loss_aggregation,
+                max_length=config.rollout.max_new_tokens,
+                num_tokens=num_tokens,
+                num_sequences=len(minibatch_rows),  # noqa: B023 -- called in this iteration only
+                weights_BT=weights_BT[rows] if weights_BT is not None else None,
+                ref_logprobs_BT=kl_reference_BT[rows] if kl_reference_BT is not None else None,
+                kl_coef=algorithm.kl_coef if kl_reference_BT is not None else 0.0,
+            )
+            # The microbatch's part of the minibatch's loss; its clip fraction is over its own tokens.
+            clipped = float(terms.clip_fraction) * float(mask_BT[rows].sum())
+            return terms.loss, router_logits_L, [terms.loss.item(), clipped]
+
+        grad_norm, (loss, clipped) = minibatch_step(model, optimizer, batch, minibatch_rows, loss_of, config, parallel)
+        measured["grad_norm"].append(grad_norm)
         measured["loss"].append(loss)
         measured["clip_fraction"].append(clipped / num_tokens)
     return measured
@@ -196,18 +215,20 @@ def critic_steps(
     critic.model.train()
     for minibatch_rows in schedule:
         num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
-        rows = rank_share(minibatch_rows, parallel)
-        input_ids_bT, attention_mask_bT = batch.input_ids_BT[rows], batch.attention_mask_BT[rows]
-        values_bT, router_logits_L = token_values(critic.model, input_ids_bT, attention_mask_bT)
-        loss, value_clipped = value_loss(
-            values_bT, old_values_BT[rows], returns_BT[rows], mask_BT[rows], config.algorithm.value_clip, num_tokens
+
+        def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[float]]:
+            values_nT, router_logits_L = packed_token_values(critic.model, micro)
+            rows = micro.rows_n
+            loss, value_clipped = value_loss(
+                values_nT, old_values_BT[rows], returns_BT[rows], mask_BT[rows], config.algorithm.value_clip,
+                num_tokens,  # noqa: B023 -- called in this iteration only
+            )  # fmt: skip
+            return loss, router_logits_L, [loss.item(), float(value_clipped) * float(mask_BT[rows].sum())]
+
+        grad_norm, (loss, clipped) = minibatch_step(
+            critic.model, critic.optimizer, batch, minibatch_rows, loss_of, config, parallel
         )
-        aux = router_aux_loss(critic.model, router_logits_L, attention_mask_bT, parallel)
-        measured["critic_grad_norm"].append(
-            optimizer_step(critic.model, critic.optimizer, loss + aux, config.trainer.max_grad_norm, parallel)
-        )
-        share_tokens = float(mask_BT[rows].sum())
-        loss_sum, clipped = all_reduce_sum([loss.item(), float(value_clipped) * share_tokens], parallel)
-        measured["value_loss"].append(loss_sum)
+        measured["critic_grad_norm"].append(grad_norm)
+        measured["value_loss"].append(loss)
         measured["value_clip_fraction"].append(clipped / num_tokens)
     return measured
