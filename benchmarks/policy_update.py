@@ -65,6 +65,7 @@ from steps.rl.state import load_trainer_model
 from steps.rl.update import actor_steps
 
 REPO = Path(__file__).resolve().parents[1]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROWS = ("careful", "careful_gc", "bf16_hf", "bf16_ours", "product", "product_ac")
 
 
@@ -161,28 +162,29 @@ def hf_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro: l
 
 
 def careful_hf(initial: torch.nn.Module, checkpointing: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = Qwen3MoeForCausalLM(initial.config)
     model.load_state_dict(initial.state_dict())
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        layer.compile()
+        if model.device.type == "cuda":
+            layer.compile()
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
 
 def bf16_everything(initial: torch.nn.Module, ours: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = Qwen3MoeForCausalLM(initial.config)
     model.load_state_dict(initial.state_dict())
     model.to(torch.bfloat16)
     if ours:
         replace_moe_blocks(model, make_dispatcher("local", initial.config.num_experts), "grouped_mm")
         compile_decoder_layers(model)
-    else:
+    elif model.device.type == "cuda":
         for layer in model.model.layers:
             layer.compile()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -234,8 +236,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dense-size", type=int, default=8192)
+    parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script with a tiny --layers etc.")
     args = parser.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     config = build_config(args)
     product_settings = product_config(args, checkpointing=False).trainer
     parallel = init_parallel(product_settings)  # a one-process group: FSDP2 needs one, for every row
@@ -256,7 +259,7 @@ def main() -> None:
         f"{args.layers} layers, {args.experts} experts x I={args.intermediate}, top-{args.top_k}, {args.heads} q / "
         f"{args.kv_heads} kv heads x {args.head_dim}, vocab {args.vocab}; dense bf16 {args.dense_size}^3 measured "
         f"{dense:.0f} TFLOP/s; median of {args.reps} updates after {args.warmup}; "
-        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
         f"transformers {__import__('transformers').__version__}\n"
     )
     for name in args.batches:
@@ -273,7 +276,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         baseline = None
         for row in args.rows:
-            torch.cuda.reset_peak_memory_stats(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             extra = ""
             try:
                 if row.startswith("product"):
@@ -294,8 +298,9 @@ def main() -> None:
             finally:
                 model = update = None  # noqa: F841 -- free the row's model before the next
                 gc.collect()
-            peak = torch.cuda.max_memory_allocated(device) / 2**30
-            torch.cuda.empty_cache()
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             baseline = baseline or (seconds if row == "careful" else None)
             ratio = f"{baseline / seconds:.2f}x" if baseline else ""
             print(f"| {row}{extra} | {seconds:.3f} | {real / seconds:,.0f} | {ratio} | "

@@ -8,7 +8,7 @@ The shape is Qwen3-30B-A3B's (hidden 2048, moe_intermediate 768, 128 experts, to
 prompt, the rest response), one minibatch. Each layer count runs in a fresh process, as the train step does:
 1. the reference policy (random weights, as the train step's checkpoint 0) sharded as the trainer's, its logprobs
    over the batch computed once (`steps.rl.batch.frozen_logprobs`), then freed;
-2. the policy (the same weights) as the trainer holds it (`steps.model.sharding.prepare_trainer_model`:
+2. the policy (the same weights) as the trainer holds it (`steps.rl.state.prepare_trainer_model`:
    trainer.precision bf16, fp32 master weights and AdamW moments; the moments in host memory with --offload), its
    old logprobs, and one optimizer step of `steps.rl.update.actor_steps` over packed microbatches.
 The weights are made in memory (random, HF's init scale) instead of read from safetensors, which would need the
@@ -32,11 +32,10 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from steps.config import MoeloopConfig, load_config
 from steps.model.policy import shard_model
-from steps.model.sharding import prepare_trainer_model
 from steps.rl.batch import ExperienceBatch, frozen_logprobs
 from steps.rl.grpo import group_advantages
 from steps.rl.parallel import Parallel, init_parallel
-from steps.rl.state import make_optimizer
+from steps.rl.state import make_optimizer, prepare_trainer_model
 from steps.rl.update import actor_steps
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,14 +16,14 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3MoeForCausalLM
 
-from steps.model.attention import VARLEN
-from steps.model.logprobs import body_forward, packed_token_logprobs, use_logprob_head
-from steps.model.moe import MoeBlock, gather_over
+from steps.config import TrainerConfig
+from steps.model.logprobs import body_forward, packed_token_logprobs
+from steps.model.moe import hf_state_dict
+from steps.model.policy import build_tokenizer, pack_sequences, save_policy, token_logprobs
 from steps.rl.offload import OffloadedAdamW
 from steps.rl.packing import pack_rows, plan_microbatches
-from steps.rl.parallel import Parallel, clip_grad_norm
-from steps.model.policy import build_tokenizer, load_policy_shard, pack_sequences, save_policy, token_logprobs
-from steps.model.sharding import full_value, shard_trainer_model
+from steps.rl.parallel import Parallel, clip_grad_norm, expert_parameters
+from steps.rl.state import load_trainer_model, whole
 from tests.test_moe import tiny_config
 from tests.test_train_ep import free_port
 
@@ -33,6 +33,7 @@ MAX_TOKENS = 24  # several microbatches per rank
 # AdamW's first step is lr * g / (|g| + eps): with torch's eps of 1e-8, a gradient element near 0 that differs
 # within fp32 tolerance moves its weight by up to lr. An eps of 1e-4 bounds that by lr * 1e-2 per 1e-6 of gradient.
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-4}
+
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,24 +77,16 @@ def reference(tmp_path: Path) -> Reference:
     )
 
 
-def full_by_name(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ep_group: dist.ProcessGroup) -> dict:
-    """Each parameter's tensor as one process holds it: unsharded, the experts gathered over EP."""
-    experts = {p for m in model.modules() if isinstance(m, MoeBlock) for p in m.experts.parameters()}
-    return {
-        name: gather_over(full_value(tensors[name], p), ep_group) if p in experts else full_value(tensors[name], p)
-        for name, p in model.named_parameters()
-    }
-
-
 def check_mesh(rank: int, expert_parallel: int, checkpointing: bool, offload: bool, ref: Reference) -> None:
     world_size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world_size // expert_parallel, expert_parallel), mesh_dim_names=("dp", "ep"))
     world_mesh = init_device_mesh("cpu", (world_size,))
     ep_group = mesh["ep"].get_group()
-    model, _ = load_policy_shard(ref.checkpoint, "auto", "grouped_mm", ep_group, torch.device("cpu"))
-    model.config._attn_implementation = VARLEN
-    use_logprob_head(model)
-    shard_trainer_model(model, world_mesh, mesh["dp"], "fp32", checkpointing)
+    parallel = Parallel(rank, world_size, ep_group, world_mesh, mesh["dp"], torch.device("cpu"))
+    settings = TrainerConfig(precision="fp32", activation_checkpointing=checkpointing, offload_optimizer=offload)
+    model, _, optimizer = load_trainer_model(ref.checkpoint, settings, parallel)
+    assert isinstance(optimizer, OffloadedAdamW) == offload
+    optimizer = type(optimizer)(model.parameters(), **ADAMW)  # the same kind, with the eps above
     model.train()
     input_ids_BT, attention_mask_BT, weights_BT = batch()
     lengths_B = attention_mask_BT.sum(1)
@@ -113,14 +106,13 @@ def check_mesh(rank: int, expert_parallel: int, checkpointing: bool, offload: bo
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum)
     assert float(loss_sum) == pytest.approx(ref.loss, rel=1e-5)
-    assert clip_grad_norm(model.parameters(), MAX_NORM, Parallel(rank, world_size)) > MAX_NORM
-    grads = full_by_name(model, {name: p.grad for name, p in model.named_parameters()}, ep_group)
+    assert clip_grad_norm(model.parameters(), MAX_NORM, parallel) > MAX_NORM
+    experts = expert_parameters(model)
+    grads = {name: whole(p.grad, p, experts, parallel) for name, p in model.named_parameters()}
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref.grads[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
-    optimizer_class = OffloadedAdamW if offload else torch.optim.AdamW
-    optimizer_class(model.parameters(), **ADAMW).step()
-    params = full_by_name(model, dict(model.named_parameters()), ep_group)
-    for name, param in params.items():
+    optimizer.step()
+    for name, param in hf_state_dict(model).items():
         torch.testing.assert_close(param, ref.params[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
 
 

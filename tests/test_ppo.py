@@ -15,7 +15,10 @@ from transformers import AutoModelForTokenClassification, Qwen3MoeForCausalLM
 from steps.model.policy import build_tokenizer, load_critic_shard, load_policy_shard, save_policy, token_values
 from steps.rl.grpo import clipped_policy_loss
 from steps.rl.ppo import gae, last_token_index, token_rewards, value_loss, whiten
-from steps.rl.state import make_optimizer
+from steps.config import MoeloopConfig
+from steps.rl.batch import frozen_logprobs
+from steps.rl.parallel import Parallel
+from steps.rl.state import load_trainer_model, make_optimizer, prepare_trainer_model
 from steps.rl.update import Critic, policy_update
 from steps.storage.run import CRITIC_DIR, OPTIMIZER_FILE, RunStorage
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
@@ -196,6 +199,19 @@ def test_critic_starts_from_the_policy_body_with_a_zero_head_and_loads_in_transf
     torch.testing.assert_close(values_BT[:, 1:], logits_BT[:, :-1], rtol=1e-5, atol=1e-5)
 
 
+def ppo_trainer(policy_dir: Path, config: MoeloopConfig, parallel: Parallel) -> tuple:
+    """(policy, critic, the policy's optimizer, the reference's logprobs of `experience()`) as the train step makes
+    them from a policy checkpoint; on this rank's mesh, or unsharded with Parallel()."""
+    settings = config.trainer
+    reference, _, _ = load_trainer_model(policy_dir, settings, parallel)
+    ref_logprobs_BT = frozen_logprobs(reference, experience(), 1.0, settings.max_tokens_per_microbatch, parallel)
+    model, _, optimizer = load_trainer_model(policy_dir, settings, parallel)
+    critic_model, _ = load_critic_shard(policy_dir, "auto", "grouped_mm", parallel.ep_group, CPU, from_policy=True)
+    critic_model = prepare_trainer_model(critic_model, settings, parallel)
+    critic = Critic(critic_model, make_optimizer(critic_model, settings, config.algorithm.critic_learning_rate))
+    return model, critic, optimizer, ref_logprobs_BT
+
+
 def test_ppo_update_fits_the_critic_and_moves_the_policy(tmp_path: Path) -> None:
     policy_dir = tiny_policy(tmp_path)
     config = small_config(
@@ -203,14 +219,10 @@ def test_ppo_update_fits_the_critic_and_moves_the_policy(tmp_path: Path) -> None
         algorithm={"name": "ppo", "kl_coef": 0.05, "value_clip": 0.5},
         trainer={"minibatch_size": 6, "epochs": 2, "learning_rate": 1e-3},
     )
-    model, _ = load_policy_shard(policy_dir, "auto", "grouped_mm", None, CPU)
-    reference = copy.deepcopy(model)
-    critic_model, _ = load_critic_shard(policy_dir, "auto", "grouped_mm", None, CPU, from_policy=True)
-    critic = Critic(critic_model, make_optimizer(critic_model, config.trainer, config.algorithm.critic_learning_rate))
-    optimizer = make_optimizer(model, config.trainer)
+    model, critic, optimizer, ref_logprobs_BT = ppo_trainer(policy_dir, config, Parallel())
     before = copy.deepcopy(model.state_dict())
     batch = experience()
-    reports = [policy_update(model, reference, optimizer, batch, config, seed, critic=critic) for seed in range(4)]
+    reports = [policy_update(model, ref_logprobs_BT, optimizer, batch, config, seed, critic=critic) for seed in range(4)]
     for report in reports:
         for key in ("loss", "value_loss", "kl", "grad_norm", "critic_grad_norm", "behavior_weight_mean"):
             assert math.isfinite(report[key]), key
@@ -222,7 +234,7 @@ def test_ppo_update_fits_the_critic_and_moves_the_policy(tmp_path: Path) -> None
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     # A batch of the wrong algorithm is refused, not silently half-run.
     with pytest.raises(Exception, match="needs critic"):
-        policy_update(model, reference, optimizer, batch, config, 0)
+        policy_update(model, ref_logprobs_BT, optimizer, batch, config, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,13 +305,8 @@ def ppo_update_on(policy_dir: Path, parallel) -> tuple[dict, dict[str, torch.Ten
     from steps.model.moe import hf_state_dict
 
     config = ppo_ep_config()
-    shard = ("auto", "grouped_mm", parallel.ep_group, CPU)
-    model, _ = load_policy_shard(policy_dir, *shard)
-    reference, _ = load_policy_shard(policy_dir, *shard)
-    critic_model, _ = load_critic_shard(policy_dir, *shard, from_policy=True)
-    critic = Critic(critic_model, make_optimizer(critic_model, config.trainer, config.algorithm.critic_learning_rate))
-    optimizer = make_optimizer(model, config.trainer)
-    report = policy_update(model, reference, optimizer, experience(), config, 3, parallel, critic)
+    model, critic, optimizer, ref_logprobs_BT = ppo_trainer(policy_dir, config, parallel)
+    report = policy_update(model, ref_logprobs_BT, optimizer, experience(), config, 3, parallel, critic)
     return report, hf_state_dict(model), hf_state_dict(critic.model)
 
 
@@ -333,7 +340,6 @@ def ppo_rank(rank: int, port: int, policy_dir: Path, expected: tuple) -> None:
 def test_ppo_update_with_ep2_equals_one_process(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from steps.rl.parallel import Parallel
     from tests.test_train_ep import free_port
 
     policy_dir = tiny_policy(tmp_path)

@@ -41,14 +41,10 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard_trainer_model(
-    model: nn.Module, world_mesh: DeviceMesh, dp_mesh: DeviceMesh, precision: str, activation_checkpointing: bool
-) -> nn.Module:
+def shard_trainer_model(model: nn.Module, world_mesh: DeviceMesh, dp_mesh: DeviceMesh, precision: str) -> nn.Module:
     """model (a Qwen3-MoE causal LM or token classifier with `MoeBlock`s) under FSDP2, in place; see the module
     docstring. Returns model."""
     policy = mixed_precision(precision)
-    if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     units: list[FSDPModule] = []
     for layer in model.model.layers:
         block = layer.mlp

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from steps.config import MoeloopConfig, TrainerConfig
+from steps.errors import MoeloopError
 from steps.model.attention import VARLEN
 from steps.model.logprobs import use_logprob_head
 from steps.model.moe import compile_decoder_layers, gather_over, hf_state_dict
@@ -35,12 +36,18 @@ MASTER = "master_weight"  # the optimizer state's key for a parameter's fp32 mas
 def prepare_trainer_model(model: nn.Module, settings: TrainerConfig, parallel: Parallel) -> nn.Module:
     """An EP shard as `load_policy_shard` or `load_critic_shard` builds it, made the trainer's, in place: the LM head
     computes logprobs (`steps.model.logprobs.LogprobHead`), attention runs over packed samples, FSDP2 shards it at
-    the trainer's precision (with its activation checkpointing), and on CUDA the decoder layers are compiled."""
+    the trainer's precision (with its activation checkpointing), and on CUDA the decoder layers are compiled. With no
+    mesh (`Parallel()`, one process without torch.distributed) it is not sharded."""
     if hasattr(model, "lm_head"):
         use_logprob_head(model)
     model.config._attn_implementation = VARLEN
     precision = settings.compute_precision(parallel.device.type == "cuda")
-    shard_trainer_model(model, parallel.world_mesh, parallel.dp_mesh, precision, settings.activation_checkpointing)
+    if settings.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if parallel.world_mesh is not None:
+        shard_trainer_model(model, parallel.world_mesh, parallel.dp_mesh, precision)
+    elif precision != "fp32":  # one process without torch.distributed (tests): no FSDP, so no mixed precision
+        raise MoeloopError(f"trainer.precision {precision} needs the trainer's process group (init_parallel)")
     compile_decoder_layers(model)  # CUDA only: HF's elementwise code around the MoE blocks dominates, eager
     return model
 
