@@ -46,7 +46,7 @@ def test_varlen_attention_equals_causal_sdpa_per_sample() -> None:
 
 
 def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=environment, capture_output=True, text=True)
 
 
