@@ -292,8 +292,8 @@ def main() -> None:
                     model, optimizer = maker()
                     update = hf_update(model, optimizer, micro)
                 seconds = time_ms(update, device, args.warmup, args.reps) / 1e3
-            except torch.OutOfMemoryError:
-                print(f"| {row} | out of memory | | | | |")
+            except Exception as error:  # noqa: BLE001 -- out of memory, or a compile failure: report it, keep the rest
+                print(f"| {row} | failed: {type(error).__name__}: {str(error).splitlines()[0][:160]} | | | | |")
                 continue
             finally:
                 model = update = None  # noqa: F841 -- free the row's model before the next

@@ -17,22 +17,33 @@ gradients reach their EP rank through the all-to-all's backward and are summed o
   all-gathered for its forward and backward, so the experts take the bf16 grouped-GEMM and Triton path.
 - `fp32`: everything fp32 (CPU, and the equality tests).
 
-Activation checkpointing (`trainer.activation_checkpointing`) is HF's per-decoder-layer one (a layer's input is
-kept, the rest recomputed in the backward), which wraps the layer's call, FSDP's hooks and the compiled layer
-(`steps.model.moe.compile_decoder_layers`) included; FSDP2 unshards for the recompute.
+Activation checkpointing (`trainer.activation_checkpointing`, `checkpoint_decoder_layers`) keeps each decoder
+layer's input and recomputes the rest in the backward. It wraps the layer's forward, inside FSDP's hooks and inside
+the compiled call (`steps.model.moe.compile_decoder_layers`): HF's own gradient checkpointing wraps the whole call,
+hooks included, and with compiled layers under FSDP2 its recompute saved one tensor fewer than the forward on an
+H200 (torch 2.11: `CheckpointError`, in benchmarks/policy_update.md).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
 
 from steps.model.moe import MoeBlock
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def checkpoint_decoder_layers(model: nn.Module) -> None:
+    """Recompute every decoder layer's forward in its backward (non-reentrant `torch.utils.checkpoint`), in place."""
+    for layer in model.model.layers:
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:

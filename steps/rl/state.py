@@ -22,7 +22,7 @@ from steps.model.attention import VARLEN
 from steps.model.logprobs import use_logprob_head
 from steps.model.moe import compile_decoder_layers, gather_over, hf_state_dict
 from steps.model.policy import load_critic_shard, load_policy_shard, save_hf_state_dict, stored_dtype
-from steps.model.sharding import full_value, shard_like, shard_trainer_model
+from steps.model.sharding import checkpoint_decoder_layers, full_value, shard_like, shard_trainer_model
 from steps.rl.batch import ExperienceBatch, frozen_logprobs
 from steps.rl.offload import OffloadedAdamW
 from steps.rl.parallel import Parallel, expert_parameters
@@ -43,7 +43,7 @@ def prepare_trainer_model(model: nn.Module, settings: TrainerConfig, parallel: P
     model.config._attn_implementation = VARLEN
     precision = settings.compute_precision(parallel.device.type == "cuda")
     if settings.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_decoder_layers(model)
     if parallel.world_mesh is not None:
         shard_trainer_model(model, parallel.world_mesh, parallel.dp_mesh, precision)
     elif precision != "fp32":  # one process without torch.distributed (tests): no FSDP, so no mixed precision
