@@ -95,7 +95,7 @@ def check_mesh(rank: int, expert_parallel: int, checkpointing: bool, offload: bo
     plan = plan_microbatches(lengths_B.tolist(), MAX_TOKENS, world_size)
     assert len(plan[rank]) > 1
     for rows in plan[rank]:
-        micro = pack_rows(input_ids_BT, lengths_B, rows)
+        micro = pack_rows(input_ids_BT, lengths_B.tolist(), rows)
         with torch.no_grad():
             logits_NV = model.lm_head(body_forward(model.model, micro)[0])
         if not micro.empty:

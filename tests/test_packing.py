@@ -64,7 +64,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_batch() -> None:
     (logprobs_BT * weights_BT).sum().backward()
     packed_sum = 0.0
     for rows in plan_microbatches(lengths_B.tolist(), 20, 1)[0]:
-        micro = pack_rows(input_ids_BT, lengths_B, rows)
+        micro = pack_rows(input_ids_BT, lengths_B.tolist(), rows)
         logprobs_nT, packed_router_L = packed_token_logprobs(packed_model, micro, temperature=0.7)
         mask_nT = attention_mask_BT[micro.rows_n].bool()
         torch.testing.assert_close(logprobs_nT[mask_nT], logprobs_BT[micro.rows_n][mask_nT].detach(), **TOLERANCE)
@@ -86,7 +86,7 @@ def test_packed_values_equal_the_padded_batch() -> None:
     lengths_B = attention_mask_BT.sum(1)
     values_BT, _ = token_values(critic, input_ids_BT, attention_mask_BT)
     critic.config._attn_implementation = VARLEN
-    micro = pack_rows(input_ids_BT, lengths_B, [4, 0, 6])
+    micro = pack_rows(input_ids_BT, lengths_B.tolist(), [4, 0, 6])
     values_nT, _ = packed_token_values(critic, micro)
     mask_nT = attention_mask_BT[micro.rows_n].bool()
     torch.testing.assert_close(values_nT[mask_nT], values_BT[micro.rows_n][mask_nT].detach(), **TOLERANCE)
@@ -117,6 +117,6 @@ def test_empty_microbatch_runs_a_forward_of_no_rows() -> None:
     use_logprob_head(model)
     model.config._attn_implementation = VARLEN
     input_ids_BT, attention_mask_BT, _ = pack_sequences(*samples(), pad_id=0)
-    micro = pack_rows(input_ids_BT, attention_mask_BT.sum(1), [])
+    micro = pack_rows(input_ids_BT, attention_mask_BT.sum(1).tolist(), [])
     logprobs_nT, router_logits_L = packed_token_logprobs(model, micro)
     assert micro.empty and logprobs_nT.shape == (0, input_ids_BT.shape[1]) and router_logits_L[0].shape[0] == 1

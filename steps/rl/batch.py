@@ -98,9 +98,10 @@ def rank_microbatches(
 ) -> list[Microbatch]:
     """This rank's packed microbatches of the samples rows_b (`steps.rl.packing.plan_microbatches`: every rank
     runs as many)."""
-    lengths_B = batch.attention_mask_BT.sum(1)
-    plan = plan_microbatches(lengths_B[rows_b].tolist(), max_tokens, parallel.world_size)[parallel.rank]
-    return [pack_rows(batch.input_ids_BT, lengths_B, rows_b[members].tolist()) for members in plan]
+    lengths = batch.attention_mask_BT.sum(1).tolist()
+    rows = rows_b.tolist()
+    plan = plan_microbatches([lengths[row] for row in rows], max_tokens, parallel.world_size)[parallel.rank]
+    return [pack_rows(batch.input_ids_BT, lengths, [rows[i] for i in members]) for members in plan]
 
 
 def frozen_logprobs(

@@ -119,25 +119,22 @@ class Microbatch:
         }
 
 
-def pack_rows(input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, rows: list[int]) -> Microbatch:
-    """The samples `rows` of a right-padded batch (sample b is its first lengths_B[b] tokens) as one microbatch.
+def pack_rows(input_ids_BT: torch.Tensor, lengths: list[int], rows: list[int]) -> Microbatch:
+    """The samples `rows` of a right-padded batch (sample b is its first lengths[b] tokens) as one microbatch. The
+    indices are built on the CPU from the lengths and copied over once, so packing never waits on the GPU.
 
-    No rows is the empty microbatch: one token (id 0), so that the rank still runs every collective; its values
+    No rows is the empty microbatch: one token, so that the rank still runs every collective; its values
     are given no weight (its unpacked values have no rows)."""
     device, width = input_ids_BT.device, input_ids_BT.shape[1]
-    rows_n = torch.tensor(rows, dtype=torch.long, device=device)
-    if not rows:
-        zero_1 = torch.zeros(1, dtype=torch.long, device=device)
-        cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        return Microbatch(rows_n, zero_1.view(1, 1), zero_1.view(1, 1), cu_seqlens, 1,
-                          zero_1, zero_1, width)  # fmt: skip
-    lengths_n = lengths_B[rows_n]
-    total = int(lengths_n.sum())
-    row_N = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths_n, output_size=total)
-    starts_n = torch.cumsum(lengths_n, 0) - lengths_n
-    column_N = torch.arange(total, device=device) - starts_n[row_N]
+    lengths_n = torch.tensor([lengths[row] for row in rows] or [1], dtype=torch.long)
+    row_N = torch.repeat_interleave(torch.arange(len(lengths_n)), lengths_n)
+    column_N = torch.arange(len(row_N)) - (torch.cumsum(lengths_n, 0) - lengths_n)[row_N]
     cu_seqlens_n1 = F.pad(torch.cumsum(lengths_n, 0, dtype=torch.int32), (1, 0))
-    input_ids_1N = input_ids_BT[rows_n[row_N], column_N].unsqueeze(0)
+    rows_n, row_N, column_N, cu_seqlens_n1 = (
+        t.to(device, non_blocking=True) for t in (torch.tensor(rows, dtype=torch.long), row_N, column_N, cu_seqlens_n1)
+    )
+    # The empty microbatch's token: row 0, column 0 of the batch (any token would do).
+    input_ids_1N = input_ids_BT[rows_n[row_N], column_N].unsqueeze(0) if rows else input_ids_BT[:1, :1]
     return Microbatch(
         rows_n, input_ids_1N, column_N.unsqueeze(0), cu_seqlens_n1, int(lengths_n.max()), row_N, column_N, width
     )

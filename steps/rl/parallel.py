@@ -84,22 +84,23 @@ def expert_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
     return {p for module in model.modules() if isinstance(module, MoeBlock) for p in module.experts.parameters()}
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, parallel: Parallel) -> float:
-    """`clip_grad_norm_` over sharded gradients: each rank's squared norm of its shards, summed over all ranks.
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, parallel: Parallel) -> torch.Tensor:
+    """`clip_grad_norm_` over sharded gradients: each rank's squared norm of its shards, summed over all ranks;
+    returns the norm before clipping (a tensor: reading it waits for the GPU).
 
     Every parameter's shards are disjoint across the world: a dense weight's over all ranks, an expert's over its
     dp ranks within each EP slice, and the EP slices hold different experts. So one all-reduce sums the whole
     model's squared norm, the experts' part summed over EP. Summed in the parameters' order: the same to the last
     bit on every rank and in a re-run.
     """
-    gradients = [p.grad for p in parameters if p.grad is not None]
+    gradients = [local(p.grad) for p in parameters if p.grad is not None]
+    norms = torch._foreach_norm(gradients, dtype=torch.float32)  # one fused pass, as clip_grad_norm_ does
     square = torch.zeros((), dtype=torch.float32, device=parallel.device)
-    for grad in gradients:
-        square += local(grad).float().pow(2).sum()
+    for norm in norms:  # in order: the sum is the same on every rank
+        square += norm.square()
     if parallel.world_size > 1:
         dist.all_reduce(square)
     total_norm = square.sqrt()
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
-    for grad in gradients:
-        local(grad).mul_(scale.to(local(grad).dtype))
-    return float(total_norm)
+    torch._foreach_mul_(gradients, scale.to(gradients[0].dtype))
+    return total_norm

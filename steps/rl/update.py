@@ -46,26 +46,27 @@ def minibatch_step(
     optimizer: torch.optim.Optimizer,
     batch: ExperienceBatch,
     minibatch_rows: torch.Tensor,
-    loss_of: Callable[[Microbatch], tuple[torch.Tensor, tuple[torch.Tensor, ...], list[float]]],
+    loss_of: Callable[[Microbatch], tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]],
     config: MoeloopConfig,
     parallel: Parallel,
 ) -> tuple[float, list[float]]:
     """One optimizer step over a minibatch. For each of this rank's packed microbatches of it, loss_of(micro) gives
-    (that microbatch's part of the minibatch's loss, its router logits, figures to report); its loss and the
-    routers' aux loss are backpropagated. Then the gradients (summed over the ranks in FSDP2's reduce-scatters) are
-    clipped and the optimizer steps. Returns the gradient norm before clipping and the figures summed over the
-    microbatches and ranks."""
+    (that microbatch's part of the minibatch's loss, its router logits, figures to report, as tensors); its loss
+    and the routers' aux loss are backpropagated. Then the gradients (summed over the ranks in FSDP2's
+    reduce-scatters) are clipped and the optimizer steps. Returns the gradient norm before clipping and the figures
+    summed over the microbatches and ranks, read once the step is queued (nothing before waits for the GPU)."""
     settings = config.trainer
+    microbatches = rank_microbatches(batch, minibatch_rows, settings.max_tokens_per_microbatch, parallel)
     minibatch_tokens = int(batch.attention_mask_BT[minibatch_rows].sum())
     optimizer.zero_grad(set_to_none=True)
-    sums: list[float] = []
-    for micro in rank_microbatches(batch, minibatch_rows, settings.max_tokens_per_microbatch, parallel):
+    sums: list[torch.Tensor] = []
+    for micro in microbatches:
         loss, router_logits_L, figures = loss_of(micro)
         (loss + router_aux_loss(model, router_logits_L, micro.real_tokens(), minibatch_tokens, parallel)).backward()
-        sums = [a + b for a, b in zip(sums, figures, strict=True)] if sums else figures
+        sums = [a + b.detach() for a, b in zip(sums, figures, strict=True)] if sums else [f.detach() for f in figures]
     grad_norm = clip_grad_norm(model.parameters(), settings.max_grad_norm, parallel)
     optimizer.step()
-    return grad_norm, all_reduce_sum(sums, parallel)
+    return float(grad_norm), all_reduce_sum([float(value) for value in sums], parallel)
 
 
 def ppo_advantages(
@@ -171,7 +172,7 @@ def actor_steps(
     for minibatch_rows in schedule:
         num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
 
-        def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[float]]:
+        def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
             logprobs_nT, router_logits_L = packed_token_logprobs(model, micro, temperature)
             rows = micro.rows_n
             terms = clipped_policy_loss(
@@ -190,8 +191,7 @@ def actor_steps(
                 kl_coef=algorithm.kl_coef if kl_reference_BT is not None else 0.0,
             )
             # The microbatch's part of the minibatch's loss; its clip fraction is over its own tokens.
-            clipped = float(terms.clip_fraction) * float(mask_BT[rows].sum())
-            return terms.loss, router_logits_L, [terms.loss.item(), clipped]
+            return terms.loss, router_logits_L, [terms.loss, terms.clip_fraction * mask_BT[rows].sum()]
 
         grad_norm, (loss, clipped) = minibatch_step(model, optimizer, batch, minibatch_rows, loss_of, config, parallel)
         measured["grad_norm"].append(grad_norm)
@@ -216,14 +216,14 @@ def critic_steps(
     for minibatch_rows in schedule:
         num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
 
-        def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[float]]:
+        def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
             values_nT, router_logits_L = packed_token_values(critic.model, micro)
             rows = micro.rows_n
             loss, value_clipped = value_loss(
                 values_nT, old_values_BT[rows], returns_BT[rows], mask_BT[rows], config.algorithm.value_clip,
                 num_tokens,  # noqa: B023 -- called in this iteration only
             )  # fmt: skip
-            return loss, router_logits_L, [loss.item(), float(value_clipped) * float(mask_BT[rows].sum())]
+            return loss, router_logits_L, [loss, value_clipped * mask_BT[rows].sum()]
 
         grad_norm, (loss, clipped) = minibatch_step(
             critic.model, critic.optimizer, batch, minibatch_rows, loss_of, config, parallel
