@@ -33,6 +33,9 @@ def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max
     return sum(score(functions, r, text) for r, text in zip(records, responses, strict=False)) / len(records)
 
 
+STABILITY_METRICS = ("router_", "routing_agreement", "mismatch_masked")
+
+
 def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: float) -> dict[str, Any]:
     reports = step_reports(storage, iteration)
     rollouts = [r for name, r in reports.items() if name.startswith("rollout-")]
@@ -46,6 +49,8 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "logprob_mismatch": train.get("logprob_mismatch"),
         "behavior_kl": train.get("behavior_kl"),
         "clip_fraction": train.get("clip_fraction"),
+        # The MoE stability measures (steps/router_health.py, steps/importance.py), as the train report has them.
+        **{key: value for key, value in train.items() if key.startswith(STABILITY_METRICS)},
         # Shards generate side by side, so their rates add up.
         "tokens_per_second": sum(r["tokens_per_second"] for r in rollouts) if rollouts else None,
         # The stalest sample's: iteration - 1 - the policy version the rollouts stamped on their rows.

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from steps.common import (
     already_committed,
@@ -38,11 +39,12 @@ from steps.common import (
     step_parser,
     write_report,
 )
-from steps.config import MoeloopConfig, TrainerConfig
+from steps.config import MismatchConfig, MoeloopConfig, TrainerConfig
 from steps.errors import MoeloopError, run_cli
 from steps.experience import read_rewards, read_rollouts
 from steps.grpo import behavior_weights, clipped_policy_loss, group_advantages, varied_groups
-from steps.moe import MoeBlock, gather_over, hf_state_dict
+from steps.importance import behavior_ratio, mismatch_mask
+from steps.moe import MoeBlock, gather_over, hf_state_dict, replaying
 from steps.policy import (
     load_critic_shard,
     load_policy_shard,
@@ -52,6 +54,7 @@ from steps.policy import (
     token_values,
 )
 from steps.ppo import gae, token_rewards, value_loss, whiten
+from steps.router_health import RouterHealth
 from steps.storage import CRITIC_DIR, OPTIMIZER_FILE, RunStorage
 
 
@@ -99,20 +102,49 @@ class ExperienceBatch:
     behavior_logprobs_BT: torch.Tensor  # the engine's logprobs, at the response positions
     rewards_B: torch.Tensor
     group_ids_B: torch.Tensor  # samples of one prompt form a group
+    # The engine's experts per input position and MoE layer, [B, T, L, K]: at position t those of the forward that
+    # sampled token t + 1 (so response positions shifted back by one); -1 elsewhere. None: not recorded.
+    routes_BTLK: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> ExperienceBatch:
-        return ExperienceBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)))
 
     def select(self, rows_N: torch.Tensor) -> ExperienceBatch:
-        return ExperienceBatch(*(getattr(self, f.name)[rows_N] for f in fields(self)))
+        return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t[rows_N]) for f in fields(self)))
 
 
-def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, float], pad_id: int) -> ExperienceBatch:
+def _apply(tensor: torch.Tensor | None, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    return function(tensor) if tensor is not None else None
+
+
+def recorded_routes(rollouts: dict[str, list]) -> bool:
+    """Whether every sample has the engine's routed experts (shards from before the column read as nulls)."""
+    return all(routes is not None for routes in rollouts.get("routed_experts", [None]))
+
+
+def experience_batch(
+    rollouts: dict[str, list], rewards_by_sample: dict[str, float], pad_id: int, top_k: int | None = None
+) -> ExperienceBatch:
+    """The padded batch; with top_k (the model's experts per token), the recorded routes as well."""
     prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
     input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id)
     behavior_BT = torch.zeros(input_ids_BT.shape)
     for row, (prompt, logprobs) in enumerate(zip(prompts, rollouts["behavior_logprobs"], strict=False)):
         behavior_BT[row, len(prompt) : len(prompt) + len(logprobs)] = torch.tensor(logprobs)
+    routes_BTLK = None
+    if top_k is not None:
+        first = rollouts["routed_experts"][0]
+        layers = len(first) // (len(responses[0]) * top_k) if responses[0] else 0
+        routes_BTLK = torch.full((*input_ids_BT.shape, max(layers, 1), top_k), -1, dtype=torch.long)
+        recorded = zip(prompts, responses, rollouts["routed_experts"], strict=True)
+        for row, (prompt, response, routes) in enumerate(recorded):
+            if len(routes) != len(response) * layers * top_k:
+                raise MoeloopError(
+                    f"sample {rollouts['sample_id'][row]}: {len(routes)} routed experts for {len(response)} tokens,"
+                    f" {layers} MoE layers and top-{top_k}: damaged data"
+                )
+            start = len(prompt) - 1
+            routes_BTLK[row, start : start + len(response)] = torch.tensor(routes).view(len(response), layers, top_k)
     return ExperienceBatch(
         input_ids_BT,
         attention_mask_BT,
@@ -120,6 +152,7 @@ def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, flo
         behavior_BT,
         torch.tensor([rewards_by_sample[s] for s in rollouts["sample_id"]], dtype=torch.float32),
         torch.tensor(rollouts["prompt_id"]),
+        routes_BTLK,
     )
 
 
@@ -136,26 +169,33 @@ def frozen_pass(
     batch: ExperienceBatch,
     minibatch: int,
     parallel: Parallel,
+    replay: bool = False,
 ) -> torch.Tensor:
     """per_token(input_ids, attention_mask)[0] (token logprobs or values) for the whole batch on every rank: each
-    rank computes its share in eval mode, then the shares are all-gathered."""
+    rank computes its share in eval mode, then the shares are all-gathered. replay: routed as the engine was."""
     model.eval()
     batch_size = len(batch.input_ids_BT)
     rows_b = rank_share(torch.arange(batch_size), parallel)
     # Every rank runs the MoE layers (collectives inside) equally often: the chunk count of the largest share.
     largest_share = -(-batch_size // parallel.world_size)
-    chunks = [
-        per_token(batch.input_ids_BT[rows], batch.attention_mask_BT[rows])[0]
-        for rows in rows_b.tensor_split(-(-largest_share // minibatch))
-    ]
+    chunks = []
+    for rows in rows_b.tensor_split(-(-largest_share // minibatch)):
+        with replaying(model, batch.routes_BTLK[rows] if replay else None):
+            chunks.append(per_token(batch.input_ids_BT[rows], batch.attention_mask_BT[rows])[0])
     return all_gather_rows(torch.cat(chunks), batch_size, parallel)
 
 
 def frozen_logprobs(
-    model: torch.nn.Module, batch: ExperienceBatch, temperature: float, minibatch: int, parallel: Parallel
+    model: torch.nn.Module,
+    batch: ExperienceBatch,
+    temperature: float,
+    minibatch: int,
+    parallel: Parallel,
+    replay: bool = False,
 ) -> torch.Tensor:
     """The whole batch's token logprobs on every rank."""
-    return frozen_pass(partial(token_logprobs, model, temperature=temperature), model, batch, minibatch, parallel)
+    per_token = partial(token_logprobs, model, temperature=temperature)
+    return frozen_pass(per_token, model, batch, minibatch, parallel, replay)
 
 
 def all_gather_rows(share_bT: torch.Tensor, batch_size: int, parallel: Parallel) -> torch.Tensor:
@@ -207,6 +247,17 @@ def expert_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
     return {p for module in model.modules() if isinstance(module, MoeBlock) for p in module.experts.parameters()}
 
 
+def router_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The routers' weights, of `MoeBlock`s and of HF's own blocks alike (`TopKRouter` subclasses HF's router)."""
+    return [p for module in model.modules() if isinstance(module, Qwen3MoeTopKRouter) for p in module.parameters()]
+
+
+def freeze_routers(model: torch.nn.Module, frozen: bool) -> None:
+    """`trainer.freeze_router`: the routers take no gradient, so no optimizer step (and no weight decay) moves them."""
+    for parameter in router_parameters(model):
+        parameter.requires_grad_(not frozen)
+
+
 def sync_gradients(model: torch.nn.Module, experts: set[torch.nn.Parameter], parallel: Parallel) -> None:
     """Sum each gradient over the ranks that hold the parameter and saw different tokens.
 
@@ -217,27 +268,33 @@ def sync_gradients(model: torch.nn.Module, experts: set[torch.nn.Parameter], par
     """
     if parallel.world_size == 1:
         return
-    for parameter in model.parameters():
+    for parameter in trained_parameters(model):
         if parameter.grad is None:  # every rank must join every all-reduce
             parameter.grad = torch.zeros_like(parameter)
         dist.all_reduce(parameter.grad, group=parallel.dp_group if parameter in experts else None)
+
+
+def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the update trains: all but frozen ones (`trainer.freeze_router`)."""
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
 
 
 def clip_gradients(
     model: torch.nn.Module, experts: set[torch.nn.Parameter], max_norm: float, parallel: Parallel
 ) -> float:
     """`clip_grad_norm_` over the whole model: the expert part of the squared norm is summed over the EP group."""
-    dense_square = sum(p.grad.pow(2).sum() for p in model.parameters() if p not in experts)
+    trained = trained_parameters(model)
+    dense_square = sum(p.grad.pow(2).sum() for p in trained if p not in experts)
     # Summed in the model's order, not the set's (which follows memory addresses): the same norm to the last bit
     # in every process, so a re-run or a long-lived worker trains exactly the same weights.
     expert_square = sum(
-        (p.grad.pow(2).sum() for p in model.parameters() if p in experts), torch.zeros((), device=parallel.device)
+        (p.grad.pow(2).sum() for p in trained if p in experts), torch.zeros((), device=parallel.device)
     )
     if parallel.ep_group is not None:
         dist.all_reduce(expert_square, group=parallel.ep_group)
     total_norm = (dense_square + expert_square).sqrt()
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
-    for parameter in model.parameters():
+    for parameter in trained:
         parameter.grad.mul_(scale)
     return float(total_norm)
 
@@ -287,12 +344,37 @@ def optimizer_step(
 def router_aux_loss(
     model: torch.nn.Module, router_logits_L: tuple, attention_mask_bT: torch.Tensor, parallel: Parallel
 ) -> torch.Tensor:
-    """The load-balancing loss of model's routers, weighted by its config's router_aux_loss_coef."""
+    """The load-balancing loss of model's routers, weighted by its config's router_aux_loss_coef; 0 when the routers
+    are frozen (it only balances the load by training them)."""
     config = model.config
+    routers = router_parameters(model)
+    if routers and not any(parameter.requires_grad for parameter in routers):
+        return torch.zeros((), device=attention_mask_bT.device)
     aux = load_balancing_loss(
         router_logits_L, attention_mask_bT, config.num_experts, config.num_experts_per_tok, parallel
     )
     return config.router_aux_loss_coef * aux
+
+
+def mismatch_loss_mask(
+    old_logprobs_BT: torch.Tensor,
+    behavior_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    settings: MismatchConfig,
+    report: dict[str, Any],
+) -> torch.Tensor:
+    """The policy loss's mask: the response tokens, less those (or the sequences) whose pi_old / pi_behavior leaves
+    [low, high]. Reports the share of response tokens and of sequences masked (0 with masking off)."""
+    loss_mask_BT = mask_BT
+    if settings.level != "off":
+        ratio_BT = behavior_ratio(old_logprobs_BT, behavior_logprobs_BT, mask_BT, sequence=settings.level == "sequence")
+        loss_mask_BT = mismatch_mask(ratio_BT, mask_BT, settings.low, settings.high)
+    responses_B = mask_BT.any(1)
+    report["mismatch_masked"] = 1 - float(loss_mask_BT.sum()) / max(float(mask_BT.sum()), 1.0)
+    report["mismatch_masked_sequences"] = float((responses_B & ~loss_mask_BT.any(1)).sum()) / max(
+        float(responses_B.sum()), 1.0
+    )
+    return loss_mask_BT
 
 
 def ppo_advantages(
@@ -342,8 +424,11 @@ def policy_update(
     if len(batch.rewards_B) < parallel.world_size:  # nothing left that every rank could take a share of
         return {**report, "optimizer_steps": 0, "response_tokens": int(batch.response_mask_BT.sum())}
     mask_BT = batch.response_mask_BT
+    replay = algorithm.routing_replay == "rollout"
+    if replay and batch.routes_BTLK is None:
+        raise MoeloopError("algorithm.routing_replay rollout needs the engine's recorded routed_experts")
     # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1.
-    old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.minibatch_size, parallel)
+    old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.minibatch_size, parallel, replay)
     ref_logprobs_BT = frozen_logprobs(reference, batch, temperature, settings.minibatch_size, parallel)
     log_ratio_BT = ref_logprobs_BT - old_logprobs_BT
     report["kl"] = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT)
@@ -354,11 +439,13 @@ def policy_update(
     report["behavior_kl"] = masked_mean(torch.exp(behavior_gap_BT) - behavior_gap_BT - 1, mask_BT)
     weights_BT = None
     if algorithm.behavior_weight_cap is not None:
-        weights_BT, truncated_BT = behavior_weights(
-            old_logprobs_BT, batch.behavior_logprobs_BT, algorithm.behavior_weight_cap
+        ratio_BT = behavior_ratio(
+            old_logprobs_BT, batch.behavior_logprobs_BT, mask_BT, sequence=algorithm.importance_level != "token"
         )
+        weights_BT, truncated_BT = behavior_weights(ratio_BT, algorithm.behavior_weight_cap)
         report["behavior_weight_mean"] = masked_mean(weights_BT, mask_BT)
         report["behavior_weight_truncated"] = masked_mean(truncated_BT.to(weights_BT.dtype), mask_BT)
+    loss_mask_BT = mismatch_loss_mask(old_logprobs_BT, batch.behavior_logprobs_BT, mask_BT, algorithm.mismatch, report)
     if critic is None:
         advantages = group_advantages(batch.rewards_B, batch.group_ids_B, scale=algorithm.scale_rewards)
     else:
@@ -372,55 +459,63 @@ def policy_update(
 
     generator = torch.Generator().manual_seed(seed)
     measured: dict[str, list[float]] = defaultdict(list)
+    health = RouterHealth(model.config.num_experts, model.config.num_experts_per_tok, parallel.device)
     model.train()
     if critic is not None:
         critic.model.train()
     for _ in range(settings.epochs):
         order = torch.randperm(len(batch.rewards_B), generator=generator)
         for minibatch_rows in minibatches(order, settings.minibatch_size, parallel.world_size):
-            num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
+            num_tokens = max(int(loss_mask_BT[minibatch_rows].sum()), 1)
+            num_sequences = max(int(loss_mask_BT[minibatch_rows].any(1).sum()), 1)  # masked-out sequences drop out
             rows = rank_share(minibatch_rows, parallel)
             input_ids_bT, attention_mask_bT = batch.input_ids_BT[rows], batch.attention_mask_BT[rows]
-            logprobs_bT, router_logits_L = token_logprobs(model, input_ids_bT, attention_mask_bT, temperature)
+            routes_bTLK = batch.routes_BTLK[rows] if batch.routes_BTLK is not None else None
+            with replaying(model, routes_bTLK if replay else None):
+                logprobs_bT, router_logits_L = token_logprobs(model, input_ids_bT, attention_mask_bT, temperature)
             terms = clipped_policy_loss(
                 logprobs_bT,
                 old_logprobs_BT[rows],
                 advantages[rows],
-                mask_BT[rows],
+                loss_mask_BT[rows],
                 clip_low=algorithm.clip_eps,
                 clip_high=algorithm.clip_eps_high,
                 aggregation=algorithm.loss_aggregation,
                 max_length=config.rollout.max_new_tokens,
                 num_tokens=num_tokens,
-                num_sequences=len(minibatch_rows),
+                num_sequences=num_sequences,
                 weights_BT=weights_BT[rows] if weights_BT is not None else None,
                 ref_logprobs_BT=ref_logprobs_BT[rows] if kl_in_loss else None,
                 kl_coef=algorithm.kl_coef if kl_in_loss else 0.0,
+                importance_level=algorithm.importance_level,
             )
+            health.add(router_logits_L, attention_mask_bT, routes_bTLK, replayed=replay)
             aux = router_aux_loss(model, router_logits_L, attention_mask_bT, parallel)
             measured["grad_norm"].append(
                 optimizer_step(model, optimizer, terms.loss + aux, settings.max_grad_norm, parallel)
             )
             # The rank's loss is its part of the minibatch's; its clip fraction is over its tokens.
-            share_tokens = float(mask_BT[rows].sum())
+            share_tokens = float(loss_mask_BT[rows].sum())
             sums = [terms.loss.item(), float(terms.clip_fraction) * share_tokens]
             if critic is not None:
                 values_bT, critic_router_logits_L = token_values(critic.model, input_ids_bT, attention_mask_bT)
+                value_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)  # the critic learns from every token
                 loss, value_clipped = value_loss(
-                    values_bT, old_values_BT[rows], returns_BT[rows], mask_BT[rows], algorithm.value_clip, num_tokens
+                    values_bT, old_values_BT[rows], returns_BT[rows], mask_BT[rows], algorithm.value_clip, value_tokens
                 )
                 aux = router_aux_loss(critic.model, critic_router_logits_L, attention_mask_bT, parallel)
                 measured["critic_grad_norm"].append(
                     optimizer_step(critic.model, critic.optimizer, loss + aux, settings.max_grad_norm, parallel)
                 )
-                sums += [loss.item(), float(value_clipped) * share_tokens]
+                sums += [loss.item(), float(value_clipped) * float(mask_BT[rows].sum())]
             sums = all_reduce_sum(sums, parallel)
             measured["loss"].append(sums[0])
             measured["clip_fraction"].append(sums[1] / num_tokens)
             if critic is not None:
                 measured["value_loss"].append(sums[2])
-                measured["value_clip_fraction"].append(sums[3] / num_tokens)
+                measured["value_clip_fraction"].append(sums[3] / value_tokens)
     report.update({name: sum(values) / len(values) for name, values in measured.items()})
+    report.update(health.report(distributed=parallel.world_size > 1))
     advantages_abs = advantages.abs() if advantages.dim() == 1 else advantages.abs()[mask_BT]
     report["advantage_abs_mean"] = float(advantages_abs.mean())
     report["optimizer_steps"] = len(measured["loss"])
@@ -476,6 +571,7 @@ def load_trainer_start(
         directory = fetch_checkpoint(storage, iteration - 1)
     shard = (settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device)
     model, tokenizer = load_policy_shard(directory, *shard)
+    freeze_routers(model, settings.freeze_router)
     optimizer = make_optimizer(model, settings)
     if resumed:
         load_optimizer_state(model, optimizer, torch.load(directory / OPTIMIZER_FILE, weights_only=True), parallel)
@@ -484,6 +580,7 @@ def load_trainer_start(
     # The critic resumes from its state beside the policy's; the first one starts from the policy (zero head).
     critic_state = directory / CRITIC_DIR
     critic_model, _ = load_critic_shard(critic_state if resumed else directory, *shard, from_policy=not resumed)
+    freeze_routers(critic_model, settings.freeze_router)
     critic = Critic(critic_model, make_optimizer(critic_model, settings, config.algorithm.critic_learning_rate))
     if resumed:
         saved = torch.load(critic_state / OPTIMIZER_FILE, weights_only=True)
@@ -526,7 +623,14 @@ def update_policy(
     reference, _ = load_policy_shard(
         fetch_checkpoint(storage, 0), settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device
     )
-    batch = experience_batch(rollouts, rewards_by_sample, tokenizer.pad_token_id).to(parallel.device)
+    recorded = recorded_routes(rollouts)
+    if config.algorithm.routing_replay == "rollout" and not recorded:
+        raise MoeloopError(
+            f"algorithm.routing_replay rollout needs the rollout shards' routed_experts column: iteration {iteration}'s"
+            " shards lack it (written before it existed, or by an engine that did not record routes)"
+        )
+    top_k = model.config.num_experts_per_tok if recorded else None
+    batch = experience_batch(rollouts, rewards_by_sample, tokenizer.pad_token_id, top_k).to(parallel.device)
     started = time.perf_counter()
     report = policy_update(model, reference, optimizer, batch, config, seed, parallel, critic)
     seconds = time.perf_counter() - started

@@ -1,4 +1,5 @@
-"""`moeloop report RUN`: the loop's balance per iteration, read from the run's committed metrics files.
+"""`moeloop report RUN`: the loop's balance and the MoE's stability per iteration, read from the run's committed
+metrics files.
 
 Only metrics/iter-NNNNNN.json count: evaluate writes each one whole (an atomic object) once the iteration
 is published, so an iteration still in flight is simply not there yet.
@@ -24,8 +25,16 @@ COLUMNS = (
     ("reward wait", "reward_wait_seconds"),
     ("train wait", "train_wait_seconds"),
     ("iteration s", "iteration_seconds"),
+    # The MoE's stability: the routers' health and the engine/trainer mismatch (README "Metrics").
+    ("imbalance", "router_load_imbalance"),
+    ("entropy", "router_entropy"),
+    ("agreement", "routing_agreement"),
+    ("mismatch", "logprob_mismatch"),
+    ("masked", "mismatch_masked"),
     ("eval reward", "eval_reward_mean"),
 )
+# Ratios and shares: three decimals (the durations take one).
+FINE = {field for _, field in COLUMNS[9:]}
 
 
 def committed_metrics(run_uri: str) -> list[dict[str, Any]]:
@@ -60,7 +69,7 @@ def format_table(all_metrics: list[dict[str, Any]]) -> str:
             return "-"
         return (
             f"{value:.3f}"
-            if field == "eval_reward_mean"
+            if field in FINE
             else f"{value:.1f}"
             if isinstance(value, float)
             else str(value)
