@@ -182,7 +182,7 @@ class TrainerConfig(Strict):
     # Processes of the train step (torchrun); 1 runs it as one plain process without torch.distributed.
     world_size: int = Field(1, gt=0)
     expert_parallel: int = Field(1, gt=0)  # EP ranks sharing one copy of the experts; dp = world_size / EP
-    # auto: local at EP = 1, else DeepEP where it runs (CUDA), else all_to_all (see steps/dispatch.py).
+    # auto: local at EP = 1, else DeepEP where it runs (CUDA), else all_to_all (see steps/model/dispatch.py).
     dispatcher: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
     experts_impl: Literal["grouped_mm", "loop"] = "grouped_mm"
 

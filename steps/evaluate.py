@@ -9,20 +9,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from steps.common import (
-    already_committed,
-    eval_prompts,
-    fetch_checkpoint,
-    open_iteration,
-    print_json,
-    quiet_libraries,
-    step_parser,
-    write_report,
-)
-from steps.engine import Engine, Sampling, TransformersEngine
+from steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
+from steps.engines.engine import Engine, Sampling, TransformersEngine
 from steps.errors import run_cli
-from steps.reward import reward_functions, score
-from steps.storage import RunStorage
+from steps.rewards.functions import reward_functions, score
+from steps.storage.cache import fetch_checkpoint
+from steps.storage.metrics import read_metrics
+from steps.storage.prompts import eval_prompts
+from steps.storage.run import RunStorage
 
 
 def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max_new_tokens: int) -> float:
@@ -96,6 +90,7 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     storage, config = open_iteration(run_uri, iteration, first=0)
     output = storage.metrics(iteration)
     if storage.exists(output):
+        read_metrics(storage, iteration)  # this iteration's, or foreign data: an error
         return already_committed(storage, output)
     # The measuring stick stays the same whatever the rollout engine: transformers, greedy.
     engine = TransformersEngine(fetch_checkpoint(storage, iteration))

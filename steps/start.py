@@ -20,20 +20,15 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from steps.common import (
-    cache_root,
-    fetch_verified,
-    local_scratch,
-    print_json,
-    quiet_libraries,
-    step_parser,
-    write_report,
-)
+from steps.common import print_json, quiet_libraries, step_parser, write_report
 from steps.config import MoeloopConfig, SFTConfig, load_config, parse_config
 from steps.errors import MoeloopError, run_cli
-from steps.policy import build_tiny_model, build_tokenizer, load_policy, pack_sequences, save_policy, token_logprobs
-from steps.reward_model import adopt_reward_models, check_reward_models
-from steps.storage import RunStorage, json_bytes, manifest_of, parse_manifest, read_prompt_file
+from steps.model.policy import build_tiny_model, build_tokenizer, load_policy, pack_sequences, save_policy, token_logprobs
+from steps.rewards.models import adopt_reward_models, check_reward_models
+from steps.storage.cache import cache_root, fetch_verified, local_scratch
+from steps.storage.manifest import json_bytes, manifest_of, parse_manifest
+from steps.storage.prompts import read_prompt_file
+from steps.storage.run import RunStorage
 
 # Settings that may change between submissions of one run without changing its results.
 RESTARTABLE_FIELDS = {"iterations", "cluster", "local", "storage_root"}

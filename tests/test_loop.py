@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from steps.common import fetch_checkpoint
 from steps.publish import publish
 from steps.reward import reward
 from steps.rollout import rollout
 from steps.start import start
-from steps.storage import RunStorage
+from steps.storage.cache import fetch_checkpoint
+from steps.storage.run import RunStorage
 from steps.train import train, update_policy
 from tests.conftest import small_config
 from workflows import local

@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
-from steps.reward import reward_functions
-from steps.storage import RunStorage, read_prompt_file
+from steps.rewards.functions import reward_functions
+from steps.storage.prompts import read_prompt_file
+from steps.storage.run import RunStorage
 from workflows.dag import EVALUATE, ROLLOUT, START, Task, loop_tasks, run_values
 
 POLL_SECONDS = 0.05
@@ -201,14 +202,14 @@ def worker_slot(task: Task) -> str | None:
 
 
 class StepWorker:
-    """A `python -m steps.worker` process: runs step commands one at a time, keeping engines loaded.
+    """A `python -m workflows.worker` process: runs step commands one at a time, keeping engines loaded.
 
     It looks like a Popen to the runner: poll() is None while a command runs, then its exit code.
     """
 
     def __init__(self, environment: dict[str, str]):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "steps.worker"],
+            [sys.executable, "-m", "workflows.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=environment,

@@ -6,13 +6,11 @@ is published, so an iteration still in flight is simply not there yet.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from steps.errors import MoeloopError
-from steps.storage import RunStorage
+from steps.storage.metrics import committed_metrics
+from steps.storage.run import RunStorage
 
-METRICS_NAME = re.compile(r"iter-(\d{6})\.json")
 # (header, metrics field): durations and waits in seconds, defined in the README's "Balance".
 COLUMNS = (
     ("iter", "iteration"),
@@ -26,20 +24,6 @@ COLUMNS = (
     ("iteration s", "iteration_seconds"),
     ("eval reward", "eval_reward_mean"),
 )
-
-
-def committed_metrics(run_uri: str) -> list[dict[str, Any]]:
-    """Every committed metrics file of the run, by iteration."""
-    storage = RunStorage(run_uri)
-    storage.require_run()
-    metrics = []
-    for name in storage.list("metrics"):
-        if match := METRICS_NAME.fullmatch(name):
-            value = storage.read_json(f"metrics/{name}")
-            if not isinstance(value, dict) or value.get("iteration") != int(match[1]):
-                raise MoeloopError(f"{storage.display(f'metrics/{name}')} is not iteration {int(match[1])}'s metrics")
-            metrics.append(value)
-    return sorted(metrics, key=lambda m: m["iteration"])
 
 
 def table_row(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +57,9 @@ def format_table(all_metrics: list[dict[str, Any]]) -> str:
 
 
 def print_report(run_uri: str) -> None:
-    all_metrics = committed_metrics(run_uri)
+    storage = RunStorage(run_uri)
+    storage.require_run()
+    all_metrics = committed_metrics(storage)
     print(format_table(all_metrics))
     if not all_metrics:
         print(f"(no iteration of {run_uri} has committed metrics yet)")

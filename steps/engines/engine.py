@@ -59,7 +59,7 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, checkpoint_dir: Path):
-        from steps.policy import load_policy
+        from steps.model.policy import load_policy
 
         self.model, self.tokenizer = load_policy(checkpoint_dir)
         self.model.eval()
@@ -67,7 +67,7 @@ class TransformersEngine:
 
     def load_weights(self, checkpoint_dir: Path) -> None:
         # Through from_pretrained: the files hold each expert apart, the in-memory model fuses them.
-        from steps.policy import load_policy
+        from steps.model.policy import load_policy
 
         self.model, _ = load_policy(checkpoint_dir)
         self.model.eval()
@@ -93,10 +93,10 @@ class TransformersEngine:
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         greedy = sampling.temperature == 0
-        input_ids_BP = torch.tensor(prompts, dtype=torch.long)
+        prompt_ids_GT = torch.tensor(prompts, dtype=torch.long)
         output = self.model.generate(
-            input_ids=input_ids_BP,
-            attention_mask=torch.ones_like(input_ids_BP),
+            input_ids=prompt_ids_GT,
+            attention_mask=torch.ones_like(prompt_ids_GT),
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
@@ -108,21 +108,21 @@ class TransformersEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
         )
-        new_tokens_NS = output.sequences[:, input_ids_BP.shape[1] :]
+        new_tokens_BT = output.sequences[:, prompt_ids_GT.shape[1] :]
         # scores are the processed logits (after temperature and top-p): the distribution sampled from.
-        logprobs_NSV = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
-        chosen_NS = logprobs_NSV.gather(-1, new_tokens_NS.unsqueeze(-1)).squeeze(-1)
-        samples = [self._completion(t, lp) for t, lp in zip(new_tokens_NS, chosen_NS, strict=True)]
+        logprobs_BTV = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
+        chosen_BT = logprobs_BTV.gather(-1, new_tokens_BT.unsqueeze(-1)).squeeze(-1)
+        samples = [self._completion(t, lp) for t, lp in zip(new_tokens_BT, chosen_BT, strict=True)]
         per_prompt = 1 if greedy else sampling.n
         return [samples[i : i + per_prompt] for i in range(0, len(samples), per_prompt)]
 
-    def _completion(self, tokens_S: torch.Tensor, logprobs_S: torch.Tensor) -> Completion:
-        tokens = tokens_S.tolist()
+    def _completion(self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor) -> Completion:
+        tokens = tokens_T.tolist()
         eos = self.tokenizer.eos_token_id
         if eos in tokens:
             end = tokens.index(eos) + 1
-            return Completion(tokens[:end], logprobs_S[:end].tolist(), "stop")
-        return Completion(tokens, logprobs_S.tolist(), "length")
+            return Completion(tokens[:end], logprobs_T[:end].tolist(), "stop")
+        return Completion(tokens, logprobs_T.tolist(), "length")
 
 
 class VLLMEngine:
@@ -160,7 +160,7 @@ class VLLMEngine:
             tensor_parallel_size=settings.tensor_parallel_size,
             enable_expert_parallel=settings.enable_expert_parallel,
             enable_sleep_mode=settings.sleep_after_rollout,
-            worker_extension_cls="steps.vllm_extension.PolicyWeightReload",
+            worker_extension_cls="steps.engines.vllm_extension.PolicyWeightReload",
         )
         self.checkpoint_dir = checkpoint_dir
         self.asleep = False
@@ -225,7 +225,7 @@ def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig) -> Eng
     return TransformersEngine(checkpoint_dir)
 
 
-# The engine this process keeps between steps (see steps.worker): its key and the engine.
+# The engine this process keeps between steps (see workflows.worker): its key and the engine.
 _kept: tuple[str, Engine] | None = None
 
 

@@ -13,35 +13,35 @@ import torch
 
 
 def group_advantages(
-    rewards_N: torch.Tensor, group_ids_N: torch.Tensor, scale: bool, eps: float = 1e-6
+    rewards_B: torch.Tensor, group_ids_B: torch.Tensor, scale: bool, eps: float = 1e-6
 ) -> torch.Tensor:
     """Each sample's reward minus its group's mean, divided by the group's std (ddof=1) when scale is set.
 
     A group whose rewards are all equal gets exactly zero advantage: it carries no signal (and the rounding
     error of its mean, divided by a zero std, must not become one).
     """
-    _, group_index_N = torch.unique(group_ids_N, return_inverse=True)
-    groups = int(group_index_N.max()) + 1
-    counts_G = torch.bincount(group_index_N, minlength=groups).to(rewards_N.dtype)
-    mean_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, rewards_N) / counts_G
-    varied_N = varied_groups(rewards_N, group_ids_N)
-    centred_N = torch.where(varied_N, rewards_N - mean_G[group_index_N], torch.zeros_like(rewards_N))
+    _, group_index_B = torch.unique(group_ids_B, return_inverse=True)
+    groups = int(group_index_B.max()) + 1
+    counts_G = torch.bincount(group_index_B, minlength=groups).to(rewards_B.dtype)
+    mean_G = torch.zeros(groups, dtype=rewards_B.dtype).index_add_(0, group_index_B, rewards_B) / counts_G
+    varied_B = varied_groups(rewards_B, group_ids_B)
+    centred_B = torch.where(varied_B, rewards_B - mean_G[group_index_B], torch.zeros_like(rewards_B))
     if not scale:
-        return centred_N
-    square_sum_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, centred_N**2)
+        return centred_B
+    square_sum_G = torch.zeros(groups, dtype=rewards_B.dtype).index_add_(0, group_index_B, centred_B**2)
     std_G = (square_sum_G / (counts_G - 1).clamp(min=1)).sqrt()
-    return centred_N / (std_G[group_index_N] + eps)
+    return centred_B / (std_G[group_index_B] + eps)
 
 
-def varied_groups(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
+def varied_groups(rewards_B: torch.Tensor, group_ids_B: torch.Tensor) -> torch.Tensor:
     """Whether each sample's group has rewards that are not all equal (exact comparison: equal floats only)."""
-    _, group_index_N = torch.unique(group_ids_N, return_inverse=True)
-    groups = int(group_index_N.max()) + 1
-    low_G = torch.full((groups,), torch.inf, dtype=rewards_N.dtype).scatter_reduce(0, group_index_N, rewards_N, "amin")
-    high_G = torch.full((groups,), -torch.inf, dtype=rewards_N.dtype).scatter_reduce(
-        0, group_index_N, rewards_N, "amax"
+    _, group_index_B = torch.unique(group_ids_B, return_inverse=True)
+    groups = int(group_index_B.max()) + 1
+    low_G = torch.full((groups,), torch.inf, dtype=rewards_B.dtype).scatter_reduce(0, group_index_B, rewards_B, "amin")
+    high_G = torch.full((groups,), -torch.inf, dtype=rewards_B.dtype).scatter_reduce(
+        0, group_index_B, rewards_B, "amax"
     )
-    return (high_G > low_G)[group_index_N]
+    return (high_G > low_G)[group_index_B]
 
 
 Aggregation = Literal["token", "sequence", "dr_grpo"]
