@@ -21,6 +21,8 @@ from steps.common import (
 )
 from steps.engine import Engine, Sampling, TransformersEngine
 from steps.errors import run_cli
+from steps.observe.scalars import step_reports
+from steps.observe.trackers import record_iteration
 from steps.reward import reward_functions, score
 from steps.storage import RunStorage
 
@@ -53,11 +55,6 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "step_seconds": {name: report["seconds"] for name, report in sorted(reports.items())},
         **balance(iteration, reports, step_reports(storage, iteration - 1) if iteration else {}),
     }
-
-
-def step_reports(storage: RunStorage, iteration: int) -> dict[str, dict[str, Any]]:
-    folder = storage.reports(iteration)
-    return {name.removesuffix(".json"): storage.read_json(f"{folder}/{name}") for name in storage.list(folder)}
 
 
 def balance(iteration: int, reports: dict[str, dict], previous: dict[str, dict]) -> dict[str, Any]:
@@ -96,6 +93,7 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     storage, config = open_iteration(run_uri, iteration, first=0)
     output = storage.metrics(iteration)
     if storage.exists(output):
+        record_iteration(storage, config, iteration)  # a retry after the commit still records it
         return already_committed(storage, output)
     # The measuring stick stays the same whatever the rollout engine: transformers, greedy.
     engine = TransformersEngine(fetch_checkpoint(storage, iteration))
@@ -104,6 +102,7 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     write_report(storage, iteration, "evaluate", {"seconds": round(time.perf_counter() - started, 3)})
     metrics = iteration_metrics(storage, iteration, eval_reward)
     storage.write_json(output, metrics)
+    record_iteration(storage, config, iteration)
     return metrics
 
 

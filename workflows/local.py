@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
+from steps.observe.trackers import check_trackers
 from steps.reward import reward_functions
 from steps.storage import RunStorage, read_prompt_file
 from workflows.dag import EVALUATE, ROLLOUT, START, Task, loop_tasks, run_values
@@ -46,6 +47,7 @@ def preflight(config: MoeloopConfig) -> None:
     read_prompt_file(config.task.train_prompts)
     read_prompt_file(config.task.eval_prompts)
     reward_functions(config.reward)
+    check_trackers(config)
 
 
 def pending_tasks(tasks: list[Task], latest_iteration: int | None) -> list[Task]:
