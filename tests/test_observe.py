@@ -3,7 +3,9 @@ TensorBoard's and MLflow's own readers."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -148,3 +150,58 @@ def test_s3_event_files_sync_for_tensorboard(s3_run_root: str, run_root: Path, t
     ]
     assert sync_tensorboard(uri, local) == []  # nothing new
     assert_one_point_each(tensorboard_points(local), expected_scalars(storage, 1))
+
+
+def rendered_metric_names(config: MoeloopConfig) -> set[str]:
+    from workflows.render import render_workflow_template
+
+    templates = render_workflow_template(config, "s3://bucket/runs/x")["spec"]["templates"]
+    return {g["name"] for t in templates for g in t.get("metrics", {}).get("prometheus", [])}
+
+
+def test_step_templates_emit_their_figures_and_the_dashboard_queries_only_those() -> None:
+    from workflows.render import render_workflow_template
+
+    config = small_config(iterations=1)
+    document = render_workflow_template(config, "s3://bucket/runs/x")
+    templates = {t["name"]: t for t in document["spec"]["templates"]}
+    [loss] = [g for g in templates["train"]["metrics"]["prometheus"] if g["name"] == "moeloop_train_loss"]
+    assert loss["gauge"]["value"] == "{{outputs.parameters.loss}}"
+    iteration = {"key": "iteration", "value": "{{inputs.parameters.iteration}}"}
+    assert loss["labels"] == [{"key": "run", "value": config.run_name}, iteration]
+    assert "moeloop_rollout_engine" not in rendered_metric_names(config)  # text, not a figure
+    annotations = document["spec"]["workflowMetadata"]["annotations"]
+    tensorboard = "https://s3.console.aws.amazon.com/s3/buckets/bucket?prefix=runs/x/tensorboard/"
+    assert annotations["moeloop-tensorboard"] == tensorboard
+
+    dashboard = json.loads((REPO / "manifests" / "monitoring" / "grafana-dashboard.json").read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    named = {name for q in queries for name in re.findall(r"\bmoeloop_[a-z_]+", q)}
+    assert named and named <= rendered_metric_names(config), named - rendered_metric_names(config)
+
+
+def test_report_plot_writes_pngs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from steps.observe.plots import write_plots
+
+    metrics = [{"iteration": 0, "eval_reward_mean": 0.4}] + [
+        {
+            "iteration": i,
+            "eval_reward_mean": 0.4 + 0.1 * i,
+            "reward_mean": 0.3 + 0.1 * i,
+            "kl": 0.01 * i,
+            "logprob_mismatch": 0.001,
+            "clip_fraction": 0.05,
+            "rollout_seconds": 3.0,
+            "step_seconds": {"reward": 0.2, "train": 2.0, "publish": 0.5},
+            "wait_seconds": {"reward": 0.1, "train": 0.0},
+            "rollout_wait_seconds": 1.0,
+            "router": {"load_imbalance": [0.5 / i, 0.3]},
+        }
+        for i in (1, 2, 3)
+    ]
+    written = write_plots(metrics, tmp_path / "plots")
+    assert [p.name for p in written] == ["learning_curves.png", "time_balance.png", "expert_load.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") and p.stat().st_size > 10_000 for p in written)
+    assert write_plots([m for m in metrics if "router" not in m], tmp_path / "few")[-1].name == "time_balance.png"
