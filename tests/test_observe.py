@@ -205,3 +205,11 @@ def test_report_plot_writes_pngs(tmp_path: Path) -> None:
     assert [p.name for p in written] == ["learning_curves.png", "time_balance.png", "expert_load.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") and p.stat().st_size > 10_000 for p in written)
     assert write_plots([m for m in metrics if "router" not in m], tmp_path / "few")[-1].name == "time_balance.png"
+
+
+def test_overall_eta_is_the_measured_pace_times_the_iterations_left() -> None:
+    from workflows.local import overall_eta
+
+    assert overall_eta(elapsed=120.0, done=2, total=10) == "0:08:00"
+    assert overall_eta(elapsed=3700.0, done=1, total=2) == "1:01:40"
+    assert overall_eta(elapsed=50.0, done=5, total=5) == "0:00:00"

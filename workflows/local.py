@@ -91,6 +91,8 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
     executed: list[ExecutedTask] = []
     bar = tqdm(total=len(tasks), unit="step", disable=not progress, dynamic_ncols=True)
     description = ""
+    iterations_left = len({t.iteration for t in tasks if t.step == EVALUATE and t.iteration > 0})
+    loop_started, iterations_done = time.time(), 0
     try:
         while waiting or running:
             for task in [t for t in waiting if all(d in finished for d in t.dependencies)]:
@@ -137,6 +139,10 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 bar.update()
                 if task.step == EVALUATE:
                     bar.write(describe_metrics(storage.read_json(storage.metrics(task.iteration))))
+                    if task.iteration > 0:
+                        iterations_done += 1
+                        eta = overall_eta(time.time() - loop_started, iterations_done, iterations_left)
+                        bar.set_postfix_str(f"ETA {eta}")
     finally:
         for _, process, _, _ in running.values():
             process.terminate()
@@ -144,6 +150,13 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
             worker.close()
         bar.close()
     return executed
+
+
+def overall_eta(elapsed: float, done: int, total: int) -> str:
+    """The run's time left at the measured pace so far: seconds per finished iteration, steps overlapping as they
+    did (tqdm's own estimate counts steps, and an iteration's steps take very different times)."""
+    seconds = round(elapsed / done * (total - done))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def core_groups(parallelism: int) -> list[set[int]]:
