@@ -40,6 +40,8 @@ def pyplot() -> Any:
 
 def save(plt: Any, figure: Any, path: Path) -> None:
     """Atomically: a reader sees the old picture or the new one."""
+    for axes in figure.axes:
+        axes.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # iterations
     partial = path.with_name(f".{path.name}.partial")
     figure.savefig(partial, format="png", dpi=100)
     plt.close(figure)
