@@ -278,6 +278,26 @@ class LocalConfig(Strict):
     pin_cores: bool = True
 
 
+class MLflowConfig(Strict):
+    tracking_uri: str | None = None  # a folder (a local file store) or a server URL; None: $MLFLOW_TRACKING_URI
+    experiment: str | None = None  # None: the run's name
+
+
+class ObserveConfig(Strict):
+    """Where each committed iteration's figures go besides metrics/ (steps/observe/trackers.py). Each tracker's
+    package is imported only when selected; tensorboard needs none to write."""
+
+    trackers: list[Literal["tensorboard", "mlflow"]] = ["tensorboard"]
+    mlflow: MLflowConfig = MLflowConfig()
+
+    @field_validator("trackers")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("names a tracker more than once")
+        return value
+
+
 class MoeloopConfig(Strict):
     run_name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
     iterations: int = Field(gt=0)
@@ -292,6 +312,7 @@ class MoeloopConfig(Strict):
     eval: EvalConfig = EvalConfig()
     cluster: ClusterConfig = ClusterConfig()
     local: LocalConfig = LocalConfig()
+    observe: ObserveConfig = ObserveConfig()
 
     @model_validator(mode="after")
     def _minibatches_split_over_ranks(self) -> MoeloopConfig:

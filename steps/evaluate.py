@@ -12,6 +12,8 @@ from typing import Any
 from steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
 from steps.engines.engine import Engine, Sampling, TransformersEngine
 from steps.errors import run_cli
+from steps.observe.scalars import step_reports
+from steps.observe.trackers import record_iteration
 from steps.rewards.functions import reward_functions, score
 from steps.storage.cache import fetch_checkpoint
 from steps.storage.metrics import read_metrics
@@ -47,11 +49,6 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "step_seconds": {name: report["seconds"] for name, report in sorted(reports.items())},
         **balance(iteration, reports, step_reports(storage, iteration - 1) if iteration else {}),
     }
-
-
-def step_reports(storage: RunStorage, iteration: int) -> dict[str, dict[str, Any]]:
-    folder = storage.reports(iteration)
-    return {name.removesuffix(".json"): storage.read_json(f"{folder}/{name}") for name in storage.list(folder)}
 
 
 def balance(iteration: int, reports: dict[str, dict], previous: dict[str, dict]) -> dict[str, Any]:
@@ -91,6 +88,7 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     output = storage.metrics(iteration)
     if storage.exists(output):
         read_metrics(storage, iteration)  # this iteration's, or foreign data: an error
+        record_iteration(storage, config, iteration)  # a retry after the commit still records it
         return already_committed(storage, output)
     # The measuring stick stays the same whatever the rollout engine: transformers, greedy.
     engine = TransformersEngine(fetch_checkpoint(storage, iteration))
@@ -99,6 +97,7 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     write_report(storage, iteration, "evaluate", {"seconds": round(time.perf_counter() - started, 3)})
     metrics = iteration_metrics(storage, iteration, eval_reward)
     storage.write_json(output, metrics)
+    record_iteration(storage, config, iteration)
     return metrics
 
 

@@ -131,11 +131,12 @@ def test_workers_run_each_step_as_a_fresh_process_does(
         root = run_root / f"workers-{workers}"
         executed = run_local(config, run_uri(config, str(root)), tmp_path / f"logs-{workers}", progress=False)
         assert len(executed) == 2 + 2 * 6
-        # Step reports and metrics carry timings, and config.yaml the setting itself; the rest is the run's data.
+        # Step reports, metrics and their TensorBoard files carry timings, and config.yaml the setting itself; the
+        # rest is the run's data.
         outputs[workers] = {
             path: digest
             for path, digest in snapshot(root).items()
-            if path.split("/")[1] not in ("reports", "metrics", "config.yaml")
+            if path.split("/")[1] not in ("reports", "metrics", "tensorboard", "config.yaml")
         }
         if workers:
             # start, evaluate, reward, train, publish and one per rollout shard: 7 processes for 14 tasks.

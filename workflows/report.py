@@ -1,4 +1,5 @@
-"""`moeloop report RUN`: the loop's balance per iteration, read from the run's committed metrics files.
+"""`moeloop report RUN [--plot DIR]`: the loop's balance per iteration, read from the run's committed metrics files
+(and its pictures, drawn by steps/observe/plots.py).
 
 Only metrics/iter-NNNNNN.json count: evaluate writes each one whole (an atomic object) once the iteration
 is published, so an iteration still in flight is simply not there yet.
@@ -6,6 +7,7 @@ is published, so an iteration still in flight is simply not there yet.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from steps.storage.metrics import committed_metrics
@@ -56,10 +58,15 @@ def format_table(all_metrics: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(text.rjust(width) for text, width in zip(row, widths, strict=True)) for row in rows)
 
 
-def print_report(run_uri: str) -> None:
+def print_report(run_uri: str, plot_dir: Path | None = None) -> None:
     storage = RunStorage(run_uri)
     storage.require_run()
     all_metrics = committed_metrics(storage)
     print(format_table(all_metrics))
     if not all_metrics:
         print(f"(no iteration of {run_uri} has committed metrics yet)")
+    elif plot_dir is not None:
+        from steps.observe.plots import write_plots
+
+        for path in write_plots(all_metrics, plot_dir):
+            print(path)
