@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from steps.config import MoeloopConfig, load_config
-from steps.storage import RunStorage
+from steps.storage.run import RunStorage
 from workflows.dag import run_uri
 from workflows.local import run_local
 

@@ -10,9 +10,9 @@ attention. One update = zero_grad, forward with labels (HF's causal-LM loss), ba
 copy), batch, loss and optimizer for every row:
 - HF: transformers' model with `experts_implementation="grouped_mm"`; and the same with every decoder layer
   `torch.compile`'d (`layer.compile()`, HF's MoE block inside the compiled layer);
-- ours: the same model after `steps.moe.replace_moe_blocks(model, make_dispatcher("local", E), "grouped_mm")`
-  (on an H200: `steps.kernels`' Triton SwiGLU, router top-k, expand-rows and gather-sum; at this model's
-  shapes the experts' GEMMs stay grouped_mm); the same after `steps.moe.compile_decoder_layers(model)` with the
+- ours: the same model after `steps.model.moe.replace_moe_blocks(model, make_dispatcher("local", E), "grouped_mm")`
+  (on an H200: `steps.model.kernels`' Triton SwiGLU, router top-k, expand-rows and gather-sum; at this model's
+  shapes the experts' GEMMs stay grouped_mm); the same after `steps.model.moe.compile_decoder_layers(model)` with the
   MoE blocks kept eager (the layer graph-breaks around them, as under EP > 1); and after
   `compile_decoder_layers(model)` as it compiles a bf16 model at EP = 1: each layer whole, MoE block included.
 Each row's model is first checked against HF's on the first batch: the loss, and the relative error of all
@@ -40,8 +40,8 @@ import torch
 from moe_layer import NOMINAL_DENSE_BF16, dense_tflops, profile, time_ms
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from steps.dispatch import make_dispatcher
-from steps.moe import compile_decoder_layers, replace_moe_blocks
+from steps.model.dispatch import make_dispatcher
+from steps.model.moe import compile_decoder_layers, replace_moe_blocks
 
 
 def build_config(args: argparse.Namespace) -> Qwen3MoeConfig:

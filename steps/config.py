@@ -171,11 +171,11 @@ class AlgorithmConfig(Strict):
     behavior_weight_cap: float | None = Field(2.0, gt=0)
     # The clipped ratio pi / pi_old: token; sequence, GSPO's length-normalised sequence ratio (one advantage per
     # sequence, each sequence weighs the same); sequence_token, GSPO-token (token advantages work). The behaviour
-    # weights follow: per sequence at both sequence levels. steps/importance.py.
+    # weights follow: per sequence at both sequence levels. steps/rl/importance.py.
     importance_level: Literal["token", "sequence", "sequence_token"] = "token"
     mismatch: MismatchConfig = MismatchConfig()
     # rollout: the trainer's MoE blocks route each response token to the experts the rollout engine recorded
-    # (gate weights from the trainer's router at those experts), in pi_old's pass and the update's. steps/moe.py.
+    # (gate weights from the trainer's router at those experts), in pi_old's pass and the update's. steps/model/moe.py.
     routing_replay: Literal["off", "rollout"] = "off"
     # PPO: GAE over the response tokens, the critic's clipped value loss and its optimizer.
     gae_gamma: float = Field(1.0, ge=0, le=1)
@@ -206,7 +206,7 @@ class TrainerConfig(Strict):
     # Processes of the train step (torchrun); 1 runs it as one plain process without torch.distributed.
     world_size: int = Field(1, gt=0)
     expert_parallel: int = Field(1, gt=0)  # EP ranks sharing one copy of the experts; dp = world_size / EP
-    # auto: local at EP = 1, else DeepEP where it runs (CUDA), else all_to_all (see steps/dispatch.py).
+    # auto: local at EP = 1, else DeepEP where it runs (CUDA), else all_to_all (see steps/model/dispatch.py).
     dispatcher: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
     experts_impl: Literal["grouped_mm", "loop"] = "grouped_mm"
     # Keep the routers' weights as they are (no gradient step, no load-balancing loss): routing changes only as the
@@ -305,6 +305,26 @@ class LocalConfig(Strict):
     pin_cores: bool = True
 
 
+class MLflowConfig(Strict):
+    tracking_uri: str | None = None  # a folder (a local file store) or a server URL; None: $MLFLOW_TRACKING_URI
+    experiment: str | None = None  # None: the run's name
+
+
+class ObserveConfig(Strict):
+    """Where each committed iteration's figures go besides metrics/ (steps/observe/trackers.py). Each tracker's
+    package is imported only when selected; tensorboard needs none to write."""
+
+    trackers: list[Literal["tensorboard", "mlflow"]] = ["tensorboard"]
+    mlflow: MLflowConfig = MLflowConfig()
+
+    @field_validator("trackers")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("names a tracker more than once")
+        return value
+
+
 VLLM_ROUTES = (
     "the vllm engine records no routed experts here (rollout.record_routing, algorithm.routing_replay rollout):"
     " set rollout.engine transformers"
@@ -325,6 +345,7 @@ class MoeloopConfig(Strict):
     eval: EvalConfig = EvalConfig()
     cluster: ClusterConfig = ClusterConfig()
     local: LocalConfig = LocalConfig()
+    observe: ObserveConfig = ObserveConfig()
 
     @model_validator(mode="after")
     def _minibatches_split_over_ranks(self) -> MoeloopConfig:

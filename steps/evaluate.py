@@ -9,20 +9,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from steps.common import (
-    already_committed,
-    eval_prompts,
-    fetch_checkpoint,
-    open_iteration,
-    print_json,
-    quiet_libraries,
-    step_parser,
-    write_report,
-)
-from steps.engine import Engine, Sampling, TransformersEngine
+from steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
+from steps.engines.engine import Engine, Sampling, TransformersEngine
 from steps.errors import run_cli
-from steps.reward import reward_functions, score
-from steps.storage import RunStorage
+from steps.observe.scalars import step_reports
+from steps.observe.trackers import record_iteration
+from steps.rewards.functions import reward_functions, score
+from steps.storage.cache import fetch_checkpoint
+from steps.storage.metrics import read_metrics
+from steps.storage.prompts import eval_prompts
+from steps.storage.run import RunStorage
 
 
 def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max_new_tokens: int) -> float:
@@ -49,7 +45,7 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "logprob_mismatch": train.get("logprob_mismatch"),
         "behavior_kl": train.get("behavior_kl"),
         "clip_fraction": train.get("clip_fraction"),
-        # The MoE stability measures (steps/router_health.py, steps/importance.py), as the train report has them.
+        # The MoE stability measures (steps/rl/router_health.py, steps/rl/importance.py), as the train report has them.
         **{key: value for key, value in train.items() if key.startswith(STABILITY_METRICS)},
         # Shards generate side by side, so their rates add up.
         "tokens_per_second": sum(r["tokens_per_second"] for r in rollouts) if rollouts else None,
@@ -58,11 +54,6 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "step_seconds": {name: report["seconds"] for name, report in sorted(reports.items())},
         **balance(iteration, reports, step_reports(storage, iteration - 1) if iteration else {}),
     }
-
-
-def step_reports(storage: RunStorage, iteration: int) -> dict[str, dict[str, Any]]:
-    folder = storage.reports(iteration)
-    return {name.removesuffix(".json"): storage.read_json(f"{folder}/{name}") for name in storage.list(folder)}
 
 
 def balance(iteration: int, reports: dict[str, dict], previous: dict[str, dict]) -> dict[str, Any]:
@@ -101,6 +92,8 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     storage, config = open_iteration(run_uri, iteration, first=0)
     output = storage.metrics(iteration)
     if storage.exists(output):
+        read_metrics(storage, iteration)  # this iteration's, or foreign data: an error
+        record_iteration(storage, config, iteration)  # a retry after the commit still records it
         return already_committed(storage, output)
     # The measuring stick stays the same whatever the rollout engine: transformers, greedy.
     engine = TransformersEngine(fetch_checkpoint(storage, iteration))
@@ -109,6 +102,7 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     write_report(storage, iteration, "evaluate", {"seconds": round(time.perf_counter() - started, 3)})
     metrics = iteration_metrics(storage, iteration, eval_reward)
     storage.write_json(output, metrics)
+    record_iteration(storage, config, iteration)
     return metrics
 
 

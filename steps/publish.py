@@ -12,9 +12,10 @@ import shutil
 import time
 from typing import Any
 
-from steps.common import already_committed, local_scratch, open_iteration, print_json, step_parser, write_report
+from steps.common import already_committed, open_iteration, print_json, step_parser, write_report
 from steps.errors import MoeloopError, run_cli
-from steps.storage import CRITIC_DIR, OPTIMIZER_FILE
+from steps.storage.cache import local_scratch
+from steps.storage.run import CRITIC_DIR, OPTIMIZER_FILE
 
 
 def publish(run_uri: str, iteration: int) -> dict[str, Any]:

@@ -2,51 +2,21 @@
 
 A reward function (a rule or verifier reward) is named by import path `package.module:function` and called as
 function(prompt_record, response_text) -> float. A reward model is an HF sequence-classification model that the
-start step committed into the run (`steps.reward_model`). The reward is the weighted sum over all of them.
+start step committed into the run (`steps/rewards/models.py`). The reward is the weighted sum over all of them.
 """
 
 from __future__ import annotations
 
-import importlib
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 
-from steps.common import (
-    already_committed,
-    open_iteration,
-    print_json,
-    quiet_libraries,
-    step_parser,
-    train_prompts,
-    write_report,
-)
-from steps.config import RewardConfig
-from steps.errors import MoeloopError, run_cli
-from steps.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
-
-RewardFunction = Callable[[dict, str], float]
-
-
-def import_reward_function(path: str) -> RewardFunction:
-    module_name, _, attribute = path.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise MoeloopError(f"reward function {path!r} does not import: {error}") from None
-    if not callable(function):
-        raise MoeloopError(f"reward function {path!r} is not callable")
-    return function
-
-
-def reward_functions(settings: RewardConfig) -> list[tuple[RewardFunction, float]]:
-    return [(import_reward_function(f.path), f.weight) for f in settings.functions]
-
-
-def score(functions: list[tuple[RewardFunction, float]], record: dict, response: str) -> float:
-    return float(sum(weight * function(record, response) for function, weight in functions))
+from steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
+from steps.errors import run_cli
+from steps.rewards.functions import reward_functions, score
+from steps.storage.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
+from steps.storage.prompts import train_prompts
 
 
 def reward(run_uri: str, iteration: int) -> dict[str, Any]:
@@ -62,7 +32,7 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
     rewards = [score(functions, records[p], response) for p, response in zip(prompt_ids, responses, strict=True)]
     report: dict[str, Any] = {}
     if config.reward.models:
-        from steps.reward_model import load_reward_models  # torch and transformers: only when a model is configured
+        from steps.rewards.models import load_reward_models  # torch and transformers: only when a model is configured
 
         model_started = time.perf_counter()
         texts = [

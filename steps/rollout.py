@@ -18,18 +18,18 @@ import pyarrow as pa
 from steps.common import (
     already_committed,
     derive_seed,
-    fetch_checkpoint,
     open_iteration,
     print_json,
     quiet_libraries,
     step_parser,
-    train_prompts,
     write_report,
 )
 from steps.config import MoeloopConfig
-from steps.engine import Completion, Sampling, engine_for
+from steps.engines.engine import Completion, Sampling, engine_for
 from steps.errors import MoeloopError, run_cli
-from steps.experience import ROLLOUT_SCHEMA, table_bytes
+from steps.storage.cache import fetch_checkpoint
+from steps.storage.experience import ROLLOUT_SCHEMA, read_rollout_shard, table_bytes
+from steps.storage.prompts import train_prompts
 
 
 def iteration_prompt_ids(config: MoeloopConfig, num_prompts: int, iteration: int) -> list[int]:
@@ -88,6 +88,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         raise MoeloopError(f"--shard {shard} is outside 0..{num_shards - 1}")
     output = storage.rollout_shard(iteration, shard, num_shards)
     if storage.exists(output):
+        read_rollout_shard(storage, iteration, shard, num_shards)  # rows of this shard, or foreign data: an error
         return already_committed(storage, output)
 
     policy_version = config.rollout.policy_version(iteration)  # iteration - 1 unless running ahead of training

@@ -56,8 +56,8 @@ def run_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(autouse=True)
 def no_engine_left_behind() -> Iterator[None]:
-    """Steps called in-process keep their rollout engine (steps.engine.engine_for); a test starts without one."""
-    from steps.engine import release_engine
+    """Steps called in-process keep their rollout engine (steps.engines.engine.engine_for); a test starts without one."""
+    from steps.engines.engine import release_engine
 
     release_engine()
     yield

@@ -14,8 +14,8 @@ import pyarrow.compute as pc
 import pytest
 
 from steps.config import MoeloopConfig, load_config
-from steps.experience import read_rollouts
-from steps.storage import RunStorage
+from steps.storage.experience import read_rollouts
+from steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 from workflows.dag import loop_tasks, run_uri
 from workflows.local import run_local

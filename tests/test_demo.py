@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from steps.config import load_config
-from steps.storage import RunStorage
+from steps.storage.run import RunStorage
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from steps.config import TinyModelConfig
-from steps.engine import Sampling, TransformersEngine, engine_for, release_engine
-from steps.policy import build_tiny_model, build_tokenizer, save_policy
+from steps.engines.engine import Sampling, TransformersEngine, engine_for, release_engine
+from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
 from tests.conftest import small_config
 
 

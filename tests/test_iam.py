@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from steps.storage import OPTIMIZER_FILE, RunStorage
+from steps.storage.run import OPTIMIZER_FILE, RunStorage
 from tests.conftest import REPO
 
 POLICIES = REPO / "manifests" / "iam"

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from steps.common import fetch_checkpoint
 from steps.publish import publish
 from steps.reward import reward
 from steps.rollout import rollout
 from steps.start import start
-from steps.storage import RunStorage
+from steps.storage.cache import fetch_checkpoint
+from steps.storage.run import RunStorage
 from steps.train import train, update_policy
 from tests.conftest import small_config
 from workflows import local
@@ -131,11 +131,12 @@ def test_workers_run_each_step_as_a_fresh_process_does(
         root = run_root / f"workers-{workers}"
         executed = run_local(config, run_uri(config, str(root)), tmp_path / f"logs-{workers}", progress=False)
         assert len(executed) == 2 + 2 * 6
-        # Step reports and metrics carry timings, and config.yaml the setting itself; the rest is the run's data.
+        # Step reports, metrics and their TensorBoard files carry timings, and config.yaml the setting itself; the
+        # rest is the run's data.
         outputs[workers] = {
             path: digest
             for path, digest in snapshot(root).items()
-            if path.split("/")[1] not in ("reports", "metrics", "config.yaml")
+            if path.split("/")[1] not in ("reports", "metrics", "tensorboard", "config.yaml")
         }
         if workers:
             # start, evaluate, reward, train, publish and one per rollout shard: 7 processes for 14 tasks.

@@ -15,8 +15,9 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3MoeForCausalLM
 
-from steps.dispatch import AllToAllDispatcher, DeepEPDispatcher, make_dispatcher
-from steps.moe import MoeBlock, gather_over, hf_state_dict, replace_moe_blocks
+from steps.model.deepep import DeepEPDispatcher
+from steps.model.dispatch import AllToAllDispatcher, make_dispatcher
+from steps.model.moe import MoeBlock, gather_over, hf_state_dict, replace_moe_blocks
 from tests.test_moe import NUM_EXPERTS, forward_backward, skewed_block, tiny_config
 
 pytestmark = pytest.mark.slow

@@ -12,11 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification, Qwen3MoeForCausalLM
 
-from steps.grpo import clipped_policy_loss
-from steps.policy import build_tokenizer, load_critic_shard, load_policy_shard, save_policy, token_values
-from steps.ppo import gae, last_token_index, token_rewards, value_loss, whiten
-from steps.storage import CRITIC_DIR, OPTIMIZER_FILE, RunStorage
-from steps.train import Critic, make_optimizer, policy_update
+from steps.model.policy import build_tokenizer, load_critic_shard, load_policy_shard, save_policy, token_values
+from steps.rl.grpo import clipped_policy_loss
+from steps.rl.ppo import gae, last_token_index, token_rewards, value_loss, whiten
+from steps.rl.state import make_optimizer
+from steps.rl.update import Critic, policy_update
+from steps.storage.run import CRITIC_DIR, OPTIMIZER_FILE, RunStorage
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
 from tests.test_moe import tiny_config
 from tests.test_train_ep import experience
@@ -182,8 +183,8 @@ def test_critic_starts_from_the_policy_body_with_a_zero_head_and_loads_in_transf
     with torch.no_grad():
         critic.score.weight.normal_()
         critic.score.bias.fill_(0.25)
-    from steps.moe import hf_state_dict
-    from steps.policy import save_hf_state_dict
+    from steps.model.moe import hf_state_dict
+    from steps.model.policy import save_hf_state_dict
 
     save_hf_state_dict(hf_state_dict(critic), critic.config, tokenizer, tmp_path / "critic")
     loaded = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32).eval()
@@ -289,7 +290,7 @@ def ppo_ep_config():
 
 def ppo_update_on(policy_dir: Path, parallel) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One PPO update (2 minibatches) on this rank's shards: (report, policy and critic weights gathered, HF names)."""
-    from steps.moe import hf_state_dict
+    from steps.model.moe import hf_state_dict
 
     config = ppo_ep_config()
     shard = ("auto", "grouped_mm", parallel.ep_group, CPU)
@@ -308,7 +309,7 @@ def ppo_rank(rank: int, port: int, policy_dir: Path, expected: tuple) -> None:
     import torch.distributed as dist
 
     from steps.config import TrainerConfig
-    from steps.train import init_parallel
+    from steps.rl.parallel import init_parallel
 
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -332,7 +333,7 @@ def ppo_rank(rank: int, port: int, policy_dir: Path, expected: tuple) -> None:
 def test_ppo_update_with_ep2_equals_one_process(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from steps.train import Parallel
+    from steps.rl.parallel import Parallel
     from tests.test_train_ep import free_port
 
     policy_dir = tiny_policy(tmp_path)

@@ -17,7 +17,7 @@ from steps.errors import MoeloopError
 from steps.outputs import OUTPUTS_ENV
 from steps.plan import plan
 from steps.start import with_run_arguments
-from steps.storage import RunStorage
+from steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 
 

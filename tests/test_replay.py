@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from steps import s3
+from steps.storage import s3
 from tests.conftest import REPO, small_config
 from tests.seaweed import SeaweedS3
 from workflows.dag import Task, loop_tasks, run_uri, run_values

@@ -16,10 +16,11 @@ from steps.config import MoeloopConfig
 from steps.demo_task import reverse_positions
 from steps.errors import MoeloopError
 from steps.reward import reward
-from steps.reward_model import RewardModelScorer, build_tiny_reward_model
+from steps.reward_model import build_tiny_reward_model
+from steps.rewards.models import RewardModelScorer
 from steps.rollout import rollout
 from steps.start import start
-from steps.storage import RunStorage
+from steps.storage.run import RunStorage
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
 from workflows.dag import run_uri
 

@@ -15,7 +15,7 @@ import pytest
 
 from steps.config import MoeloopConfig
 from steps.start import start
-from steps.storage import RunStorage
+from steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 from workflows.dag import run_uri
 

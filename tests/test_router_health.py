@@ -1,4 +1,4 @@
-"""The routers' health (steps/router_health.py) against hand counts, in the update's report and `moeloop report`'s
+"""The routers' health (steps/rl/router_health.py) against hand counts, in the update's report and `moeloop report`'s
 table; and `trainer.freeze_router`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from steps.router_health import RouterHealth
+from steps.rl.router_health import RouterHealth
 from tests.test_train_ep import experience, tiny_policy
 
 
@@ -56,8 +56,9 @@ def test_replayed_forwards_count_the_recorded_experts() -> None:
 def test_the_update_reports_the_routers_health_of_its_forward(tmp_path) -> None:
     """One minibatch, one epoch: the update's only forward is the start policy's, so its health is the start
     policy's, counted by hand from the router logits of that forward."""
-    from steps.policy import token_logprobs
-    from steps.train import make_optimizer, policy_update
+    from steps.model.policy import token_logprobs
+    from steps.rl.state import make_optimizer
+    from steps.rl.update import policy_update
     from tests.conftest import small_config
 
     model = tiny_policy(tmp_path)
@@ -82,8 +83,10 @@ def test_the_update_reports_the_routers_health_of_its_forward(tmp_path) -> None:
 
 
 def test_freeze_router_keeps_the_routers_and_trains_the_rest(tmp_path) -> None:
-    from steps.moe import MoeBlock
-    from steps.train import freeze_routers, make_optimizer, policy_update
+    from steps.model.moe import MoeBlock
+    from steps.rl.router_loss import freeze_routers
+    from steps.rl.state import make_optimizer
+    from steps.rl.update import policy_update
     from tests.conftest import small_config
 
     model = tiny_policy(tmp_path)

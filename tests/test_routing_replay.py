@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen3MoeForCausalLM
 
-from steps.engine import Sampling, TransformersEngine
+from steps.engines.engine import Sampling, TransformersEngine
 from steps.errors import MoeloopError
-from steps.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
-from steps.moe import MoeBlock, replaying
-from steps.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
-from steps.router_health import RouterHealth
-from steps.train import ExperienceBatch, experience_batch, recorded_routes
+from steps.model.moe import MoeBlock, replaying
+from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
+from steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
+from steps.rl.router_health import RouterHealth
+from steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
 from tests.test_moe import TOP_K, tiny_config
 from tests.test_moe_ep import run_ranks
 
@@ -174,7 +174,7 @@ def old_shard_bytes() -> bytes:
 
 
 def test_old_shards_read_without_routes_and_replay_refuses_them_naming_the_column(tmp_path: Path) -> None:
-    from steps.train import policy_update
+    from steps.rl.update import policy_update
     from tests.conftest import small_config
 
     table = parse_table(old_shard_bytes(), "old.parquet", ROLLOUT_SCHEMA)

@@ -10,11 +10,12 @@ from pathlib import Path
 import blake3
 import pytest
 
-from steps import s3
 from steps.errors import MoeloopError
-from steps.policy import build_tiny_model, build_tokenizer, save_policy
+from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
 from steps.start import fetch_model_source, start
-from steps.storage import COMMIT, RunStorage
+from steps.storage import s3
+from steps.storage.manifest import COMMIT, PART_SIZE
+from steps.storage.run import RunStorage
 from tests.conftest import small_config
 from tests.seaweed import SeaweedS3
 
@@ -60,7 +61,7 @@ def assert_nothing_published(run: str) -> None:
 
 def blake3_of_parts(data: bytes) -> str:
     """The README's digest, written out here: BLAKE3 over the BLAKE3 of each 8 MiB part."""
-    parts = [data[o : o + s3.PART_SIZE] for o in range(0, len(data), s3.PART_SIZE)] or [b""]
+    parts = [data[o : o + PART_SIZE] for o in range(0, len(data), PART_SIZE)] or [b""]
     return blake3.blake3(b"".join(blake3.blake3(part).digest() for part in parts)).hexdigest()
 
 

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pytest
 
 from steps.errors import EXIT_USER_ERROR
-from steps.experience import ROLLOUT_SCHEMA, table_bytes
 from steps.start import start
-from steps.storage import RunStorage
+from steps.storage.experience import ROLLOUT_SCHEMA, table_bytes
+from steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 from tests.seaweed import SeaweedS3
 from tests.test_bad_input import assert_user_error

@@ -14,9 +14,10 @@ import blake3
 import botocore.exceptions
 import pytest
 
-from steps import s3
 from steps.errors import MoeloopError
-from steps.storage import COMMIT, RunStorage
+from steps.storage import s3
+from steps.storage.manifest import COMMIT, PART_SIZE
+from steps.storage.run import RunStorage
 from tests.seaweed import SeaweedS3
 
 
@@ -35,7 +36,7 @@ def checkpoint_files(folder: Path, big: bool = False) -> Path:
     (folder / "config.json").write_text('{"hidden_size": 64}')
     (folder / "tokenizer" / "vocab.txt").write_text("a\nb\n")
     (folder / "empty.bin").write_bytes(b"")
-    size = 7 * s3.PART_SIZE // 2 if big else 1000
+    size = 7 * PART_SIZE // 2 if big else 1000
     (folder / "model.safetensors").write_bytes(os.urandom(size))
     return folder
 
@@ -48,8 +49,8 @@ def sha256_tree(folder: Path) -> dict[str, str]:
     }
 
 
-def blake3_of_parts(data: bytes, part_size: int = s3.PART_SIZE) -> str:
-    """The digest as the README defines it, written out here independently of steps/storage.py."""
+def blake3_of_parts(data: bytes, part_size: int = PART_SIZE) -> str:
+    """The digest as the README defines it, written out here independently of steps/storage/run.py."""
     parts = [data[offset : offset + part_size] for offset in range(0, len(data), part_size)] or [b""]
     return blake3.blake3(b"".join(blake3.blake3(part).digest() for part in parts)).hexdigest()
 
@@ -105,7 +106,7 @@ def test_seaweedfs_honours_if_none_match_with_exactly_one_winner(seaweed: Seawee
 
 
 def test_folder_commits_only_with_its_manifest_and_round_trips_verified(storage: RunStorage, tmp_path: Path) -> None:
-    source = checkpoint_files(tmp_path / "source", big=storage.s3 is not None)
+    source = checkpoint_files(tmp_path / "source", big=storage.uri.startswith("s3://"))
     folder = storage.checkpoint(1)
     storage.put_objects(folder, {"model.safetensors": source / "model.safetensors"})
     assert not storage.is_committed(folder)  # data objects alone are not a commit
@@ -167,7 +168,7 @@ def test_a_manifest_that_does_not_match_its_objects_is_refused_naming_the_object
 
 
 def test_large_objects_round_trip_through_parallel_parts(storage: RunStorage) -> None:
-    data = os.urandom(5 * s3.PART_SIZE // 2)
+    data = os.urandom(5 * PART_SIZE // 2)
     storage.write_bytes("experience/iter-000001/rewards.parquet", data)
     assert storage.read_bytes("experience/iter-000001/rewards.parquet") == data
     files = storage.put_objects("experience/iter-000001", {"big.parquet": data})
@@ -178,11 +179,11 @@ def test_large_objects_round_trip_through_parallel_parts(storage: RunStorage) ->
 @pytest.mark.parametrize("part", [0, 1, 2])
 def test_a_damaged_part_of_a_large_object_is_caught_whichever_part_it_is(storage: RunStorage, part: int) -> None:
     """Each part is hashed by the thread that fetched it; a change in any one of them fails the object."""
-    data = os.urandom(5 * s3.PART_SIZE // 2)
+    data = os.urandom(5 * PART_SIZE // 2)
     folder = "experience/iter-000001"
     manifest = storage.commit(folder, storage.put_objects(folder, {"big.parquet": data}))
     damaged = bytearray(data)
-    damaged[part * s3.PART_SIZE + 12345] ^= 0x01
+    damaged[part * PART_SIZE + 12345] ^= 0x01
     storage.write_bytes(f"{folder}/big.parquet", bytes(damaged))  # same size: only the digest tells
 
     with pytest.raises(MoeloopError, match=rf"^object does not match its COMMIT: .*{folder}/big.parquet$"):
@@ -271,6 +272,6 @@ def test_manifest_lists_sizes_and_checksums_in_json(storage: RunStorage) -> None
     marker = json.loads(storage.read_bytes("checkpoints/iter-000004/COMMIT"))
     assert marker == {
         "format": 2,
-        "files": {"w.bin": {"size": 7, "part_size": s3.PART_SIZE, "blake3_of_parts": blake3_of_parts(b"weights")}},
+        "files": {"w.bin": {"size": 7, "part_size": PART_SIZE, "blake3_of_parts": blake3_of_parts(b"weights")}},
         "iteration": 4,
     }

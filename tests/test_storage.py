@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from steps.errors import MoeloopError
-from steps.storage import RunStorage
+from steps.storage.run import RunStorage
 
 
 def make_folder(tmp_path: Path) -> Path:

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from steps.common import fetch_checkpoint
 from steps.config import MoeloopConfig
-from steps.experience import committed_experience, read_rewards, read_rollout_shard, read_rollouts
-from steps.policy import load_policy
+from steps.model.policy import load_policy
 from steps.rollout import iteration_prompt_ids, shard_prompt_ids
 from steps.start import start
-from steps.storage import CRASH_AFTER_WRITES, RunStorage
+from steps.storage.backends import CRASH_AFTER_WRITES
+from steps.storage.cache import fetch_checkpoint
+from steps.storage.experience import committed_experience, read_rewards, read_rollout_shard, read_rollouts
+from steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 from tests.seaweed import SeaweedS3
 

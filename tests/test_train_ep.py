@@ -19,23 +19,14 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
 from steps.config import MoeloopConfig, TrainerConfig
-from steps.dispatch import make_dispatcher
-from steps.moe import gather_over, hf_state_dict, replace_moe_blocks
-from steps.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
-from steps.train import (
-    ExperienceBatch,
-    Parallel,
-    experience_batch,
-    expert_parameters,
-    init_parallel,
-    load_balancing_loss,
-    make_optimizer,
-    mesh_parallel,
-    optimizer_state_by_name,
-    policy_update,
-    rank_share,
-    save_trainer_state,
-)
+from steps.model.dispatch import make_dispatcher
+from steps.model.moe import gather_over, hf_state_dict, replace_moe_blocks
+from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
+from steps.rl.batch import ExperienceBatch, experience_batch
+from steps.rl.parallel import Parallel, expert_parameters, init_parallel, mesh_parallel, rank_share
+from steps.rl.router_loss import load_balancing_loss
+from steps.rl.state import make_optimizer, optimizer_state_by_name, save_trainer_state
+from steps.rl.update import policy_update
 from tests.conftest import small_config
 from tests.test_moe import NUM_EXPERTS, tiny_config
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from steps.common import fetch_checkpoint
-from steps.engine import Sampling, TransformersEngine, VLLMEngine, engine_for, release_engine
-from steps.policy import load_policy, pack_sequences, save_policy, token_logprobs
+from steps.engines.engine import Sampling, TransformersEngine, VLLMEngine, engine_for, release_engine
+from steps.model.policy import load_policy, pack_sequences, save_policy, token_logprobs
 from steps.reward import reward
 from steps.start import start
-from steps.storage import RunStorage
+from steps.storage.cache import fetch_checkpoint
+from steps.storage.run import RunStorage
 from steps.train import train
 from tests.conftest import REPO, small_config
 from workflows.dag import run_uri

@@ -144,7 +144,14 @@ def command_resubmit(args: argparse.Namespace) -> None:
 def command_report(args: argparse.Namespace) -> None:
     from workflows.report import print_report
 
-    print_report(args.run)
+    print_report(args.run, args.plot)
+
+
+def command_sync(args: argparse.Namespace) -> None:
+    from steps.observe.trackers import sync_tensorboard
+
+    copied = sync_tensorboard(args.run, args.output)
+    print(f"{len(copied)} new event file(s) in {args.output}; view with: tensorboard --logdir {args.output}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -213,7 +220,13 @@ def parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="print each iteration's staleness, step times and waits")
     report.add_argument("run", help="the run's URI: its folder, or s3://bucket/prefix/<run_name>")
+    report.add_argument("--plot", type=Path, metavar="DIR", help="also draw the run's curves as PNGs into DIR")
     report.set_defaults(handler=command_report)
+
+    sync = commands.add_parser("sync", help="copy a run's TensorBoard event files (e.g. from S3) into a local folder")
+    sync.add_argument("run", help="the run's URI: its folder, or s3://bucket/prefix/<run_name>")
+    sync.add_argument("output", type=Path, help="local folder for `tensorboard --logdir`")
+    sync.set_defaults(handler=command_sync)
     return root
 
 

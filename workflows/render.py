@@ -34,6 +34,7 @@ from steps.errors import MoeloopError
 from steps.outputs import OUTPUTS_ENV
 from workflows.dag import EVALUATE, PLAN, START, STEPS, TRAIN, Step, Task, iteration_tasks, run_values, step_role
 from workflows.lint import lint_documents
+from workflows.monitoring import run_annotations, template_metrics
 
 API_VERSION = "argoproj.io/v1alpha1"
 ENTRYPOINT = "chunk"
@@ -261,6 +262,7 @@ def _step_template(step: Step, config: MoeloopConfig) -> dict[str, Any]:
         **_template_io(step, role),
         **_pod_placement(config, role),
         "container": _container(config, role, argv, outputs_env),
+        **template_metrics(step.name, step.params, step.outputs, config.run_name, MISSING_OUTPUT),
     }
     volumes, _ = _volumes(role, placement(config, role))
     if volumes:
@@ -582,7 +584,7 @@ def render_workflow_template(config: MoeloopConfig, run_uri: str) -> dict[str, A
             "arguments": {"parameters": parameters},
             # One chunk of a run at a time, whoever submitted it: a chained chunk waits for its predecessor.
             "synchronization": {"mutexes": [{"name": f"moeloop-run-{config.run_name}"}]},
-            "workflowMetadata": {"labels": _run_labels(config)},
+            "workflowMetadata": {"labels": _run_labels(config), "annotations": run_annotations(run_uri)},
             "podMetadata": {"labels": {f"{LABEL}/run": config.run_name}},
             "templates": templates,
         },

@@ -1,5 +1,5 @@
-"""`moeloop report RUN`: the loop's balance and the MoE's stability per iteration, read from the run's committed
-metrics files.
+"""`moeloop report RUN [--plot DIR]`: the loop's balance and the MoE's stability per iteration, read from the run's
+committed metrics files (and its pictures, drawn by steps/observe/plots.py).
 
 Only metrics/iter-NNNNNN.json count: evaluate writes each one whole (an atomic object) once the iteration
 is published, so an iteration still in flight is simply not there yet.
@@ -7,13 +7,12 @@ is published, so an iteration still in flight is simply not there yet.
 
 from __future__ import annotations
 
-import re
+from pathlib import Path
 from typing import Any
 
-from steps.errors import MoeloopError
-from steps.storage import RunStorage
+from steps.storage.metrics import committed_metrics
+from steps.storage.run import RunStorage
 
-METRICS_NAME = re.compile(r"iter-(\d{6})\.json")
 # (header, metrics field): durations and waits in seconds, defined in the README's "Balance".
 COLUMNS = (
     ("iter", "iteration"),
@@ -35,20 +34,6 @@ COLUMNS = (
 )
 # Ratios and shares: three decimals (the durations take one).
 FINE = {field for _, field in COLUMNS[9:]}
-
-
-def committed_metrics(run_uri: str) -> list[dict[str, Any]]:
-    """Every committed metrics file of the run, by iteration."""
-    storage = RunStorage(run_uri)
-    storage.require_run()
-    metrics = []
-    for name in storage.list("metrics"):
-        if match := METRICS_NAME.fullmatch(name):
-            value = storage.read_json(f"metrics/{name}")
-            if not isinstance(value, dict) or value.get("iteration") != int(match[1]):
-                raise MoeloopError(f"{storage.display(f'metrics/{name}')} is not iteration {int(match[1])}'s metrics")
-            metrics.append(value)
-    return sorted(metrics, key=lambda m: m["iteration"])
 
 
 def table_row(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -81,8 +66,15 @@ def format_table(all_metrics: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(text.rjust(width) for text, width in zip(row, widths, strict=True)) for row in rows)
 
 
-def print_report(run_uri: str) -> None:
-    all_metrics = committed_metrics(run_uri)
+def print_report(run_uri: str, plot_dir: Path | None = None) -> None:
+    storage = RunStorage(run_uri)
+    storage.require_run()
+    all_metrics = committed_metrics(storage)
     print(format_table(all_metrics))
     if not all_metrics:
         print(f"(no iteration of {run_uri} has committed metrics yet)")
+    elif plot_dir is not None:
+        from steps.observe.plots import write_plots
+
+        for path in write_plots(all_metrics, plot_dir):
+            print(path)

@@ -16,7 +16,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from steps.errors import MoeloopError
-from steps.storage import RunStorage, bytes_entry
+from steps.storage.manifest import bytes_entry
+from steps.storage.run import RunStorage
 
 REWARDS_FILE = "rewards.parquet"
 

@@ -6,7 +6,7 @@
   `output_router_logits=True` records the same router logits through HF's `OutputRecorder` hook and the
   model's load-balancing aux loss is unchanged;
 - tokens are permuted by expert (and, with expert parallelism, moved to the rank holding the expert) by a
-  dispatcher from `steps.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
+  dispatcher from `steps.model.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
   summed per token (the routing weight folded into the SwiGLU output, before the linear down projection);
 - parameters keep HF's names and fused layout, `experts.gate_up_proj` [e, 2I, H] and `experts.down_proj`
   [e, H, I], holding only this EP rank's e = E / EP experts, so loading and publishing are slicing and gathering.
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
-from steps import kernels
-from steps.dispatch import TokenDispatcher
 from steps.errors import MoeloopError
+from steps.model import kernels
+from steps.model.dispatch import TokenDispatcher
 
 ExpertsImpl = Literal["grouped_mm", "loop"]
 
@@ -70,7 +70,7 @@ class GroupedExperts(nn.Module):
 
         The weight multiplies the SwiGLU output (I wide) before the down projection, which is linear, so this is
         the weighted expert output without an H-wide multiply. On CUDA the SwiGLU is a Triton kernel, and so are the
-        grouped GEMMs' forward and input gradient on Hopper in bf16 for large calls (`steps.kernels`).
+        grouped GEMMs' forward and input gradient on Hopper in bf16 for large calls (`steps.model.kernels`).
         """
         if self.impl == "grouped_mm":
             offs_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)  # end row of each expert; empty groups ok
@@ -236,7 +236,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     Compiled: each layer's RMSNorms (fp32), attention with q/k norms and RoPE, residual adds, whose many small
     elementwise kernels dominate the policy update once the MoE block is fast. The MoE block is compiled with its
     layer where it traces as one graph (`MoeBlock.forward`: the `local` dispatcher and bf16 grouped-GEMM experts):
-    inductor fuses the router's and the sort's small kernels, and calls `steps.kernels`' Triton ops as they are.
+    inductor fuses the router's and the sort's small kernels, and calls `steps.model.kernels`' Triton ops as they are.
     Otherwise (EP dispatchers, fp32) the block stays eager and the layer graph-breaks around it. Layers of one
     class share their compiled code, and batch shapes that vary recompile once into a dynamic-shape graph. On CPU
     this does nothing (returns 0).

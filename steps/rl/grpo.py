@@ -11,39 +11,39 @@ from typing import Literal
 
 import torch
 
-from steps.importance import ImportanceLevel, importance_ratio
+from steps.rl.importance import ImportanceLevel, importance_ratio
 
 
 def group_advantages(
-    rewards_N: torch.Tensor, group_ids_N: torch.Tensor, scale: bool, eps: float = 1e-6
+    rewards_B: torch.Tensor, group_ids_B: torch.Tensor, scale: bool, eps: float = 1e-6
 ) -> torch.Tensor:
     """Each sample's reward minus its group's mean, divided by the group's std (ddof=1) when scale is set.
 
     A group whose rewards are all equal gets exactly zero advantage: it carries no signal (and the rounding
     error of its mean, divided by a zero std, must not become one).
     """
-    _, group_index_N = torch.unique(group_ids_N, return_inverse=True)
-    groups = int(group_index_N.max()) + 1
-    counts_G = torch.bincount(group_index_N, minlength=groups).to(rewards_N.dtype)
-    mean_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, rewards_N) / counts_G
-    varied_N = varied_groups(rewards_N, group_ids_N)
-    centred_N = torch.where(varied_N, rewards_N - mean_G[group_index_N], torch.zeros_like(rewards_N))
+    _, group_index_B = torch.unique(group_ids_B, return_inverse=True)
+    groups = int(group_index_B.max()) + 1
+    counts_G = torch.bincount(group_index_B, minlength=groups).to(rewards_B.dtype)
+    mean_G = torch.zeros(groups, dtype=rewards_B.dtype).index_add_(0, group_index_B, rewards_B) / counts_G
+    varied_B = varied_groups(rewards_B, group_ids_B)
+    centred_B = torch.where(varied_B, rewards_B - mean_G[group_index_B], torch.zeros_like(rewards_B))
     if not scale:
-        return centred_N
-    square_sum_G = torch.zeros(groups, dtype=rewards_N.dtype).index_add_(0, group_index_N, centred_N**2)
+        return centred_B
+    square_sum_G = torch.zeros(groups, dtype=rewards_B.dtype).index_add_(0, group_index_B, centred_B**2)
     std_G = (square_sum_G / (counts_G - 1).clamp(min=1)).sqrt()
-    return centred_N / (std_G[group_index_N] + eps)
+    return centred_B / (std_G[group_index_B] + eps)
 
 
-def varied_groups(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) -> torch.Tensor:
+def varied_groups(rewards_B: torch.Tensor, group_ids_B: torch.Tensor) -> torch.Tensor:
     """Whether each sample's group has rewards that are not all equal (exact comparison: equal floats only)."""
-    _, group_index_N = torch.unique(group_ids_N, return_inverse=True)
-    groups = int(group_index_N.max()) + 1
-    low_G = torch.full((groups,), torch.inf, dtype=rewards_N.dtype).scatter_reduce(0, group_index_N, rewards_N, "amin")
-    high_G = torch.full((groups,), -torch.inf, dtype=rewards_N.dtype).scatter_reduce(
-        0, group_index_N, rewards_N, "amax"
+    _, group_index_B = torch.unique(group_ids_B, return_inverse=True)
+    groups = int(group_index_B.max()) + 1
+    low_G = torch.full((groups,), torch.inf, dtype=rewards_B.dtype).scatter_reduce(0, group_index_B, rewards_B, "amin")
+    high_G = torch.full((groups,), -torch.inf, dtype=rewards_B.dtype).scatter_reduce(
+        0, group_index_B, rewards_B, "amax"
     )
-    return (high_G > low_G)[group_index_N]
+    return (high_G > low_G)[group_index_B]
 
 
 Aggregation = Literal["token", "sequence", "dr_grpo"]
@@ -84,7 +84,7 @@ def aggregate(
 
 def behavior_weights(behavior_ratio_BT: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated importance weights min(pi_old / pi_behavior, cap) and whether each was truncated, from the ratio
-    per token or per sequence (`steps.importance.behavior_ratio`).
+    per token or per sequence (`steps.rl.importance.behavior_ratio`).
 
     The decoupled PPO objective (Hilton et al. 2022, "Batch size-invariance for policy optimization",
     arXiv:2110.00641) clips the ratio against a proximal policy pi_old (here: the trainer's policy at the start
@@ -126,7 +126,7 @@ def clipped_policy_loss(
     advantages is per sequence [B] (GRPO) or per token [B, T] (PPO). weights_BT are the behaviour importance
     weights (None: 1). clip_high None is clip_low (symmetric); a larger one is DAPO's clip-higher (Yu et al. 2025,
     arXiv:2503.14476), which lets unlikely tokens with A > 0 gain more before the clip stops them.
-    importance_level picks r (`steps.importance.importance_ratio`): per token, or GSPO's per sequence over mask_BT.
+    importance_level picks r (`steps.rl.importance.importance_ratio`): per token, or GSPO's per sequence over mask_BT.
     """
     clip_high = clip_low if clip_high is None else clip_high
     mask = mask_BT.to(logprobs_BT.dtype)

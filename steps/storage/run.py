@@ -1,5 +1,9 @@
 """The one storage layout of a run, and the commit protocol every step reads and writes it with.
 
+RunStorage holds the layout (the paths below), atomic single objects, committed folders and LATEST, over one
+of two backends (steps/storage/backends.py): a local folder or s3://bucket/prefix. The protocol is in
+README.md in this folder.
+
     <run>/config.yaml                                  the run's config (written by start; a later submission
                                                        may change only iterations and placement)
     <run>/data/{train,eval}.jsonl                      the prompts, copied in by start
@@ -16,80 +20,43 @@
     <run>/reports/iter-NNNNNN/<step>.json              what each step measured
     <run>/metrics/iter-NNNNNN.json                     one JSON object per iteration
     <run>/LATEST                                       {"iteration": N, "checkpoint": "checkpoints/iter-NNNNNN"}
-
-A run lives in a local folder or under s3://bucket/prefix. Single objects and listings go through fsspec
-(s3fs for S3); bulk transfers and compare-and-swap through boto3 (steps/s3.py). The commit protocol:
-
-- A single object becomes visible whole: a local write goes to a fsynced temporary name and is renamed;
-  an S3 PUT is atomic. Objects over one part are a parallel multipart upload, also visible only whole.
-- A folder's data objects are written first, then its COMMIT manifest (each name with its size and
-  digest), created only if absent (If-None-Match: * on S3, a hard link locally). Readers trust a folder
-  only through its COMMIT and verify every byte they read against it. A COMMIT that does not match its
-  objects is foreign data: an error, never overwritten.
-- An object's digest is blake3_of_parts: the BLAKE3 of the concatenated BLAKE3 digests of its parts of
-  part_size bytes (the last one shorter; one empty part for an empty object), both named in the COMMIT.
-  As strong as a hash of the whole, but each part is hashed by the thread that moves it, in parallel.
-- LATEST moves only to a committed checkpoint, by compare-and-swap, and never backwards.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import posixpath
-import re
-import signal
-import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fsspec
-
-from steps import s3
 from steps.errors import MoeloopError
+from steps.storage import s3
+from steps.storage.backends import Backend, LocalBackend, S3Backend, crash_point
+from steps.storage.manifest import (
+    COMMIT,
+    TEMPORARY,
+    json_bytes,
+    local_entry,
+    manifest_of,
+    object_entry,
+    parse_latest,
+    parse_manifest,
+    part_digest,
+    part_offsets,
+)
 
-COMMIT = "COMMIT"
-# The COMMIT's "format"; the first (no "format", a whole-object "sha256" per file) is refused by name.
-MANIFEST_FORMAT = 2
 OPTIMIZER_FILE = "optimizer.pt"  # in trainer/iter-NNNNNN/, beside the HF files
 CRITIC_DIR = "critic"  # PPO: the critic's HF files and optimizer.pt in trainer/iter-NNNNNN/critic/
-TEMPORARY = ".tmp-"  # in the name of a local write in progress; never part of a committed name
-DIGEST = re.compile(r"^[0-9a-f]{64}$")
-MIN_PART_SIZE = 1 << 20  # in a COMMIT: smaller parts would have a reader send a request per few bytes
-LATEST_ATTEMPTS = 20  # compare-and-swap rounds before giving up on a LATEST that keeps changing
-# Fault injection (tests/test_storage_faults.py): with MOELOOP_CRASH_AFTER_WRITES=N set, the process kills
-# itself with SIGKILL right after its N-th completed write, so that a crash lands between two given writes.
-CRASH_AFTER_WRITES = "MOELOOP_CRASH_AFTER_WRITES"
-_completed_writes = 0
-
-
-def crash_point() -> None:
-    global _completed_writes
-    _completed_writes += 1
-    if os.environ.get(CRASH_AFTER_WRITES) == str(_completed_writes):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def iteration_dir(iteration: int) -> str:
     return f"iter-{iteration:06d}"
-
-
-def object_entry(size: int, part_size: int, part_digests: Iterable[bytes]) -> dict[str, Any]:
-    """A COMMIT's entry for one object, from the digest of each of its parts, in order."""
-    return {"size": size, "part_size": part_size, "blake3_of_parts": s3.part_digest(b"".join(part_digests)).hex()}
-
-
-def bytes_entry(data: bytes) -> dict[str, Any]:
-    step = s3.part_size(len(data))
-    view = memoryview(data)
-    digests = (s3.part_digest(view[offset : offset + step]) for offset in s3.part_offsets(len(data), step))
-    return object_entry(len(data), step, digests)
 
 
 @dataclass(frozen=True)
@@ -99,11 +66,11 @@ class RunStorage:
     uri: str
 
     def __post_init__(self) -> None:
-        location = None
+        backend: Backend
         if self.uri.startswith("s3://"):
             location = s3.parse_s3_uri(self.uri)
-            fs = fsspec.filesystem("s3", use_listings_cache=False)
             root = f"{location.bucket}/{location.key}".rstrip("/")
+            backend = S3Backend(self, location)
         elif "://" in self.uri and not self.uri.startswith("file://"):
             scheme = self.uri.split("://", 1)[0]
             raise MoeloopError(f"unsupported storage URI scheme {scheme!r} (use a local path or s3://bucket/prefix)")
@@ -113,12 +80,12 @@ class RunStorage:
                 raise MoeloopError("the run's storage URI is empty")
             if ".." in path.split("/"):
                 raise MoeloopError(f"a storage URI must not contain '..' path segments: {self.uri}")
-            fs = fsspec.filesystem("file")
             root = os.path.abspath(path)
-        object.__setattr__(self, "fs", fs)
+            backend = LocalBackend(self)
         object.__setattr__(self, "root", root)
-        object.__setattr__(self, "s3", location)
-        object.__setattr__(self, "_probed", location is None)
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "fs", backend.fs)
+        object.__setattr__(self, "_probed", False)
 
     # -- the layout -------------------------------------------------------------------------
     CONFIG = "config.yaml"
@@ -177,17 +144,11 @@ class RunStorage:
         return f"{self.uri.rstrip('/')}/{relative}"
 
     def exists(self, relative: str) -> bool:
-        with self._errors(relative):
-            if self.s3 is None:
-                return self.fs.exists(self.full(relative))
-            # A listing, not a HEAD: S3 answers a HEAD of a missing key with 403 unless s3:ListBucket applies
-            # to it, and a ListBucket scoped to the run's prefix (manifests/iam/) never applies to a HEAD.
-            key = self.full(relative).split("/", 1)[1]
-            listed = s3.client().list_objects_v2(Bucket=self.s3.bucket, Prefix=key, MaxKeys=1)
-            return any(entry["Key"] == key for entry in listed.get("Contents", []))
+        with self.errors(relative):
+            return self.backend.exists(relative)
 
     def read_bytes(self, relative: str) -> bytes:
-        with self._errors(relative):
+        with self.errors(relative):
             return self.fs.cat_file(self.full(relative))
 
     def read_json(self, relative: str) -> Any:
@@ -198,36 +159,15 @@ class RunStorage:
 
     def write_bytes(self, relative: str, data: bytes) -> None:
         """Write one object so that readers see either nothing or all of it (and the old one until then)."""
-        path = self.full(relative)
-        with self._errors(relative):
-            if self.s3 is None:
-                with self._local_temporary(path, data) as temporary:
-                    os.replace(temporary, path)
-            elif len(data) > s3.PART_SIZE:
-                s3.upload(self._location(posixpath.dirname(relative)), {posixpath.basename(relative): data})
-            else:
-                self.fs.pipe_file(path, data)
+        with self.errors(relative):
+            self.backend.write(relative, data)
         crash_point()
 
     def create_bytes(self, relative: str, data: bytes) -> bool:
         """Create the object only if it does not exist (S3: If-None-Match: *); False if it already did."""
-        path = self.full(relative)
-        with self._errors(relative):
-            if self.s3 is None:
-                with self._local_temporary(path, data) as temporary:
-                    try:
-                        os.link(temporary, path)  # atomic, and fails if path exists
-                    except FileExistsError:
-                        return False
-            else:
-                try:
-                    self.fs.pipe_file(path, data, mode="create")
-                except FileExistsError:
-                    return False  # AWS names the failed condition, and s3fs turns it into this
-                except OSError as error:
-                    if s3.is_precondition_failure(error):
-                        return False  # servers that do not name the condition (SeaweedFS)
-                    raise
+        with self.errors(relative):
+            if not self.backend.create(relative, data):
+                return False
         crash_point()
         return True
 
@@ -236,7 +176,7 @@ class RunStorage:
 
     def list(self, folder: str) -> list[str]:
         """Names of the objects directly in folder (a local write in progress is not one)."""
-        with self._errors(folder):
+        with self.errors(folder):
             try:
                 paths = self.fs.ls(self.full(folder), detail=False)
             except FileNotFoundError:
@@ -246,7 +186,7 @@ class RunStorage:
     def sizes(self, folder: str) -> dict[str, int]:
         """Every object under folder, recursively: {name relative to folder: size}."""
         base = self.full(folder)
-        with self._errors(folder):
+        with self.errors(folder):
             try:
                 found = self.fs.find(base, detail=True)
             except FileNotFoundError:
@@ -298,22 +238,7 @@ class RunStorage:
         """The data objects of a commit, in parallel on S3: {name: its entry} for its manifest."""
         for name in sources:
             self.full(f"{folder}/{name}")  # refuses names that leave the folder
-        if self.s3 is not None:
-            uploaded = s3.upload(self._location(folder), sources)
-            crash_point()
-            return {name: object_entry(u.size, u.part_size, u.part_digests) for name, u in uploaded.items()}
-        files = {}
-        for name, source in sources.items():
-            target = self.full(f"{folder}/{name}")
-            with self._errors(f"{folder}/{name}"):
-                if isinstance(source, bytes):
-                    with self._local_temporary(target, source) as temporary:
-                        os.replace(temporary, target)
-                    files[name] = bytes_entry(source)
-                else:
-                    files[name] = copy_hashed(source, Path(target))
-            crash_point()
-        return files
+        return self.backend.put_objects(folder, sources)
 
     def commit(
         self, folder: str, files: dict[str, dict[str, Any]], extra: dict[str, Any] | None = None
@@ -361,7 +286,7 @@ class RunStorage:
             relative = f"{folder}/{name}"
             target = local_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            with self._errors(relative):
+            with self.errors(relative):
                 self.fs.get_file(self.full(relative), str(target))
             files[name] = local_entry(target)
             if files[name]["size"] != size:
@@ -381,7 +306,7 @@ class RunStorage:
         offset. Into memory, the piece is the whole object, one GET: assembling parts into one buffer would
         cost a copy and a second set of page faults, more CPU than the parallel parts save on busy cores.
         """
-        read_piece = self._part_reader(folder)
+        read_piece = self.backend.part_reader(folder)
         objects: dict[str, bytes] = {}
         files: dict[str, int] = {}  # name -> its open file under local_dir, closed once its last part is in
         digests: dict[str, list[bytes]] = {}
@@ -395,7 +320,7 @@ class RunStorage:
             else:
                 objects[name] = data
             view = memoryview(data)
-            return [s3.part_digest(view[start : start + step]) for start in s3.part_offsets(length, step)]
+            return [part_digest(view[start : start + step]) for start in part_offsets(length, step)]
 
         def collect_oldest() -> None:
             name, future, last = pending.popleft()
@@ -417,7 +342,7 @@ class RunStorage:
                     target = local_dir / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     files[name] = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                    offsets, step = s3.part_offsets(entry["size"], entry["part_size"]), entry["part_size"]
+                    offsets, step = part_offsets(entry["size"], entry["part_size"]), entry["part_size"]
                 for offset in offsets:
                     while len(pending) >= s3.WINDOW:
                         collect_oldest()
@@ -434,27 +359,6 @@ class RunStorage:
             for descriptor in files.values():
                 os.close(descriptor)
         return objects
-
-    def _part_reader(self, folder: str) -> Callable[[str, int, int, int], bytes]:
-        """read(name, offset, length, size): length bytes of folder/name at offset, checking that the object
-        is size bytes long (a ranged GET on S3, a pread locally)."""
-        if self.s3 is not None:
-            location = self._location(folder)
-            return lambda name, offset, length, size: s3.read_range(location, name, offset, length, size)
-
-        def read_local(name: str, offset: int, length: int, size: int) -> bytes:
-            relative = f"{folder}/{name}"
-            with self._errors(relative), open(self.full(relative), "rb") as file:
-                found = os.fstat(file.fileno()).st_size
-                data = os.pread(file.fileno(), length, offset)
-            if found != size or len(data) != length:
-                raise MoeloopError(
-                    f"object does not match its {COMMIT} (size {found}, the manifest says {size}):"
-                    f" {self.display(relative)}"
-                )
-            return data
-
-        return read_local
 
     # -- the run ----------------------------------------------------------------------------------
     def require_run(self) -> None:
@@ -479,50 +383,14 @@ class RunStorage:
                 return None  # a re-run of an older (or the same) publish
             return wanted
 
-        self._compare_and_swap(self.LATEST, decide)
+        self.backend.compare_and_swap(self.LATEST, decide)
 
-    def _compare_and_swap(self, relative: str, decide: Callable[[bytes | None], bytes | None]) -> None:
-        path = self.full(relative)
-        if self.s3 is None:
-            with self._errors(relative), self._local_lock():
-                current = Path(path).read_bytes() if os.path.exists(path) else None
-                replacement = decide(current)
-                if replacement is not None:
-                    with self._local_temporary(path, replacement) as temporary:
-                        os.replace(temporary, path)
-                    crash_point()
-            return
-        client, bucket, key = s3.client(), self.s3.bucket, path.split("/", 1)[1]
-        for _ in range(LATEST_ATTEMPTS):
-            current, condition = None, {"IfNoneMatch": "*"}
-            if self.exists(relative):
-                try:
-                    response = client.get_object(Bucket=bucket, Key=key)
-                    current, condition = response["Body"].read(), {"IfMatch": response["ETag"]}
-                except s3.S3_ERRORS as error:
-                    raise s3.translated(error, self.display(relative)) from None
-            replacement = decide(current)
-            if replacement is None:
-                return
-            try:
-                client.put_object(Bucket=bucket, Key=key, Body=replacement, **condition)
-                crash_point()
-                return
-            except s3.S3_ERRORS as error:
-                if not s3.is_precondition_failure(error) and s3.error_code(error) != "ConditionalRequestConflict":
-                    raise s3.translated(error, self.display(relative)) from None
-        raise MoeloopError(f"{self.display(relative)} kept changing: gave up after {LATEST_ATTEMPTS} attempts")
-
-    # -- backends -----------------------------------------------------------------------------------
-    def _location(self, folder: str) -> s3.S3Location:
-        path = self.full(folder) if folder else self.root
-        return s3.S3Location(self.s3.bucket, path.split("/", 1)[1] if "/" in path else "")
-
+    # -- errors ----------------------------------------------------------------------------------
     @contextmanager
-    def _errors(self, relative: str) -> Iterator[None]:
+    def errors(self, relative: str) -> Iterator[None]:
         """Storage failures as one line naming the object; the first S3 call also checks the bucket."""
         if not self._probed:
-            s3.probe(self.s3)
+            self.backend.probe()
             object.__setattr__(self, "_probed", True)
         try:
             yield
@@ -537,154 +405,3 @@ class RunStorage:
             if isinstance(error, PermissionError):
                 raise MoeloopError(f"permission denied: {self.display(relative)}") from None
             raise
-
-    @contextmanager
-    def _local_temporary(self, path: str, data: bytes) -> Iterator[str]:
-        """data in a fsynced temporary file beside path, removed afterwards unless it was renamed."""
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{path}{TEMPORARY}{uuid.uuid4().hex}"
-        try:
-            with open(temporary, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            yield temporary
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
-
-    @contextmanager
-    def _local_lock(self) -> Iterator[None]:
-        """An exclusive lock on the run's folder, for read-compare-write of LATEST between processes."""
-        descriptor = os.open(self.root, os.O_RDONLY)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(descriptor)
-
-
-def json_bytes(value: Any) -> bytes:
-    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
-
-
-def manifest_of(files: dict[str, dict[str, Any]], extra: dict[str, Any] | None) -> dict[str, Any]:
-    return {**(extra or {}), "files": dict(sorted(files.items())), "format": MANIFEST_FORMAT}
-
-
-def parse_manifest(raw: bytes, source: str) -> dict[str, Any]:
-    """A COMMIT: {"format": 2, "files": {name: {"size", "part_size", "blake3_of_parts"}}, ...}; anything else
-    is not ours (and a first-format COMMIT, with a whole-object "sha256" per file, is named as such)."""
-    try:
-        manifest = json.loads(raw)
-        files = manifest["files"]
-        if "format" not in manifest and isinstance(files, dict) and "sha256" in next(iter(files.values()), {}):
-            raise MoeloopError(
-                f"{source} is in the first {COMMIT} format (a whole-object sha256 per file), which this moeloop no"
-                f" longer reads (format {MANIFEST_FORMAT}: blake3_of_parts): start a new run, or re-create this one"
-            )
-        valid = (
-            manifest["format"] == MANIFEST_FORMAT
-            and isinstance(files, dict)
-            and all(valid_name(name) and valid_entry(entry) for name, entry in files.items())
-        )
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-        valid = False
-    if not valid:
-        raise MoeloopError(f"not a valid {COMMIT} manifest: {source}")
-    return manifest
-
-
-def valid_name(name: Any) -> bool:
-    return (
-        isinstance(name, str) and bool(name) and not name.startswith("/") and not {"", ".", ".."} & set(name.split("/"))
-    )
-
-
-def valid_entry(entry: Any) -> bool:
-    return (
-        isinstance(entry, dict)
-        and isinstance(entry.get("size"), int)
-        and entry["size"] >= 0
-        and isinstance(entry.get("part_size"), int)
-        and entry["part_size"] >= MIN_PART_SIZE
-        and bool(DIGEST.match(str(entry.get("blake3_of_parts", ""))))
-    )
-
-
-def parse_latest(raw: bytes, source: str) -> dict[str, Any]:
-    try:
-        latest = json.loads(raw)
-        if isinstance(latest.get("iteration"), int) and isinstance(latest.get("checkpoint"), str):
-            return latest
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        pass
-    raise MoeloopError(f"not a valid LATEST pointer: {source}")
-
-
-def local_entry(path: Path) -> dict[str, Any]:
-    """The COMMIT entry of a local file (to compare a local copy or a re-run's files with a manifest)."""
-    size = path.stat().st_size
-    step = s3.part_size(size)
-    with open(path, "rb") as file:
-        digests = [s3.part_digest(file.read(step)) for _ in s3.part_offsets(size, step)]
-    return object_entry(size, step, digests)
-
-
-def copy_hashed(source: Path, target: Path) -> dict[str, Any]:
-    """Copy a local file through a fsynced temporary name, hashing its parts on the way: its COMMIT entry."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f"{target.name}{TEMPORARY}{uuid.uuid4().hex}")
-    size = source.stat().st_size
-    step = s3.part_size(size)
-    digests = []
-    try:
-        with open(source, "rb") as reader, open(temporary, "wb") as writer:
-            for offset in s3.part_offsets(size, step):
-                chunk = reader.read(step)
-                if len(chunk) != min(step, size - offset):
-                    raise MoeloopError(f"{source} changed while it was being copied")
-                digests.append(s3.part_digest(chunk))
-                writer.write(chunk)
-            writer.flush()
-            os.fsync(writer.fileno())
-        os.replace(temporary, target)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-    return object_entry(size, step, digests)
-
-
-def read_jsonl(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise MoeloopError(f"{source}:{number}: not valid JSON") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise MoeloopError(f"{source}:{number}: expected an object with a string 'prompt'")
-        records.append(record)
-    if not records:
-        raise MoeloopError(f"{source}: no prompts")
-    return records
-
-
-def read_prompt_file(location: str) -> list[dict[str, Any]]:
-    """Prompts from a local path or any fsspec URI; a missing file is a one-line error."""
-    if location.startswith("s3://"):
-        s3.parse_s3_uri(location)
-    try:
-        with fsspec.open(location, "rt") as file:
-            return read_jsonl(file.read().splitlines(), location)
-    except FileNotFoundError:
-        raise MoeloopError(f"prompt file not found: {location}") from None
-    except MoeloopError:
-        raise
-    except Exception as error:
-        described = s3.describe(error, location)
-        if described is None:
-            raise
-        raise described from None

@@ -1,4 +1,4 @@
-"""S3 for the storage module: run URIs, the boto3 client, bulk transfers, and errors as one line.
+"""S3 for the storage backends: run URIs, the boto3 client, bulk transfers, and errors as one line.
 
 Endpoint, region and credentials come only from botocore's standard chain: AWS_ENDPOINT_URL_S3 or
 AWS_ENDPOINT_URL, AWS_REGION, the environment's keys, a profile, a web identity (IRSA), container
@@ -7,9 +7,9 @@ and no message built here contains one: errors name the object and the server's 
 
 Bulk transfers (checkpoint files, large Parquet objects) go through boto3 directly, because they need
 what a single stream cannot give: a multipart upload whose parts go up in parallel, and ranged parts
-fetched in parallel (steps/storage.py drives the reads through read_range). The commit protocol's digests are
-per part (the BLAKE3 of each part, see steps/storage.py), so each part is hashed by the worker thread that
-moves it, beside the other parts' I/O.
+fetched in parallel (steps/storage/run.py drives the reads through read_range). The commit protocol's digests
+are per part (steps/storage/manifest.py), so each part is hashed by the worker thread that moves it, beside the
+other parts' I/O.
 """
 
 from __future__ import annotations
@@ -25,16 +25,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import blake3
 import boto3
 import botocore.config
 import botocore.exceptions
 
 from steps.errors import MoeloopError
+from steps.storage.manifest import part_digest, part_offsets, part_size
 
-# Parts of 8 MiB: well above S3's 5 MiB minimum, and 10,000 of them (S3's maximum) cover 80 GB per object.
-PART_SIZE = 8 << 20
-MAX_PARTS = 10_000
 WORKERS = 8
 # Parts queued for the workers or not yet collected: keeps the workers busy while bounding the bookkeeping.
 WINDOW = 2 * WORKERS
@@ -162,21 +159,6 @@ def translated(error: BaseException, uri: str) -> BaseException:
 
 
 # -- transfers ------------------------------------------------------------------------------------
-
-
-def part_digest(data: bytes | memoryview) -> bytes:
-    """The digest of one part: BLAKE3, cryptographic like sha256 and about five times cheaper on these cores,
-    which is what lets a verified read keep up with raw boto3 when the cores are busy (benchmarks/storage.md)."""
-    return blake3.blake3(data).digest()
-
-
-def part_size(size: int) -> int:
-    return max(PART_SIZE, -(-size // MAX_PARTS))
-
-
-def part_offsets(size: int, step: int) -> range:
-    """Where an object's parts start: ceil(size / step) of them, and one (empty) for an empty object."""
-    return range(0, max(size, 1), step)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A long-lived step process for the local runner: it runs step commands one after another, in-process.
 
 A rollout shard's engine then stays loaded between iterations and only its weights are swapped
-(`steps.engine.engine_for`), as a long-lived rollout pod would do. The commands are exactly the pods'
+(`steps.engines.engine.engine_for`), as a long-lived rollout pod would do. The commands are exactly the pods'
 commands (`python -m steps.<name> ...`); each request is one JSON line on stdin,
 {"argv": [...], "log": PATH}, and each reply one JSON line on stdout, {"returncode": N}. While a command
 runs, its output goes to its log file.

@@ -1,6 +1,6 @@
 """The policy: a Qwen3-MoE causal LM in HF format, its character tokenizer, and token log-probabilities.
 
-The trainer holds it with expert parallelism (`steps.moe`): each EP rank reads only its experts from the HF
+The trainer holds it with expert parallelism (`steps.model.moe`): each EP rank reads only its experts from the HF
 safetensors (`load_policy_shard`), and the experts gathered back make the HF checkpoint (`save_hf_state_dict`).
 """
 
@@ -28,9 +28,9 @@ from transformers import (
 )
 
 from steps.config import TinyModelConfig
-from steps.dispatch import make_dispatcher
 from steps.errors import MoeloopError
-from steps.moe import ExpertsImpl, MoeBlock, compile_decoder_layers, replace_moe_blocks
+from steps.model.dispatch import make_dispatcher
+from steps.model.moe import ExpertsImpl, MoeBlock, compile_decoder_layers, replace_moe_blocks
 
 PAD, EOS = "<pad>", "<eos>"
 
@@ -205,7 +205,7 @@ def read_hf_shard(
 def save_hf_state_dict(
     state: dict[str, torch.Tensor], config: Qwen3MoeConfig, tokenizer: PreTrainedTokenizerFast, directory: Path
 ) -> None:
-    """Write an HF checkpoint from a full state dict (all experts, as `steps.moe.hf_state_dict` gathers them):
+    """Write an HF checkpoint from a full state dict (all experts, as `steps.model.moe.hf_state_dict` gathers them):
     the policy's, or the critic's (its config names `Qwen3MoeForTokenClassification`)."""
     critic = Qwen3MoeForTokenClassification.__name__ in (config.architectures or [])
     with torch.device("meta"):

@@ -63,7 +63,7 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, checkpoint_dir: Path):
-        from steps.policy import load_policy
+        from steps.model.policy import load_policy
 
         self.model, self.tokenizer = load_policy(checkpoint_dir)
         self.model.eval()
@@ -71,7 +71,7 @@ class TransformersEngine:
 
     def load_weights(self, checkpoint_dir: Path) -> None:
         # Through from_pretrained: the files hold each expert apart, the in-memory model fuses them.
-        from steps.policy import load_policy
+        from steps.model.policy import load_policy
 
         self.model, _ = load_policy(checkpoint_dir)
         self.model.eval()
@@ -97,25 +97,25 @@ class TransformersEngine:
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         greedy = sampling.temperature == 0
-        input_ids_BP = torch.tensor(prompts, dtype=torch.long)
+        prompt_ids_GT = torch.tensor(prompts, dtype=torch.long)
         with RouteRecorder(self.model, sampling.record_routing) as recorder:
-            output = self._sample(input_ids_BP, sampling, greedy)
-        new_tokens_NS = output.sequences[:, input_ids_BP.shape[1] :]
+            output = self._sample(prompt_ids_GT, sampling, greedy)
+        new_tokens_BT = output.sequences[:, prompt_ids_GT.shape[1] :]
         # scores are the processed logits (after temperature and top-p): the distribution sampled from.
-        logprobs_NSV = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
-        chosen_NS = logprobs_NSV.gather(-1, new_tokens_NS.unsqueeze(-1)).squeeze(-1)
-        routes_NSLK = recorder.routes_NSLK(len(new_tokens_NS))
+        logprobs_BTV = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
+        chosen_BT = logprobs_BTV.gather(-1, new_tokens_BT.unsqueeze(-1)).squeeze(-1)
+        routes_BTLK = recorder.routes_BTLK(len(new_tokens_BT))
         samples = [
-            self._completion(t, lp, routes_NSLK[n] if routes_NSLK is not None else None)
-            for n, (t, lp) in enumerate(zip(new_tokens_NS, chosen_NS, strict=True))
+            self._completion(t, lp, routes_BTLK[b] if routes_BTLK is not None else None)
+            for b, (t, lp) in enumerate(zip(new_tokens_BT, chosen_BT, strict=True))
         ]
         per_prompt = 1 if greedy else sampling.n
         return [samples[i : i + per_prompt] for i in range(0, len(samples), per_prompt)]
 
-    def _sample(self, input_ids_BP: torch.Tensor, sampling: Sampling, greedy: bool) -> Any:
+    def _sample(self, prompt_ids_GT: torch.Tensor, sampling: Sampling, greedy: bool) -> Any:
         return self.model.generate(
-            input_ids=input_ids_BP,
-            attention_mask=torch.ones_like(input_ids_BP),
+            input_ids=prompt_ids_GT,
+            attention_mask=torch.ones_like(prompt_ids_GT),
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
@@ -129,13 +129,13 @@ class TransformersEngine:
         )
 
     def _completion(
-        self, tokens_S: torch.Tensor, logprobs_S: torch.Tensor, routes_SLK: torch.Tensor | None
+        self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor, routes_TLK: torch.Tensor | None
     ) -> Completion:
-        tokens = tokens_S.tolist()
+        tokens = tokens_T.tolist()
         eos = self.tokenizer.eos_token_id
         end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
-        routes = routes_SLK[:end].reshape(-1).tolist() if routes_SLK is not None else None
-        return Completion(tokens[:end], logprobs_S[:end].tolist(), "stop" if eos in tokens else "length", routes)
+        routes = routes_TLK[:end].reshape(-1).tolist() if routes_TLK is not None else None
+        return Completion(tokens[:end], logprobs_T[:end].tolist(), "stop" if eos in tokens else "length", routes)
 
 
 class RouteRecorder:
@@ -158,8 +158,8 @@ class RouteRecorder:
         for handle in self.handles:
             handle.remove()
 
-    def routes_NSLK(self, rows: int) -> torch.Tensor | None:
-        """[N, S, L, K]: step s's experts for each generated row. A step's forward routes [N * tokens, K]: the prompt
+    def routes_BTLK(self, rows: int) -> torch.Tensor | None:
+        """[B, T, L, K]: generate step t's experts for each row. A step's forward routes [B * tokens, K]: the prompt
         at step 0, whose last position sampled the first token, then one token per row."""
         if not self.routers:
             return None
@@ -202,7 +202,7 @@ class VLLMEngine:
             tensor_parallel_size=settings.tensor_parallel_size,
             enable_expert_parallel=settings.enable_expert_parallel,
             enable_sleep_mode=settings.sleep_after_rollout,
-            worker_extension_cls="steps.vllm_extension.PolicyWeightReload",
+            worker_extension_cls="steps.engines.vllm_extension.PolicyWeightReload",
         )
         self.checkpoint_dir = checkpoint_dir
         self.asleep = False
@@ -269,7 +269,7 @@ def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig) -> Eng
     return TransformersEngine(checkpoint_dir)
 
 
-# The engine this process keeps between steps (see steps.worker): its key and the engine.
+# The engine this process keeps between steps (see workflows.worker): its key and the engine.
 _kept: tuple[str, Engine] | None = None
 
 

@@ -1,0 +1,143 @@
+"""The iteration's experience as tensors, its minibatches, and the no-gradient passes over all of it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Any
+
+import torch
+
+from steps.config import TrainerConfig
+from steps.errors import MoeloopError
+from steps.model.moe import replaying
+from steps.model.policy import pack_sequences, token_logprobs
+from steps.rl.parallel import Parallel, all_gather_rows, rank_share
+
+
+@dataclass(frozen=True)
+class ExperienceBatch:
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    response_mask_BT: torch.Tensor
+    behavior_logprobs_BT: torch.Tensor  # the engine's logprobs, at the response positions
+    rewards_B: torch.Tensor
+    group_ids_B: torch.Tensor  # samples of one prompt form a group
+    # The engine's experts per input position and MoE layer, [B, T, L, K]: at position t those of the forward that
+    # sampled token t + 1 (so response positions shifted back by one); -1 elsewhere. None: not recorded.
+    routes_BTLK: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> ExperienceBatch:
+        return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)))
+
+    def select(self, rows_b: torch.Tensor) -> ExperienceBatch:
+        return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t[rows_b]) for f in fields(self)))
+
+
+def _apply(tensor: torch.Tensor | None, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    return function(tensor) if tensor is not None else None
+
+
+def recorded_routes(rollouts: dict[str, list]) -> bool:
+    """Whether every sample has the engine's routed experts (shards from before the column read as nulls)."""
+    return all(routes is not None for routes in rollouts.get("routed_experts", [None]))
+
+
+def experience_batch(
+    rollouts: dict[str, list], rewards_by_sample: dict[str, float], pad_id: int, top_k: int | None = None
+) -> ExperienceBatch:
+    """The padded batch; with top_k (the model's experts per token), the recorded routes as well."""
+    prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
+    input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id)
+    behavior_BT = torch.zeros(input_ids_BT.shape)
+    for row, (prompt, logprobs) in enumerate(zip(prompts, rollouts["behavior_logprobs"], strict=False)):
+        behavior_BT[row, len(prompt) : len(prompt) + len(logprobs)] = torch.tensor(logprobs)
+    return ExperienceBatch(
+        input_ids_BT,
+        attention_mask_BT,
+        response_mask_BT,
+        behavior_BT,
+        torch.tensor([rewards_by_sample[s] for s in rollouts["sample_id"]], dtype=torch.float32),
+        torch.tensor(rollouts["prompt_id"]),
+        routes_tensor(rollouts, prompts, responses, input_ids_BT.shape, top_k) if top_k is not None else None,
+    )
+
+
+def routes_tensor(
+    rollouts: dict[str, list], prompts: list, responses: list, shape: torch.Size, top_k: int
+) -> torch.Tensor:
+    """`ExperienceBatch.routes_BTLK` from the rows' flat routed_experts ([token][layer][k] per response token)."""
+    layers = len(rollouts["routed_experts"][0]) // (len(responses[0]) * top_k) if responses[0] else 1
+    routes_BTLK = torch.full((*shape, max(layers, 1), top_k), -1, dtype=torch.long)
+    recorded = zip(prompts, responses, rollouts["routed_experts"], strict=True)
+    for row, (prompt, response, routes) in enumerate(recorded):
+        if len(routes) != len(response) * layers * top_k:
+            raise MoeloopError(
+                f"sample {rollouts['sample_id'][row]}: {len(routes)} routed experts for {len(response)} tokens,"
+                f" {layers} MoE layers and top-{top_k}: damaged data"
+            )
+        start = len(prompt) - 1  # the position whose forward sampled the first response token
+        routes_BTLK[row, start : start + len(response)] = torch.tensor(routes).view(len(response), layers, top_k)
+    return routes_BTLK
+
+
+def minibatches(order_B: torch.Tensor, size: int, world_size: int) -> list[torch.Tensor]:
+    """order_B in chunks of size; a last chunk too small to give every rank a sample joins the one before it
+    (a batch shrunk by drop_equal_groups need not split evenly)."""
+    chunks = list(order_B.split(size))
+    if len(chunks) > 1 and len(chunks[-1]) < world_size:
+        chunks[-2:] = [torch.cat(chunks[-2:])]
+    return chunks
+
+
+def minibatch_schedule(batch_size: int, settings: TrainerConfig, seed: int, world_size: int) -> list[torch.Tensor]:
+    """The update's minibatches, every epoch's in order: each epoch a fresh permutation of the batch's rows
+    (seeded, so every rank draws the same), in chunks of trainer.minibatch_size. The actor and the critic each
+    take one optimizer step per minibatch, in this order."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        rows_b
+        for _ in range(settings.epochs)
+        for rows_b in minibatches(torch.randperm(batch_size, generator=generator), settings.minibatch_size, world_size)
+    ]
+
+
+@torch.no_grad()
+def frozen_pass(
+    per_token: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]],
+    model: torch.nn.Module,
+    batch: ExperienceBatch,
+    minibatch: int,
+    parallel: Parallel,
+    replay: bool = False,
+) -> torch.Tensor:
+    """per_token(input_ids, attention_mask)[0] (token logprobs or values) for the whole batch on every rank: each
+    rank computes its share in eval mode, then the shares are all-gathered. replay: routed as the engine was."""
+    model.eval()
+    batch_size = len(batch.input_ids_BT)
+    rows_b = rank_share(torch.arange(batch_size), parallel)
+    # Every rank runs the MoE layers (collectives inside) equally often: the chunk count of the largest share.
+    largest_share = -(-batch_size // parallel.world_size)
+    chunks = []
+    for rows in rows_b.tensor_split(-(-largest_share // minibatch)):
+        with replaying(model, batch.routes_BTLK[rows] if replay else None):
+            chunks.append(per_token(batch.input_ids_BT[rows], batch.attention_mask_BT[rows])[0])
+    return all_gather_rows(torch.cat(chunks), batch_size, parallel)
+
+
+def frozen_logprobs(
+    model: torch.nn.Module,
+    batch: ExperienceBatch,
+    temperature: float,
+    minibatch: int,
+    parallel: Parallel,
+    replay: bool = False,
+) -> torch.Tensor:
+    """The whole batch's token logprobs on every rank."""
+    per_token = partial(token_logprobs, model, temperature=temperature)
+    return frozen_pass(per_token, model, batch, minibatch, parallel, replay)
+
+
+def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    return float((values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1))

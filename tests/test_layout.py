@@ -1,0 +1,63 @@
+"""The layout of steps/ (steps/README.md): the programs at the top, the libraries in rooms below them.
+
+No module of steps/ imports a program (a pod CLI of the DAG, or another `python -m steps.<name>` entry point), so
+every program can change without its neighbours noticing; and no file under steps/ is over 450 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+from workflows.dag import STEPS
+
+STEPS_DIR = REPO / "steps"
+MAX_LINES = 450
+# Programs besides the DAG's steps: run by hand (README), never imported.
+OTHER_PROGRAMS = ("reward_model", "demo_task")
+PROGRAMS = {f"steps.{step.name}" for step in STEPS} | {f"steps.{name}" for name in OTHER_PROGRAMS}
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module path imports, at the top or inside a function: `from steps import x` counts as steps.x."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_programs_exist_at_the_top() -> None:
+    """Every rendered `python -m steps.<name>` and every other program is a module at the top of steps/."""
+    for program in PROGRAMS:
+        assert (REPO / (program.replace(".", "/") + ".py")).is_file(), program
+
+
+def test_no_module_of_steps_imports_a_program() -> None:
+    offenders = {
+        module_name(path): sorted(imported_modules(path) & PROGRAMS)
+        for path in sorted(STEPS_DIR.rglob("*.py"))
+        if imported_modules(path) & PROGRAMS
+    }
+    assert offenders == {}
+
+
+def test_the_import_scan_sees_imports_inside_functions(tmp_path: Path) -> None:
+    source = tmp_path / "lazy.py"
+    source.write_text("def f():\n    from steps import reward\n    import steps.train\n")
+    assert {"steps.reward", "steps.train"} <= imported_modules(source) & PROGRAMS
+
+
+def test_no_file_under_steps_is_over_450_lines() -> None:
+    files = [p for p in STEPS_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    lengths = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in files}
+    assert lengths, "no files found under steps/"
+    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
