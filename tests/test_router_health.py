@@ -112,9 +112,7 @@ def test_the_report_table_has_the_stability_columns() -> None:
         {"iteration": 0, "eval_reward_mean": 0.5},
         {
             "iteration": 1,
-            "router_load_imbalance": 0.4321,
-            "router_entropy": 1.98765,
-            "routing_agreement": 0.875,
+            "router": {"load_imbalance": 0.4321, "entropy": 1.98765, "routing_agreement": 0.875},
             "logprob_mismatch": 0.01234,
             "mismatch_masked": 0.0625,
             "eval_reward_mean": 0.61,
@@ -124,3 +122,15 @@ def test_the_report_table_has_the_stability_columns() -> None:
     assert header.split()[-7:] == ["imbalance", "entropy", "agreement", "mismatch", "masked", "eval", "reward"]
     assert first.split()[-6:] == ["-", "-", "-", "-", "-", "0.500"]
     assert second.split()[-6:] == ["0.432", "1.988", "0.875", "0.012", "0.062", "0.610"]
+
+
+def test_the_metrics_carry_the_router_health_where_the_plots_find_it(tmp_path) -> None:
+    from steps.evaluate import router_health
+    from steps.observe.plots import imbalance_series
+
+    train = {"loss": 0.1, "router_load_imbalance": 0.4, "router_load_imbalance_layer_0": 0.3, "router_entropy": 1.5}
+    health = router_health({**train, "routing_agreement": 0.9})
+    assert health == {"load_imbalance": 0.4, "load_imbalance_layer_0": 0.3, "entropy": 1.5, "routing_agreement": 0.9}
+    assert router_health({"loss": 0.1}) is None
+    series = imbalance_series([{"iteration": 1, "router": health}, {"iteration": 0, "router": None}])
+    assert series == {"router/load_imbalance": ([1], [0.4]), "router/load_imbalance_layer_0": ([1], [0.3])}

@@ -39,8 +39,12 @@ FINE = {field for _, field in COLUMNS[9:]}
 def table_row(metrics: dict[str, Any]) -> dict[str, Any]:
     """The table's fields of one iteration's metrics (a run from before they were recorded lacks some)."""
     steps, waits = metrics.get("step_seconds") or {}, metrics.get("wait_seconds") or {}
+    router = metrics.get("router") or {}
     return {
         **metrics,
+        "router_load_imbalance": router.get("load_imbalance"),
+        "router_entropy": router.get("entropy"),
+        "routing_agreement": router.get("routing_agreement"),
         "reward_seconds": steps.get("reward"),
         "train_seconds": steps.get("train"),
         "reward_wait_seconds": waits.get("reward"),
