@@ -215,7 +215,8 @@ def test_a_replayed_gspo_run_records_stores_and_replays_the_routes(run_root: Pat
     storage = RunStorage(uri)
     rollouts = read_rollouts(storage, 1, config.rollout.num_shards).to_pydict()
     for response, routes in zip(rollouts["response_token_ids"], rollouts["routed_experts"], strict=True):
-        assert len(routes) == len(response) * config.model.tiny.num_hidden_layers * config.model.tiny.num_experts_per_tok
+        shape = config.model.tiny
+        assert len(routes) == len(response) * shape.num_hidden_layers * shape.num_experts_per_tok
     train = storage.read_json(storage.report(1, "train"))
     # Engine and trainer both fp32 on the same checkpoint: their routers agree but for near-ties.
     assert train["routing_agreement"] > 0.99 and 0 <= train["mismatch_masked"] < 0.05
