@@ -68,8 +68,9 @@ def routes_tensor(
     rollouts: dict[str, list], prompts: list, responses: list, shape: torch.Size, top_k: int
 ) -> torch.Tensor:
     """`ExperienceBatch.routes_BTLK` from the rows' flat routed_experts ([token][layer][k] per response token)."""
-    layers = len(rollouts["routed_experts"][0]) // (len(responses[0]) * top_k) if responses[0] else 1
-    routes_BTLK = torch.full((*shape, max(layers, 1), top_k), -1, dtype=torch.long)
+    tokens, routed = next(((len(r), len(e)) for r, e in zip(responses, rollouts["routed_experts"], strict=True) if r))
+    layers = max(routed // (tokens * top_k), 1)
+    routes_BTLK = torch.full((*shape, layers, top_k), -1, dtype=torch.long)
     recorded = zip(prompts, responses, rollouts["routed_experts"], strict=True)
     for row, (prompt, response, routes) in enumerate(recorded):
         if len(routes) != len(response) * layers * top_k:
