@@ -179,7 +179,7 @@ def test_ten_thousand_iterations_stay_well_under_a_megabyte(
     config = make_config(tmp_path, cluster={"chunk_iterations": None})
     config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"num_shards": shards})})
     documents = render(config, RUN_URI, iterations=10_000)
-    assert chunk_size(config) == {2: 20, 64: 7}[shards]  # 20 by default; fewer when an iteration has many tasks
+    assert chunk_size(config) == {2: 20, 64: 2}[shards]  # 20 by default; fewer when an iteration has many tasks
     assert len(dag_tasks(documents["workflow-template.yaml"])) <= MAX_CHUNK_TASKS
     largest = max(object_bytes(document) for document in documents.values())
     assert largest < MAX_OBJECT_BYTES // 2, largest
@@ -188,7 +188,7 @@ def test_ten_thousand_iterations_stay_well_under_a_megabyte(
 def test_a_chunk_over_the_task_bound_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     config = make_config(tmp_path, cluster={"chunk_iterations": 100})
-    with pytest.raises(MoeloopError, match=r"^cluster.chunk_iterations 100 makes a Workflow of more than 500 tasks"):
+    with pytest.raises(MoeloopError, match=r"^cluster.chunk_iterations 100 makes a Workflow of more than 200 tasks"):
         render(config, RUN_URI)
 
 

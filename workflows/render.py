@@ -43,9 +43,9 @@ LOCAL_PATH_FIELDS = (("task", "train_prompts"), ("task", "eval_prompts"), ("mode
 YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 # etcd's request limit is ~1.5 MiB and Argo adds status to a Workflow: a rendered object must stay well below.
 MAX_OBJECT_BYTES = 1_000_000
-# Argo keeps one status entry (~0.5-1 KB with outputs) per task and retry in the Workflow object: a chunk's
-# tasks stay within this many, so a running chunk stays within etcd's limit too.
-MAX_CHUNK_TASKS = 500
+# Argo's CRDs allow at most 200 tasks in a DAG (dag.tasks maxItems). That also keeps a running chunk's status,
+# one entry (~0.5-1 KB with outputs) per task and retry, within etcd's limit.
+MAX_CHUNK_TASKS = 200
 DEFAULT_CHUNK_ITERATIONS = 20  # a Workflow per ~day of a large run: short enough to find, resubmit, archive
 
 OUTPUTS_DIR = "/tmp/outputs"  # steps.common.print_json writes a report's scalars here ($MOELOOP_OUTPUTS)
