@@ -5,7 +5,9 @@ the schema builds from the installed Hera, is closed, and a fact naming a field 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -129,10 +131,17 @@ def test_the_schema_is_closed_and_has_no_nulls() -> None:
 
 def test_a_fact_about_a_field_hera_lacks_fails_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(argo_schema, "CRD_FIELD_FACTS", {("RetryStrategy", "retryPolicyy"): {"enum": ["Always"]}})
+    with pytest.raises(KeyError, match="Hera's RetryStrategy has no field 'retryPolicyy'"):
+        argo_schema._built()
+
+
+def test_the_cached_schema_is_the_built_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path))
     definitions.cache_clear()
     try:
-        with pytest.raises(KeyError, match="Hera's RetryStrategy has no field 'retryPolicyy'"):
-            definitions()
+        built = definitions()  # built, and written to the cache
+        assert argo_schema.cache_path().parent == tmp_path
+        definitions.cache_clear()
+        assert json.loads(argo_schema.cache_path().read_text()) == built == definitions() == argo_schema._built()
     finally:
-        monkeypatch.undo()
         definitions.cache_clear()

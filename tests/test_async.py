@@ -19,7 +19,7 @@ from steps.storage import RunStorage
 from tests.conftest import REPO, small_config
 from workflows.dag import loop_tasks, run_uri
 from workflows.local import run_local
-from workflows.render import chunk_tasks, dag_tasks, render_workflow_template
+from workflows.render import chunk_tasks, dag_tasks, render
 
 
 def dependencies(config, iterations: int) -> dict[str, set[str]]:
@@ -63,7 +63,7 @@ def test_rollouts_run_ahead_of_training_by_the_staleness(staleness: int) -> None
 
 def test_rendered_chunk_shows_rollout_after_publish_i_minus_1_not_train_i() -> None:
     config = small_config(iterations=4, rollout={"num_shards": 2, "max_staleness": 1})
-    rendered = dag_tasks(render_workflow_template(config, "s3://bucket/runs/tiny"))
+    rendered = dag_tasks(render(config, "s3://bucket/runs/tiny")["workflow-template.yaml"])
     slots = {t.name: tuple(sorted(t.dependencies)) for t in chunk_tasks(config)}
     assert {name: rendered[name] for name in slots} == slots
     graph = {name: set(deps) for name, deps in rendered.items()}

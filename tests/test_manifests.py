@@ -768,6 +768,9 @@ def pools_for(objects: list[tuple[str, Doc]], node_selector: dict[str, str], tol
     return fitting
 
 
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+
+
 def pod_specs(document: Doc) -> Iterator[tuple[str, str, Doc]]:
     """(where, role, pod-level fields) for every pod the document makes: Argo templates and JobSet pods."""
     spec = document["spec"].get("workflowSpec", document["spec"])
@@ -787,7 +790,7 @@ def pod_specs(document: Doc) -> Iterator[tuple[str, str, Doc]]:
                 },
             )
         manifest = (template.get("resource") or {}).get("manifest")
-        if manifest and yaml.safe_load(manifest).get("kind") == "JobSet":
+        if manifest and manifest.startswith(f"apiVersion: {JOBSET_API_VERSION}\n"):
             jobset = yaml.safe_load(manifest)
             for job in jobset["spec"]["replicatedJobs"]:
                 pod = job["template"]["spec"]["template"]["spec"]
@@ -803,10 +806,11 @@ def test_every_rendered_pod_lands_on_its_roles_nodes_as_its_roles_service_accoun
     priority_classes = set(of_kind(objects, "PriorityClass"))
     for name, document in render(small_config(), "s3://acme-rl/runs/tiny").items():
         for template in document["spec"].get("templates", []):
-            manifest = yaml.safe_load((template.get("resource") or {}).get("manifest") or "null")
-            # Argo's own kinds (the next chunk's Workflow) are `moeloop lint`'s; the rest must match their CRDs.
-            if manifest and not manifest["apiVersion"].startswith("argoproj.io/"):
-                errors += schema_errors(f"rendered {name}", manifest)
+            text = (template.get("resource") or {}).get("manifest") or ""
+            # Argo's own kinds (the next chunk's Workflow, YAML only once Argo substituted its {{...}}) are
+            # `moeloop lint`'s; the rest must match their CRDs.
+            if text and not text.startswith("apiVersion: argoproj.io/"):
+                errors += schema_errors(f"rendered {name}", yaml.safe_load(text))
         for where, role, pod in pod_specs(document):
             pools = pools_for(objects, pod.get("nodeSelector") or {}, pod.get("tolerations") or [])
             if pools != [f"moeloop-{role}"]:

@@ -17,7 +17,7 @@ from steps.errors import MoeloopError
 from tests.upstream import upstream
 from workflows.dag import STEPS
 from workflows.lint import lint_documents, lint_paths
-from workflows.render import EFA_ENV, render, render_jobset, write_rendered
+from workflows.render import EFA_ENV, build, render, render_jobset, write_rendered
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_URI = "s3://moeloop-runs/runs/placed"
@@ -395,5 +395,5 @@ def test_no_secret_in_any_rendered_object(tmp_path: Path) -> None:
 def test_shipped_configs_render_and_lint(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)  # the prompts lie in the repo, which is the images' WORKDIR
     config = load_config(REPO / "configs" / name)
-    paths = write_rendered(render(config, "s3://moeloop-runs/runs/" + config.run_name), tmp_path)
+    paths = write_rendered(build(config, "s3://moeloop-runs/runs/" + config.run_name), tmp_path)
     assert lint_paths(paths) == []

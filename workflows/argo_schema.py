@@ -9,14 +9,23 @@ substituted {{...}}: there an expression is accepted as well.
 
 Every object with declared properties is closed, so a misspelled key fails; maps stay open. A fact that names a
 definition or field Hera does not have fails the build, so a Hera upgrade cannot drop one silently.
+
+The built schema is cached as JSON under $MOELOOP_CACHE (the checkpoint cache's root), keyed by this file and the
+versions of Hera and pydantic: `moeloop lint` then does not import Hera, which takes half a second.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
 import re
+import tempfile
 from collections.abc import Callable, Mapping
 from functools import cache
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 Schema = dict[str, Any]
@@ -320,6 +329,32 @@ DEFINITION_RULES: Mapping[str, tuple[str, ...]] = {
 @cache
 def definitions() -> dict[str, Schema]:
     """Every definition the five kinds use, by name (`#/$defs/<name>`), closed and with the CRDs' facts."""
+    path = cache_path()
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    built = _built()
+    try:  # best effort: an unwritable cache only costs the next call the build
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(descriptor, "w") as stream:
+            json.dump(built, stream)
+        os.replace(temporary, path)
+    except OSError:
+        pass
+    return built
+
+
+def cache_path() -> Path:
+    key = hashlib.sha256(Path(__file__).read_bytes())
+    for package in ("hera", "pydantic"):
+        key.update(f"{package}=={metadata.version(package)}".encode())
+    root = Path(os.environ.get("MOELOOP_CACHE", Path(tempfile.gettempdir()) / "moeloop-cache"))
+    return root / f"argo-schema-{key.hexdigest()[:16]}.json"
+
+
+def _built() -> dict[str, Schema]:
     from hera.workflows import models
     from pydantic.json_schema import models_json_schema
 
