@@ -235,7 +235,7 @@ def test_report_of_a_bad_run_is_one_line(tmp_path: Path, run: str, message: str)
 def test_demo_learns_with_staleness_1(run_root: Path) -> None:
     """The loop issue's measure with rollouts one iteration ahead: after the demo's 24 iterations,
     eval_reward_mean beats the SFT checkpoint's by 0.2. At half the demo's learning rate: at the demo's own the
-    stale updates overshoot (README, "The asynchronous loop")."""
+    stale updates overshoot (workflows/README.md, "The asynchronous loop")."""
     config = load_config(REPO / "configs" / "tiny.yaml")
     data = config.model_dump()
     data["rollout"]["max_staleness"] = 1
