@@ -36,12 +36,13 @@ RESTARTABLE_FIELDS = {"iterations", "cluster", "local", "storage_root", "observe
 
 
 def load_config_argument(value: str) -> MoeloopConfig:
-    """--config is a YAML file, or the config itself as JSON (how the Argo workflow passes it)."""
-    if value.lstrip().startswith("{"):
+    """--config is a YAML file, or the config itself: YAML text (how the Argo workflow passes it) or JSON (the
+    local runner's), told from a path by its lines or braces."""
+    if "\n" in value or value.lstrip().startswith("{"):
         try:
             return parse_config(yaml.safe_load(value), "--config")
         except yaml.YAMLError:
-            raise MoeloopError("--config: not valid JSON") from None
+            raise MoeloopError("--config: not valid YAML or JSON") from None
     return load_config(value)
 
 

@@ -23,7 +23,7 @@ from tests.conftest import small_config
 from workflows import local
 from workflows.dag import loop_tasks, run_uri, run_values
 from workflows.local import run_local
-from workflows.render import dag_tasks, render_workflow_template, step_placeholders
+from workflows.render import dag_tasks, render, step_placeholders
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: P
 
     # The Argo chunk (a WorkflowTemplate whose slot j runs LATEST + j; plan stands for what came before) has
     # the executed tasks, edges and commands: a new run's chunk runs iterations 1, 2, ... in slots 1, 2, ...
-    document = render_workflow_template(config, uri)
+    document = render(config, uri)["workflow-template.yaml"]
     chunk, chunk_dag = rendered_chunk(document), dag_tasks(document)
 
     def slot(name: str) -> str:

@@ -155,17 +155,17 @@ def test_s3_event_files_sync_for_tensorboard(s3_run_root: str, run_root: Path, t
 
 
 def rendered_metric_names(config: MoeloopConfig) -> set[str]:
-    from workflows.render import render_workflow_template
+    from workflows.render import build
 
-    templates = render_workflow_template(config, "s3://bucket/runs/x")["spec"]["templates"]
+    templates = build(config, "s3://bucket/runs/x").template.to_dict()["spec"]["templates"]
     return {g["name"] for t in templates for g in t.get("metrics", {}).get("prometheus", [])}
 
 
 def test_step_templates_emit_their_figures_and_the_dashboard_queries_only_those() -> None:
-    from workflows.render import render_workflow_template
+    from workflows.render import build
 
     config = small_config(iterations=1)
-    document = render_workflow_template(config, "s3://bucket/runs/x")
+    document = build(config, "s3://bucket/runs/x").template.to_dict()
     templates = {t["name"]: t for t in document["spec"]["templates"]}
     [loss] = [g for g in templates["train"]["metrics"]["prometheus"] if g["name"] == "moeloop_train_loss"]
     assert loss["gauge"]["value"] == "{{outputs.parameters.loss}}"

@@ -13,7 +13,10 @@ from steps.errors import MoeloopError, run_cli
 from workflows.dag import run_uri
 
 if TYPE_CHECKING:
+    from hera.workflows import Workflow
+
     from workflows.argo import ArgoServer, ArgoSession
+    from workflows.render import Loop
 
 EXIT_WORKFLOW_FAILED = 1  # status: the server answered, and the workflow failed (2 stays "could not ask")
 
@@ -39,10 +42,10 @@ def command_run(args: argparse.Namespace) -> None:
 
 
 def command_render(args: argparse.Namespace) -> None:
-    from workflows.render import render, write_rendered
+    from workflows.render import build, write_rendered
 
     config = _config(args)
-    for path in write_rendered(render(config, run_uri(config, args.root)), args.output):
+    for path in write_rendered(build(config, run_uri(config, args.root)), args.output):
         print(path)
 
 
@@ -63,52 +66,43 @@ def _server(args: argparse.Namespace) -> ArgoServer:
     return argo_server(args.host, args.namespace, args.token, args.insecure)
 
 
-def _checked(document: dict) -> dict:
-    """Only a manifest that lints clean goes to the server, as only one does to disk (render)."""
-    from workflows.lint import lint_document
-
-    errors = lint_document(document)
-    if errors:
-        raise MoeloopError(f"refusing to send an invalid manifest: {errors[0]}")
-    return document
-
-
-def _render_and_send(
-    args: argparse.Namespace,
-    render: Callable[[MoeloopConfig, str], dict],
-    send: Callable[[ArgoSession, dict], str],
-) -> tuple[dict, str]:
-    """Render the config's object, lint it, and send it; returns the object and what `send` returned."""
+def _build_and_send(
+    args: argparse.Namespace, pick: Callable[[Loop], Workflow], send: Callable[[ArgoSession, Workflow], str]
+) -> tuple[Workflow, str]:
+    """Build the config's loop, lint the object `pick` takes from it, and send that object; returns it and what
+    `send` returned. Only an object that lints clean goes to the server, as only one does to disk (render)."""
     from workflows.argo import ArgoSession
+    from workflows.lint import lint_document
+    from workflows.render import build
 
     config = _config(args)
-    document = _checked(render(config, run_uri(config, args.root)))
+    hera_object = pick(build(config, run_uri(config, args.root)))
+    errors = lint_document(hera_object.to_dict())
+    if errors:
+        raise MoeloopError(f"refusing to send an invalid manifest: {errors[0]}")
     with ArgoSession(_server(args)) as argo:
-        return document, send(argo, document)
+        return hera_object, send(argo, hera_object)
 
 
 def command_submit(args: argparse.Namespace) -> None:
     from workflows.argo import ArgoSession
-    from workflows.render import render_workflow
 
-    _, name = _render_and_send(args, render_workflow, ArgoSession.submit)
+    _, name = _build_and_send(args, lambda loop: loop.workflow, ArgoSession.submit)
     print(name)
 
 
 def command_register(args: argparse.Namespace) -> None:
     from workflows.argo import ArgoSession
-    from workflows.render import render_workflow_template
 
-    template, outcome = _render_and_send(args, render_workflow_template, ArgoSession.register)
-    print(template["metadata"]["name"], outcome)
+    template, outcome = _build_and_send(args, lambda loop: loop.template, ArgoSession.register)
+    print(template.name, outcome)
 
 
 def command_schedule(args: argparse.Namespace) -> None:
     from workflows.argo import ArgoSession
-    from workflows.render import render_cron_workflow
 
-    cron, outcome = _render_and_send(args, render_cron_workflow, ArgoSession.schedule)
-    print(cron["metadata"]["name"], outcome)
+    cron_workflow, outcome = _build_and_send(args, lambda loop: loop.cron_workflow, ArgoSession.schedule)
+    print(cron_workflow.name, outcome)
 
 
 def command_status(args: argparse.Namespace) -> None:

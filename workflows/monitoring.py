@@ -8,7 +8,8 @@ labelled by run (and iteration, shard where the step has them). The controller s
 
 from __future__ import annotations
 
-from typing import Any
+
+from hera.workflows import models as m
 
 from steps.storage.s3 import parse_s3_uri
 
@@ -24,9 +25,9 @@ def metric_name(step: str, output: str) -> str:
 
 def template_metrics(
     step: str, params: tuple[str, ...], outputs: tuple[str, ...], run_name: str, missing: str
-) -> dict[str, Any]:
+) -> m.Metrics | None:
     """A step template's `metrics`: a gauge per numeric output, emitted when the step succeeded and reported it
-    (an output the step did not report reads `missing`); {} for a step without figures."""
+    (an output the step did not report reads `missing`); None for a step without figures."""
     labels = [{"key": "run", "value": run_name}]
     labels += [{"key": p, "value": f"{{{{inputs.parameters.{p}}}}}"} for p in ("iteration", "shard") if p in params]
     gauges = [
@@ -40,7 +41,7 @@ def template_metrics(
         for output in outputs
         if output not in TEXT_OUTPUTS
     ]
-    return {"metrics": {"prometheus": gauges}} if gauges else {}
+    return m.Metrics.model_validate({"prometheus": gauges}) if gauges else None
 
 
 def browser_url(uri: str) -> str:
