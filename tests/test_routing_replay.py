@@ -218,8 +218,8 @@ def test_a_replayed_gspo_run_records_stores_and_replays_the_routes(run_root: Pat
         shape = config.model.tiny
         assert len(routes) == len(response) * shape.num_hidden_layers * shape.num_experts_per_tok
     train = storage.read_json(storage.report(1, "train"))
-    # Engine and trainer both fp32 on the same checkpoint: their routers agree but for near-ties.
-    assert train["routing_agreement"] > 0.99 and 0 <= train["mismatch_masked"] < 0.05
+    # Engine and trainer both fp32 on the same checkpoint (pi_old's pass): their routers agree but for near-ties.
+    assert train["routing_agreement"] > 0.95 and 0 <= train["mismatch_masked"] < 0.05
     metrics = storage.read_json(storage.metrics(1))
     assert metrics["router"]["routing_agreement"] == train["routing_agreement"]
     assert metrics["router"]["load_imbalance"] == train["router_load_imbalance"] >= 0

@@ -14,6 +14,7 @@ from steps.errors import MoeloopError
 from steps.model.moe import replaying
 from steps.model.policy import pack_sequences, token_logprobs
 from steps.rl.parallel import Parallel, all_gather_rows, rank_share
+from steps.rl.router_health import RouterHealth
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,11 @@ def frozen_pass(
     minibatch: int,
     parallel: Parallel,
     replay: bool = False,
+    health: RouterHealth | None = None,
 ) -> torch.Tensor:
     """per_token(input_ids, attention_mask)[0] (token logprobs or values) for the whole batch on every rank: each
-    rank computes its share in eval mode, then the shares are all-gathered. replay: routed as the engine was."""
+    rank computes its share in eval mode, then the shares are all-gathered. replay: routed as the engine was;
+    health: given the router logits, per_token(...)[1], of this rank's share."""
     model.eval()
     batch_size = len(batch.input_ids_BT)
     rows_b = rank_share(torch.arange(batch_size), parallel)
@@ -122,8 +125,12 @@ def frozen_pass(
     largest_share = -(-batch_size // parallel.world_size)
     chunks = []
     for rows in rows_b.tensor_split(-(-largest_share // minibatch)):
-        with replaying(model, batch.routes_BTLK[rows] if replay else None):
-            chunks.append(per_token(batch.input_ids_BT[rows], batch.attention_mask_BT[rows])[0])
+        routes_bTLK = batch.routes_BTLK[rows] if batch.routes_BTLK is not None else None
+        with replaying(model, routes_bTLK if replay else None):
+            values_bT, router_logits_L = per_token(batch.input_ids_BT[rows], batch.attention_mask_BT[rows])
+        if health is not None:
+            health.add(router_logits_L, batch.attention_mask_BT[rows], routes_bTLK, replayed=replay)
+        chunks.append(values_bT)
     return all_gather_rows(torch.cat(chunks), batch_size, parallel)
 
 
@@ -134,10 +141,11 @@ def frozen_logprobs(
     minibatch: int,
     parallel: Parallel,
     replay: bool = False,
+    health: RouterHealth | None = None,
 ) -> torch.Tensor:
     """The whole batch's token logprobs on every rank."""
     per_token = partial(token_logprobs, model, temperature=temperature)
-    return frozen_pass(per_token, model, batch, minibatch, parallel, replay)
+    return frozen_pass(per_token, model, batch, minibatch, parallel, replay, health)
 
 
 def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:

@@ -6,8 +6,9 @@ agreement of the trainer's routing with the engine's recorded one. Plain numbers
   training forward of the update, all ranks' tokens together; `router_load_imbalance` is its mean over layers;
 - router entropy: the mean over unpadded tokens and layers of the entropy (nats) of the router's softmax;
 - routing agreement: the share of (token, layer) pairs with recorded engine routes whose top-k expert set the
-  trainer's own router picks, too. Under routing replay the forward routes to the recorded experts, so the
-  agreement is that of the trainer's router logits (its unreplayed choice) with the engine's.
+  trainer's own router picks, too, in pi_old's pass (the update measures it there: pi_old is the policy the
+  engine sampled with at max_staleness 0). Under routing replay the forward routes to the recorded experts, so
+  the agreement is that of the trainer's router logits (its unreplayed choice) with the engine's.
 """
 
 from __future__ import annotations

@@ -118,8 +118,12 @@ def policy_update(
     replay = algorithm.routing_replay == "rollout"
     if replay and batch.routes_BTLK is None:
         raise MoeloopError("algorithm.routing_replay rollout needs the engine's recorded routed_experts")
-    # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1.
-    old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.minibatch_size, parallel, replay)
+    # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1. Its pass
+    # measures the routing agreement: pi_old is the policy the engine sampled with (at max_staleness 0), which the
+    # training forwards move away from.
+    old_health = RouterHealth(model.config.num_experts, model.config.num_experts_per_tok, parallel.device)
+    old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.minibatch_size, parallel, replay, old_health)
+    old_routing = old_health.report(distributed=parallel.world_size > 1)
     ref_logprobs_BT = frozen_logprobs(reference, batch, temperature, settings.minibatch_size, parallel)
     log_ratio_BT = ref_logprobs_BT - old_logprobs_BT
     report["kl"] = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT)
@@ -154,6 +158,8 @@ def policy_update(
         config, parallel,
     )  # fmt: skip
     report.update(measured.pop("router_health"))
+    if "routing_agreement" in old_routing:
+        report["routing_agreement"] = old_routing["routing_agreement"]
     if critic is not None:
         measured |= critic_steps(critic, batch, schedule, old_values_BT, returns_BT, config, parallel)
     report.update({name: sum(values) / len(values) for name, values in measured.items()})
@@ -220,7 +226,9 @@ def actor_steps(
         loss, clipped = all_reduce_sum([terms.loss.item(), float(terms.clip_fraction) * share_tokens], parallel)
         measured["loss"].append(loss)
         measured["clip_fraction"].append(clipped / num_tokens)
-    measured["router_health"] = health.report(distributed=parallel.world_size > 1)
+    health_report = health.report(distributed=parallel.world_size > 1)
+    health_report.pop("routing_agreement", None)  # measured on pi_old's pass (policy_update)
+    measured["router_health"] = health_report
     return measured
 
 
