@@ -29,6 +29,13 @@ def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max
     return sum(score(functions, r, text) for r, text in zip(records, responses, strict=False)) / len(records)
 
 
+def router_health(train: dict[str, Any]) -> dict[str, float] | None:
+    """The train report's router health (steps/rl/router_health.py) as the metrics' `router` dict: `load_imbalance`,
+    `load_imbalance_layer_<l>`, `entropy`, `routing_agreement` (None before a train report has them)."""
+    health = {key.removeprefix("router_"): v for key, v in train.items() if key.startswith(("router_", "routing_"))}
+    return health or None
+
+
 def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: float) -> dict[str, Any]:
     reports = step_reports(storage, iteration)
     rollouts = [r for name, r in reports.items() if name.startswith("rollout-")]
@@ -42,6 +49,8 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "logprob_mismatch": train.get("logprob_mismatch"),
         "behavior_kl": train.get("behavior_kl"),
         "clip_fraction": train.get("clip_fraction"),
+        "mismatch_masked": train.get("mismatch_masked"),  # algorithm.mismatch's share of response tokens dropped
+        "router": router_health(train),
         # Shards generate side by side, so their rates add up.
         "tokens_per_second": sum(r["tokens_per_second"] for r in rollouts) if rollouts else None,
         # The stalest sample's: iteration - 1 - the policy version the rollouts stamped on their rows.

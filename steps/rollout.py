@@ -70,6 +70,7 @@ def rollout_rows(
                 "finish_reason": sample.finish_reason,
                 "policy_version": policy_version,
                 "engine": engine_name,
+                "routed_experts": sample.routed_experts,
             }
             for name, value in row.items():
                 columns[name].append(value)
@@ -105,6 +106,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         top_p=config.rollout.top_p,
         max_new_tokens=config.rollout.max_new_tokens,
         seed=derive_seed(config.run_name, config.seed, "rollout", iteration, shard),
+        record_routing=config.records_routing,
     )
     started = time.perf_counter()
     completions = engine.generate(prompt_tokens, sampling)

@@ -32,9 +32,9 @@ from steps.common import (
     write_report,
 )
 from steps.config import MoeloopConfig
-from steps.errors import run_cli
+from steps.errors import MoeloopError, run_cli
 from steps.model.policy import load_policy_shard
-from steps.rl.batch import experience_batch
+from steps.rl.batch import experience_batch, recorded_routes
 from steps.rl.parallel import Parallel, init_parallel
 from steps.rl.state import load_trainer_start, save_trainer_state
 from steps.rl.update import Critic, policy_update
@@ -57,6 +57,12 @@ def update_policy(
 ) -> UpdatedTrainer:
     """The iteration's update in memory: the policy (PPO: and the critic) after it, and the report. Deterministic."""
     rollouts = read_rollouts(storage, iteration, config.rollout.num_shards).to_pydict()
+    recorded = recorded_routes(rollouts)
+    if config.algorithm.routing_replay == "rollout" and not recorded:
+        raise MoeloopError(
+            f"algorithm.routing_replay rollout needs the rollout shards' routed_experts column: iteration {iteration}'s"
+            " shards lack it (written before it existed, or by an engine that did not record routes)"
+        )
     rewards = read_rewards(storage, iteration).to_pydict()
     rewards_by_sample = dict(zip(rewards["sample_id"], rewards["reward"], strict=False))
     seed = derive_seed(config.run_name, config.seed, "train", iteration)
@@ -66,7 +72,8 @@ def update_policy(
     reference, _ = load_policy_shard(
         fetch_checkpoint(storage, 0), settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device
     )
-    batch = experience_batch(rollouts, rewards_by_sample, tokenizer.pad_token_id).to(parallel.device)
+    top_k = model.config.num_experts_per_tok if recorded else None
+    batch = experience_batch(rollouts, rewards_by_sample, tokenizer.pad_token_id, top_k).to(parallel.device)
     started = time.perf_counter()
     report = policy_update(model, reference, optimizer, batch, config, seed, parallel, critic)
     seconds = time.perf_counter() - started

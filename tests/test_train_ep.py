@@ -54,6 +54,13 @@ def experience() -> ExperienceBatch:
     return experience_batch(rollouts, {f"s{i}": r for i, r in enumerate(rewards)}, pad_id=0)
 
 
+def tiny_policy(folder: Path) -> torch.nn.Module:
+    """A random tiny policy saved under folder/policy and loaded as the trainer holds it (one process)."""
+    torch.manual_seed(0)
+    save_policy(Qwen3MoeForCausalLM(tiny_config()), build_tokenizer(["abc"]), folder / "policy")
+    return load_policy_shard(folder / "policy", "auto", "grouped_mm", None, torch.device("cpu"))[0]
+
+
 def train_config() -> MoeloopConfig:
     """One optimizer step over the whole batch, clipped (max_grad_norm is below the gradient's norm), with KL."""
     return small_config(

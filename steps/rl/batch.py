@@ -10,8 +10,11 @@ from typing import Any
 import torch
 
 from steps.config import TrainerConfig
+from steps.errors import MoeloopError
+from steps.model.moe import replaying
 from steps.model.policy import pack_sequences, token_logprobs
 from steps.rl.parallel import Parallel, all_gather_rows, rank_share
+from steps.rl.router_health import RouterHealth
 
 
 @dataclass(frozen=True)
@@ -22,15 +25,30 @@ class ExperienceBatch:
     behavior_logprobs_BT: torch.Tensor  # the engine's logprobs, at the response positions
     rewards_B: torch.Tensor
     group_ids_B: torch.Tensor  # samples of one prompt form a group
+    # The engine's experts per input position and MoE layer, [B, T, L, K]: at position t those of the forward that
+    # sampled token t + 1 (so response positions shifted back by one); -1 elsewhere. None: not recorded.
+    routes_BTLK: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> ExperienceBatch:
-        return ExperienceBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)))
 
     def select(self, rows_b: torch.Tensor) -> ExperienceBatch:
-        return ExperienceBatch(*(getattr(self, f.name)[rows_b] for f in fields(self)))
+        return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t[rows_b]) for f in fields(self)))
 
 
-def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, float], pad_id: int) -> ExperienceBatch:
+def _apply(tensor: torch.Tensor | None, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    return function(tensor) if tensor is not None else None
+
+
+def recorded_routes(rollouts: dict[str, list]) -> bool:
+    """Whether every sample has the engine's routed experts (shards from before the column read as nulls)."""
+    return all(routes is not None for routes in rollouts.get("routed_experts", [None]))
+
+
+def experience_batch(
+    rollouts: dict[str, list], rewards_by_sample: dict[str, float], pad_id: int, top_k: int | None = None
+) -> ExperienceBatch:
+    """The padded batch; with top_k (the model's experts per token), the recorded routes as well."""
     prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
     input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id)
     behavior_BT = torch.zeros(input_ids_BT.shape)
@@ -43,7 +61,27 @@ def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, flo
         behavior_BT,
         torch.tensor([rewards_by_sample[s] for s in rollouts["sample_id"]], dtype=torch.float32),
         torch.tensor(rollouts["prompt_id"]),
+        routes_tensor(rollouts, prompts, responses, input_ids_BT.shape, top_k) if top_k is not None else None,
     )
+
+
+def routes_tensor(
+    rollouts: dict[str, list], prompts: list, responses: list, shape: torch.Size, top_k: int
+) -> torch.Tensor:
+    """`ExperienceBatch.routes_BTLK` from the rows' flat routed_experts ([token][layer][k] per response token)."""
+    tokens, routed = next(((len(r), len(e)) for r, e in zip(responses, rollouts["routed_experts"], strict=True) if r))
+    layers = max(routed // (tokens * top_k), 1)
+    routes_BTLK = torch.full((*shape, layers, top_k), -1, dtype=torch.long)
+    recorded = zip(prompts, responses, rollouts["routed_experts"], strict=True)
+    for row, (prompt, response, routes) in enumerate(recorded):
+        if len(routes) != len(response) * layers * top_k:
+            raise MoeloopError(
+                f"sample {rollouts['sample_id'][row]}: {len(routes)} routed experts for {len(response)} tokens,"
+                f" {layers} MoE layers and top-{top_k}: damaged data"
+            )
+        start = len(prompt) - 1  # the position whose forward sampled the first response token
+        routes_BTLK[row, start : start + len(response)] = torch.tensor(routes).view(len(response), layers, top_k)
+    return routes_BTLK
 
 
 def minibatches(order_B: torch.Tensor, size: int, world_size: int) -> list[torch.Tensor]:
@@ -74,26 +112,40 @@ def frozen_pass(
     batch: ExperienceBatch,
     minibatch: int,
     parallel: Parallel,
+    replay: bool = False,
+    health: RouterHealth | None = None,
 ) -> torch.Tensor:
     """per_token(input_ids, attention_mask)[0] (token logprobs or values) for the whole batch on every rank: each
-    rank computes its share in eval mode, then the shares are all-gathered."""
+    rank computes its share in eval mode, then the shares are all-gathered. replay: routed as the engine was;
+    health: given the router logits, per_token(...)[1], of this rank's share."""
     model.eval()
     batch_size = len(batch.input_ids_BT)
     rows_b = rank_share(torch.arange(batch_size), parallel)
     # Every rank runs the MoE layers (collectives inside) equally often: the chunk count of the largest share.
     largest_share = -(-batch_size // parallel.world_size)
-    chunks = [
-        per_token(batch.input_ids_BT[rows], batch.attention_mask_BT[rows])[0]
-        for rows in rows_b.tensor_split(-(-largest_share // minibatch))
-    ]
+    chunks = []
+    for rows in rows_b.tensor_split(-(-largest_share // minibatch)):
+        routes_bTLK = batch.routes_BTLK[rows] if batch.routes_BTLK is not None else None
+        with replaying(model, routes_bTLK if replay else None):
+            values_bT, router_logits_L = per_token(batch.input_ids_BT[rows], batch.attention_mask_BT[rows])
+        if health is not None:
+            health.add(router_logits_L, batch.attention_mask_BT[rows], routes_bTLK, replayed=replay)
+        chunks.append(values_bT)
     return all_gather_rows(torch.cat(chunks), batch_size, parallel)
 
 
 def frozen_logprobs(
-    model: torch.nn.Module, batch: ExperienceBatch, temperature: float, minibatch: int, parallel: Parallel
+    model: torch.nn.Module,
+    batch: ExperienceBatch,
+    temperature: float,
+    minibatch: int,
+    parallel: Parallel,
+    replay: bool = False,
+    health: RouterHealth | None = None,
 ) -> torch.Tensor:
     """The whole batch's token logprobs on every rank."""
-    return frozen_pass(partial(token_logprobs, model, temperature=temperature), model, batch, minibatch, parallel)
+    per_token = partial(token_logprobs, model, temperature=temperature)
+    return frozen_pass(per_token, model, batch, minibatch, parallel, replay, health)
 
 
 def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:

@@ -85,6 +85,11 @@ def expert_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
     return {p for module in model.modules() if isinstance(module, MoeBlock) for p in module.experts.parameters()}
 
 
+def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the update trains: all but frozen ones (`trainer.freeze_router`)."""
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
+
+
 def sync_gradients(model: torch.nn.Module, experts: set[torch.nn.Parameter], parallel: Parallel) -> None:
     """Sum each gradient over the ranks that hold the parameter and saw different tokens.
 
@@ -95,7 +100,7 @@ def sync_gradients(model: torch.nn.Module, experts: set[torch.nn.Parameter], par
     """
     if parallel.world_size == 1:
         return
-    for parameter in model.parameters():
+    for parameter in trained_parameters(model):
         if parameter.grad is None:  # every rank must join every all-reduce
             parameter.grad = torch.zeros_like(parameter)
         dist.all_reduce(parameter.grad, group=parallel.dp_group if parameter in experts else None)
@@ -105,16 +110,15 @@ def clip_gradients(
     model: torch.nn.Module, experts: set[torch.nn.Parameter], max_norm: float, parallel: Parallel
 ) -> float:
     """`clip_grad_norm_` over the whole model: the expert part of the squared norm is summed over the EP group."""
-    dense_square = sum(p.grad.pow(2).sum() for p in model.parameters() if p not in experts)
+    trained = trained_parameters(model)
+    dense_square = sum(p.grad.pow(2).sum() for p in trained if p not in experts)
     # Summed in the model's order, not the set's (which follows memory addresses): the same norm to the last bit
     # in every process, so a re-run or a long-lived worker trains exactly the same weights.
-    expert_square = sum(
-        (p.grad.pow(2).sum() for p in model.parameters() if p in experts), torch.zeros((), device=parallel.device)
-    )
+    expert_square = sum((p.grad.pow(2).sum() for p in trained if p in experts), torch.zeros((), device=parallel.device))
     if parallel.ep_group is not None:
         dist.all_reduce(expert_square, group=parallel.ep_group)
     total_norm = (dense_square + expert_square).sqrt()
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
-    for parameter in model.parameters():
+    for parameter in trained:
         parameter.grad.mul_(scale)
     return float(total_norm)

@@ -12,6 +12,7 @@ from steps.config import MoeloopConfig, TrainerConfig
 from steps.model.moe import gather_over, hf_state_dict
 from steps.model.policy import load_critic_shard, load_policy_shard, save_hf_state_dict
 from steps.rl.parallel import Parallel, expert_parameters
+from steps.rl.router_loss import freeze_routers
 from steps.rl.update import Critic
 from steps.storage.cache import fetch_checkpoint
 from steps.storage.run import CRITIC_DIR, OPTIMIZER_FILE, RunStorage
@@ -77,6 +78,7 @@ def load_trainer_start(
         directory = fetch_checkpoint(storage, iteration - 1)
     shard = (settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device)
     model, tokenizer = load_policy_shard(directory, *shard)
+    freeze_routers(model, settings.freeze_router)
     optimizer = make_optimizer(model, settings)
     if resumed:
         load_optimizer_state(model, optimizer, torch.load(directory / OPTIMIZER_FILE, weights_only=True), parallel)
@@ -85,6 +87,7 @@ def load_trainer_start(
     # The critic resumes from its state beside the policy's; the first one starts from the policy (zero head).
     critic_state = directory / CRITIC_DIR
     critic_model, _ = load_critic_shard(critic_state if resumed else directory, *shard, from_policy=not resumed)
+    freeze_routers(critic_model, settings.freeze_router)
     critic = Critic(critic_model, make_optimizer(critic_model, settings, config.algorithm.critic_learning_rate))
     if resumed:
         saved = torch.load(critic_state / OPTIMIZER_FILE, weights_only=True)

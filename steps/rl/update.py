@@ -15,13 +15,16 @@ from typing import Any
 
 import torch
 
-from steps.config import MoeloopConfig
+from steps.config import MismatchConfig, MoeloopConfig
 from steps.errors import MoeloopError
+from steps.model.moe import replaying
 from steps.model.policy import token_logprobs, token_values
 from steps.rl.batch import ExperienceBatch, frozen_logprobs, frozen_pass, masked_mean, minibatch_schedule
 from steps.rl.grpo import behavior_weights, clipped_policy_loss, group_advantages, varied_groups
+from steps.rl.importance import behavior_ratio, mismatch_mask
 from steps.rl.parallel import Parallel, all_reduce_sum, clip_gradients, expert_parameters, rank_share, sync_gradients
 from steps.rl.ppo import gae, token_rewards, value_loss, whiten
+from steps.rl.router_health import RouterHealth
 from steps.rl.router_loss import router_aux_loss
 
 
@@ -68,6 +71,26 @@ def ppo_advantages(
     return whiten(advantages_BT, mask_BT), returns_BT, old_values_BT
 
 
+def mismatch_loss_mask(
+    old_logprobs_BT: torch.Tensor,
+    behavior_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    settings: MismatchConfig,
+    report: dict[str, Any],
+) -> torch.Tensor:
+    """The policy loss's mask: the response tokens, less those (or the sequences) whose pi_old / pi_behavior leaves
+    [low, high]. Reports the share of response tokens and of sequences masked (0 with masking off)."""
+    loss_mask_BT = mask_BT
+    if settings.level != "off":
+        ratio_BT = behavior_ratio(old_logprobs_BT, behavior_logprobs_BT, mask_BT, sequence=settings.level == "sequence")
+        loss_mask_BT = mismatch_mask(ratio_BT, mask_BT, settings.low, settings.high)
+    responses_B = mask_BT.any(1)
+    report["mismatch_masked"] = 1 - float(loss_mask_BT.sum()) / max(float(mask_BT.sum()), 1.0)
+    dropped = float((responses_B & ~loss_mask_BT.any(1)).sum())
+    report["mismatch_masked_sequences"] = dropped / max(float(responses_B.sum()), 1.0)
+    return loss_mask_BT
+
+
 def policy_update(
     model: torch.nn.Module,
     reference: torch.nn.Module,
@@ -92,8 +115,15 @@ def policy_update(
     if len(batch.rewards_B) < parallel.world_size:  # nothing left that every rank could take a share of
         return {**report, "optimizer_steps": 0, "response_tokens": int(batch.response_mask_BT.sum())}
     mask_BT = batch.response_mask_BT
-    # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1.
-    old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.minibatch_size, parallel)
+    replay = algorithm.routing_replay == "rollout"
+    if replay and batch.routes_BTLK is None:
+        raise MoeloopError("algorithm.routing_replay rollout needs the engine's recorded routed_experts")
+    # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1. Its pass
+    # measures the routing agreement: pi_old is the policy the engine sampled with (at max_staleness 0), which the
+    # training forwards move away from.
+    old_health = RouterHealth(model.config.num_experts, model.config.num_experts_per_tok, parallel.device)
+    old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.minibatch_size, parallel, replay, old_health)
+    old_routing = old_health.report(distributed=parallel.world_size > 1)
     ref_logprobs_BT = frozen_logprobs(reference, batch, temperature, settings.minibatch_size, parallel)
     log_ratio_BT = ref_logprobs_BT - old_logprobs_BT
     report["kl"] = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT)
@@ -104,11 +134,13 @@ def policy_update(
     report["behavior_kl"] = masked_mean(torch.exp(behavior_gap_BT) - behavior_gap_BT - 1, mask_BT)
     weights_BT = None
     if algorithm.behavior_weight_cap is not None:
-        weights_BT, truncated_BT = behavior_weights(
-            old_logprobs_BT, batch.behavior_logprobs_BT, algorithm.behavior_weight_cap
+        ratio_BT = behavior_ratio(
+            old_logprobs_BT, batch.behavior_logprobs_BT, mask_BT, sequence=algorithm.importance_level != "token"
         )
+        weights_BT, truncated_BT = behavior_weights(ratio_BT, algorithm.behavior_weight_cap)
         report["behavior_weight_mean"] = masked_mean(weights_BT, mask_BT)
         report["behavior_weight_truncated"] = masked_mean(truncated_BT.to(weights_BT.dtype), mask_BT)
+    loss_mask_BT = mismatch_loss_mask(old_logprobs_BT, batch.behavior_logprobs_BT, mask_BT, algorithm.mismatch, report)
     if critic is None:
         advantages = group_advantages(batch.rewards_B, batch.group_ids_B, scale=algorithm.scale_rewards)
     else:
@@ -121,7 +153,13 @@ def policy_update(
     kl_reference_BT = ref_logprobs_BT if critic is None and algorithm.kl_coef > 0 else None
 
     schedule = minibatch_schedule(len(batch.rewards_B), settings, seed, parallel.world_size)
-    measured = actor_steps(model, optimizer, batch, schedule, advantages, old_logprobs_BT, weights_BT, kl_reference_BT, config, parallel)
+    measured = actor_steps(
+        model, optimizer, batch, schedule, advantages, old_logprobs_BT, weights_BT, kl_reference_BT, loss_mask_BT,
+        config, parallel,
+    )  # fmt: skip
+    report.update(measured.pop("router_health"))
+    if "routing_agreement" in old_routing:
+        report["routing_agreement"] = old_routing["routing_agreement"]
     if critic is not None:
         measured |= critic_steps(critic, batch, schedule, old_values_BT, returns_BT, config, parallel)
     report.update({name: sum(values) / len(values) for name, values in measured.items()})
@@ -141,43 +179,56 @@ def actor_steps(
     old_logprobs_BT: torch.Tensor,
     weights_BT: torch.Tensor | None,
     kl_reference_BT: torch.Tensor | None,
+    loss_mask_BT: torch.Tensor,
     config: MoeloopConfig,
     parallel: Parallel,
-) -> dict[str, list[float]]:
+) -> dict[str, Any]:
     """One clipped-surrogate step of the policy per minibatch of the schedule, with the routers' aux loss and, given
-    kl_reference_BT (GRPO with kl_coef > 0), the k3 KL to the reference in the loss."""
-    algorithm, temperature, mask_BT = config.algorithm, config.rollout.temperature, batch.response_mask_BT
-    measured: dict[str, list[float]] = defaultdict(list)
+    kl_reference_BT (GRPO with kl_coef > 0), the k3 KL to the reference in the loss. loss_mask_BT: the response
+    tokens the loss keeps (`mismatch_loss_mask`). With routing replay each forward routes as the engine did. Also
+    the routers' health over these forwards, under "router_health"."""
+    algorithm, temperature = config.algorithm, config.rollout.temperature
+    replay = algorithm.routing_replay == "rollout"
+    health = RouterHealth(model.config.num_experts, model.config.num_experts_per_tok, parallel.device)
+    measured: dict[str, Any] = defaultdict(list)
     model.train()
     for minibatch_rows in schedule:
-        num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
+        num_tokens = max(int(loss_mask_BT[minibatch_rows].sum()), 1)
+        num_sequences = max(int(loss_mask_BT[minibatch_rows].any(1).sum()), 1)  # masked-out sequences drop out
         rows = rank_share(minibatch_rows, parallel)
         input_ids_bT, attention_mask_bT = batch.input_ids_BT[rows], batch.attention_mask_BT[rows]
-        logprobs_bT, router_logits_L = token_logprobs(model, input_ids_bT, attention_mask_bT, temperature)
+        routes_bTLK = batch.routes_BTLK[rows] if batch.routes_BTLK is not None else None
+        with replaying(model, routes_bTLK if replay else None):
+            logprobs_bT, router_logits_L = token_logprobs(model, input_ids_bT, attention_mask_bT, temperature)
         terms = clipped_policy_loss(
             logprobs_bT,
             old_logprobs_BT[rows],
             advantages[rows],
-            mask_BT[rows],
+            loss_mask_BT[rows],
             clip_low=algorithm.clip_eps,
             clip_high=algorithm.clip_eps_high,
             aggregation=algorithm.loss_aggregation,
             max_length=config.rollout.max_new_tokens,
             num_tokens=num_tokens,
-            num_sequences=len(minibatch_rows),
+            num_sequences=num_sequences,
             weights_BT=weights_BT[rows] if weights_BT is not None else None,
             ref_logprobs_BT=kl_reference_BT[rows] if kl_reference_BT is not None else None,
             kl_coef=algorithm.kl_coef if kl_reference_BT is not None else 0.0,
+            importance_level=algorithm.importance_level,
         )
+        health.add(router_logits_L, attention_mask_bT, routes_bTLK, replayed=replay)
         aux = router_aux_loss(model, router_logits_L, attention_mask_bT, parallel)
         measured["grad_norm"].append(
             optimizer_step(model, optimizer, terms.loss + aux, config.trainer.max_grad_norm, parallel)
         )
         # The rank's loss is its part of the minibatch's; its clip fraction is over its tokens.
-        share_tokens = float(mask_BT[rows].sum())
+        share_tokens = float(loss_mask_BT[rows].sum())
         loss, clipped = all_reduce_sum([terms.loss.item(), float(terms.clip_fraction) * share_tokens], parallel)
         measured["loss"].append(loss)
         measured["clip_fraction"].append(clipped / num_tokens)
+    health_report = health.report(distributed=parallel.world_size > 1)
+    health_report.pop("routing_agreement", None)  # measured on pi_old's pass (policy_update)
+    measured["router_health"] = health_report
     return measured
 
 
