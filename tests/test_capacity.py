@@ -279,13 +279,14 @@ def test_a_run_with_no_committed_iteration_is_refused(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def measured_run(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A real 3-iteration run of the small demo (transformers rollouts), to plan from its reports."""
+    """A real 4-iteration run of the small demo (transformers rollouts) at staleness 1, to plan from its reports
+    (a rollout there waits for the publish two iterations back)."""
     from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
     from workflows.dag import run_uri
     from workflows.local import run_local
 
     folder = tmp_path_factory.mktemp("measured")
-    config = small_config(3, rollout=SMALL_TRANSFORMERS_ROLLOUT)
+    config = small_config(4, rollout={**SMALL_TRANSFORMERS_ROLLOUT, "max_staleness": 1})
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MOELOOP_CACHE", str(folder / "cache"))
         uri = run_uri(config, str(folder / "runs"))
@@ -298,9 +299,9 @@ def test_a_plan_from_a_run_uses_its_measured_rates_and_holds_its_own_setup_again
     measured_run: str,
 ) -> None:
     setup, own, measured_period = plan_inputs(measured_run, None, plan_dag)
-    assert own is not None and (own.rollout_shards, own.staleness) == (2, 0)
+    assert own is not None and (own.rollout_shards, own.staleness) == (2, 1)
     for name in ("rollout_tokens_per_second_per_gpu", "train_tokens_per_second_per_gpu", "start_seconds.train"):
-        assert setup.figures[name].source.startswith("measured: reports/iter-000002..000003/")
+        assert setup.figures[name].source.startswith("measured: reports/iter-000003..000004/")
         assert setup.figures[name].value > 0
     plan = make_plan(setup, None, None, own, measured_period)
     predicted, measured = plan.calibration
@@ -338,7 +339,7 @@ def test_plan_cli_json_and_bad_input_exit_codes(measured_run: str, tmp_path: Pat
     assert sum(option["best"] for option in result["options"]) == 1
     zero = tmp_path / "zero"
     shutil.copytree(measured_run, zero)
-    report = zero / "reports" / "iter-000003" / "rollout-0.json"
+    report = zero / "reports" / "iter-000004" / "rollout-0.json"
     report.write_text(json.dumps({**json.loads(report.read_text()), "tokens_per_second": 0.0}))
     for args, message in (
         ((str(zero),), "tokens_per_second is 0: a measured rate of zero"),

@@ -133,8 +133,8 @@ def train_memory(setup: Setup, world: int, ep: int) -> TrainMemory:
 def step_seconds(setup: Setup, option: Option) -> tuple[dict[str, float], float]:
     """Each step's run (start-up excluded) for this option, and the rollout's expected Spot retry within it."""
     v = setup.value
-    shard_tokens = math.ceil(v("prompts_per_iteration") / option.rollout_shards) * v("samples_per_prompt")
-    generate = shard_tokens * v("response_tokens") / (v("rollout_tokens_per_second_per_gpu") * setup.gpus_per_shard)
+    shard_samples = math.ceil(v("prompts_per_iteration") / option.rollout_shards) * v("samples_per_prompt")
+    generate = shard_samples * v("response_tokens") / (v("rollout_tokens_per_second_per_gpu") * setup.gpus_per_shard)
     if "rollout_sequence_tokens_per_second" in setup.figures:  # no shard is faster than its longest answer
         generate = max(generate, v("max_response_tokens") / v("rollout_sequence_tokens_per_second"))
     rollout = v("rollout_overhead_seconds") + v("checkpoint_gb") * v("fetch_seconds_per_gb") + generate

@@ -126,7 +126,12 @@ def measure_run(uri: str, dag: Callable[[MoeloopConfig], list[GraphTask]]) -> Me
         raise MoeloopError(f"run {uri} has no committed iteration yet (no metrics/iter-N.json with N >= 1)")
     skip = 1 + config.rollout.max_staleness
     steady = done[skip:] if len(done) > skip else done
-    reports = {i: _reports(storage, i) for i in {0, *steady, *(i - 1 for i in steady)}}
+    tasks = dag(config)
+    by_name = {task.name: task for task in tasks}
+    # The steady iterations' reports, and those of everything they waited for (with staleness s, a rollout
+    # waits for the publish s + 1 iterations back).
+    needed = {by_name[d].iteration for t in tasks if t.iteration in steady for d in t.dependencies} | set(steady)
+    reports = {i: _reports(storage, i) for i in needed}
     span = f"reports/iter-{steady[0]:06d}" + (f"..{steady[-1]:06d}" if len(steady) > 1 else "")
     of = f"of {len(steady)} iterations"
     samples: dict[str, list[float]] = {name: [] for name in MEASURES}
@@ -143,7 +148,7 @@ def measure_run(uri: str, dag: Callable[[MoeloopConfig], list[GraphTask]]) -> Me
         ("trainer_state_gb", storage.trainer_state(last)),
     ):
         figures[name] = Figure(_folder_gb(storage, folder), "GB", f"measured: {folder}/COMMIT sizes")
-    for step, gap in _start_gaps(dag(config), reports, set(steady)).items():
+    for step, gap in _start_gaps(tasks, reports, set(steady)).items():
         source = f"measured: {span}/*.json started_at - the last dependency's ended_at (least {of})"
         figures[f"start_seconds.{step}"] = Figure(gap, "s", source)
     periods = [storage.read_json(storage.metrics(i)).get("iteration_seconds") for i in steady]

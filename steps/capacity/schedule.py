@@ -86,9 +86,9 @@ def play(jobs: list[Job], capacity: dict[str, int]) -> Schedule:
             if after is not None and ends[after] >= now - EPSILON:
                 waited_for[name] = ("after", after)
             else:  # it was ready before and waited for room: on whichever resource was freed just now
-                freed = [(released[r][1], r) for r in job.needs if r in released and released[r][0] >= now - EPSILON]
+                freed = [(r, released[r][1]) for r in job.needs if r in released and released[r][0] >= now - EPSILON]
                 if freed:
-                    waited_for[name] = (freed[0][1], freed[0][0])
+                    waited_for[name] = freed[0]
         if not running:
             raise MoeloopError(f"the schedule is stuck: {ready[0]} never gets {by_name[ready[0]].needs}")
         now, _, name = heapq.heappop(running)
@@ -115,23 +115,25 @@ def period(schedule: Schedule, first: int, last: int) -> float:
 def critical_path(schedule: Schedule, last: int) -> str:
     """The cycle that sets the period, e.g. `train -> train` or `publish -> rollout -> reward -> train ->
     publish`; `~>` marks a wait for room on a resource instead of a dependency."""
+    jobs = schedule.jobs
     chain = [_publish(schedule, last)]  # from the last publish back in time
     links: list[str] = []  # links[i]: how chain[i] waited for chain[i + 1]
-    seen = {schedule.jobs[chain[0]].task.step: 0}
+    seen = {jobs[chain[0]].task.step: 0}  # step -> where in the chain it last came
     while chain[-1] in schedule.waited_for:
         how, earlier = schedule.waited_for[chain[-1]]
         links.append("->" if how == "after" else "~>")
         chain.append(earlier)
-        step = schedule.jobs[earlier].task.step
-        if step in seen:  # the cycle: from this step's earlier run forward to its later one
+        step, iteration = jobs[earlier].task.step, jobs[earlier].task.iteration
+        if step in seen and iteration < jobs[chain[seen[step]]].task.iteration:
+            # The cycle: from this step's run in an earlier iteration forward to its later one.
             names, arrows = chain[seen[step] :][::-1], links[seen[step] :][::-1]
-            text = schedule.jobs[names[0]].task.step + "".join(
-                f" {arrow} {schedule.jobs[name].task.step}" for arrow, name in zip(arrows, names[1:], strict=True)
+            text = jobs[names[0]].task.step + "".join(
+                f" {arrow} {jobs[name].task.step}" for arrow, name in zip(arrows, names[1:], strict=True)
             )
-            spans = schedule.jobs[names[-1]].task.iteration - schedule.jobs[names[0]].task.iteration
+            spans = jobs[names[-1]].task.iteration - jobs[names[0]].task.iteration
             return text + (f" (over {spans} iterations)" if spans > 1 else "")
-        seen[step] = len(chain) - 1
-    return " <- ".join(schedule.jobs[name].task.step for name in chain)
+        seen[step] = len(chain) - 1  # within one iteration (a shard waiting for another), the earlier one
+    return " <- ".join(jobs[name].task.step for name in chain)
 
 
 def busy_share(schedule: Schedule, resource: str, capacity: int, first: int, last: int) -> float:
