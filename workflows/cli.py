@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from steps.capacity.schedule import GraphTask
 from steps.config import MoeloopConfig, load_config
 from steps.errors import MoeloopError, run_cli
-from workflows.dag import run_uri
+from workflows.dag import ROLLOUT, loop_tasks, run_uri
 
 if TYPE_CHECKING:
     from hera.workflows import Workflow
@@ -148,6 +150,35 @@ def command_sync(args: argparse.Namespace) -> None:
     print(f"{len(copied)} new event file(s) in {args.output}; view with: tensorboard --logdir {args.output}")
 
 
+def plan_dag(config: MoeloopConfig, shards: int, staleness: int, iterations: int) -> list[GraphTask]:
+    """The loop's DAG at another shard count and staleness, as the planner's plain data."""
+    rollout = config.rollout.model_copy(update={"num_shards": shards, "max_staleness": staleness})
+    return [
+        GraphTask(
+            t.name,
+            t.step.name,
+            t.iteration,
+            t.dependencies,
+            f"rollout-{dict(t.arguments)['shard']}" if t.step is ROLLOUT else t.step.name,
+            t.processes,
+        )
+        for t in loop_tasks(config.model_copy(update={"rollout": rollout}), iterations)
+    ]
+
+
+def command_plan(args: argparse.Namespace) -> None:
+    from steps.capacity.explain import plan_json, plan_table
+    from steps.capacity.inputs import plan_inputs
+    from steps.capacity.options import make_plan
+
+    for flag, value in (("--budget", args.budget), ("--deadline", args.deadline)):
+        if value is not None and value <= 0:
+            raise MoeloopError(f"{flag} must be positive, not {value:g}")
+    setup, own, measured_period = plan_inputs(args.source, args.target, plan_dag)
+    plan = make_plan(setup, args.budget, args.deadline, own, measured_period)
+    print(json.dumps(plan_json(plan), indent=2) if args.format == "json" else plan_table(plan))
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="moeloop", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
@@ -221,6 +252,18 @@ def parser() -> argparse.ArgumentParser:
     sync.add_argument("run", help="the run's URI: its folder, or s3://bucket/prefix/<run_name>")
     sync.add_argument("output", type=Path, help="local folder for `tensorboard --logdir`")
     sync.set_defaults(handler=command_sync)
+
+    plan = commands.add_parser(
+        "plan",
+        help="rollout and train pool sizes, staleness and cost per iteration, from a run's measured rates",
+        description="Options for the loop's pools, each played out on its DAG; see steps/capacity/README.md.",
+    )
+    plan.add_argument("source", help="a run's URI (its measured rates), or a config YAML (rates stated in --target)")
+    plan.add_argument("--target", help="a target YAML: model, GPU, prices, batch, stated rates, options to weigh")
+    plan.add_argument("--budget", type=float, help="dollars for the run's iterations: the fastest option within it")
+    plan.add_argument("--deadline", type=float, help="hours for the run's iterations: the cheapest option within it")
+    plan.add_argument("--format", choices=["table", "json"], default="table")
+    plan.set_defaults(handler=command_plan)
     return root
 
 
