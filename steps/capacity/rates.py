@@ -31,7 +31,7 @@ from steps.capacity.schedule import GraphTask
 from steps.common import open_run
 from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
-from steps.storage import RunStorage
+from steps.storage.run import RunStorage
 
 GB = 1e9
 METRICS_NAME = re.compile(r"iter-(\d{6})\.json")
