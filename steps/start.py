@@ -24,6 +24,7 @@ from steps.common import print_json, quiet_libraries, step_parser, write_report
 from steps.config import MoeloopConfig, SFTConfig, load_config, parse_config
 from steps.errors import MoeloopError, run_cli
 from steps.model.policy import build_tiny_model, build_tokenizer, load_policy, pack_sequences, save_policy, token_logprobs
+from steps.observe.trackers import begin_trackers, check_trackers
 from steps.rewards.models import adopt_reward_models, check_reward_models
 from steps.storage.cache import cache_root, fetch_verified, local_scratch
 from steps.storage.manifest import json_bytes, manifest_of, parse_manifest
@@ -31,16 +32,17 @@ from steps.storage.prompts import read_prompt_file
 from steps.storage.run import RunStorage
 
 # Settings that may change between submissions of one run without changing its results.
-RESTARTABLE_FIELDS = {"iterations", "cluster", "local", "storage_root"}
+RESTARTABLE_FIELDS = {"iterations", "cluster", "local", "storage_root", "observe"}
 
 
 def load_config_argument(value: str) -> MoeloopConfig:
-    """--config is a YAML file, or the config itself as JSON (how the Argo workflow passes it)."""
-    if value.lstrip().startswith("{"):
+    """--config is a YAML file, or the config itself: YAML text (how the Argo workflow passes it) or JSON (the
+    local runner's), told from a path by its lines or braces."""
+    if "\n" in value or value.lstrip().startswith("{"):
         try:
             return parse_config(yaml.safe_load(value), "--config")
         except yaml.YAMLError:
-            raise MoeloopError("--config: not valid JSON") from None
+            raise MoeloopError("--config: not valid YAML or JSON") from None
     return load_config(value)
 
 
@@ -185,8 +187,10 @@ def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
     train = read_prompt_file(config.task.train_prompts)
     evaluation = read_prompt_file(config.task.eval_prompts)
     check_reward_models(config.reward.models)
+    check_trackers(config)
     storage = RunStorage(run_uri)
     adopt_run(storage, config, train, evaluation)
+    begin_trackers(storage, config)
     adopt_reward_models(storage, config.reward.models)
     checkpoint = storage.checkpoint(0)
     if storage.is_committed(checkpoint):

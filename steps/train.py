@@ -33,12 +33,13 @@ from steps.common import (
     write_report,
 )
 from steps.config import MoeloopConfig
-from steps.errors import run_cli
-from steps.rl.batch import experience_batch
+from steps.errors import MoeloopError, run_cli
+from steps.model.policy import read_config
+from steps.rl.batch import experience_batch, recorded_routes
 from steps.rl.parallel import Parallel, init_parallel
 from steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state
 from steps.rl.update import Critic, policy_update
-from steps.storage.cache import local_scratch
+from steps.storage.cache import fetch_checkpoint, local_scratch
 from steps.storage.experience import read_rewards, read_rollouts
 from steps.storage.run import CRITIC_DIR, RunStorage
 
@@ -57,12 +58,19 @@ def update_policy(
 ) -> UpdatedTrainer:
     """The iteration's update in memory: the policy (PPO: and the critic) after it, and the report. Deterministic."""
     rollouts = read_rollouts(storage, iteration, config.rollout.num_shards).to_pydict()
+    recorded = recorded_routes(rollouts)
+    if config.algorithm.routing_replay == "rollout" and not recorded:
+        raise MoeloopError(
+            f"algorithm.routing_replay rollout needs the rollout shards' routed_experts column: iteration {iteration}'s"
+            " shards lack it (written before it existed, or by an engine that did not record routes)"
+        )
     rewards = read_rewards(storage, iteration).to_pydict()
     rewards_by_sample = dict(zip(rewards["sample_id"], rewards["reward"], strict=False))
     seed = derive_seed(config.run_name, config.seed, "train", iteration)
     torch.manual_seed(seed)
     settings = config.trainer
-    batch = experience_batch(rollouts, rewards_by_sample).to(parallel.device)
+    top_k = read_config(fetch_checkpoint(storage, 0))[0].num_experts_per_tok if recorded else None
+    batch = experience_batch(rollouts, rewards_by_sample, top_k).to(parallel.device)
     ref_logprobs_BT = reference_logprobs(storage, batch, config, parallel)
     model, tokenizer, optimizer, critic = load_trainer_start(storage, iteration, scratch, config, parallel)
     started = time.perf_counter()

@@ -2,7 +2,12 @@
 
 It records every request (method, path, query, headers, JSON body) and answers from the test's routes as
 the Argo server's gateway does: the object on success, `{"code": <gRPC code>, "message": ...}` on an error.
-Also: the Argo server's own request definitions (its Swagger), and `moeloop` run as a subprocess.
+Also: the check of a request body, and `moeloop` run as a subprocess.
+
+A request body is checked against the Argo server's own Swagger where the upstream files are there
+($MOELOOP_SHARED, tests/upstream.py). Without them it is checked against what the package carries: the request's
+fields (written here from that Swagger, closed) and the object in it with moeloop's lint, whose schema is Hera's
+models with the CRDs' facts. So the tests that talk to this server run on a fresh clone too.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from urllib.parse import parse_qs, urlsplit
 from jsonschema import Draft4Validator
 
 from steps.config import MoeloopConfig, parse_config
+from tests.upstream import available, upstream
+from workflows.lint import lint_document
 
 REPO = Path(__file__).resolve().parents[1]
-SWAGGER = REPO.parent / "shared" / "schemas" / "argo-server-swagger.json"
 NAMESPACE = "rl"
 TOKEN = "s3cr3t-token-value"
 RUN_URI = "s3://moeloop-runs/runs/cluster-test"
@@ -110,22 +116,58 @@ def argo_stand_in(routes: Mapping[tuple[str, str], Route]) -> Iterator[tuple[str
         server.server_close()
 
 
+# The requests' fields in the Argo server's Swagger (v4.1): field -> JSON type, or the Argo kind of the object it holds.
+REQUEST_FIELDS: dict[str, dict[str, str]] = {
+    "WorkflowCreateRequest": {
+        "createOptions": "object", "instanceID": "string", "namespace": "string", "serverDryRun": "boolean",
+        "workflow": "Workflow",
+    },
+    "WorkflowTemplateCreateRequest": {"createOptions": "object", "namespace": "string", "template": "WorkflowTemplate"},
+    "WorkflowTemplateUpdateRequest": {"name": "string", "namespace": "string", "template": "WorkflowTemplate"},
+    "CreateCronWorkflowRequest": {"createOptions": "object", "cronWorkflow": "CronWorkflow", "namespace": "string"},
+    "UpdateCronWorkflowRequest": {"cronWorkflow": "CronWorkflow", "name": "string", "namespace": "string"},
+    "WorkflowResubmitRequest": {"memoized": "boolean", "name": "string", "namespace": "string", "parameters": "array"},
+}  # fmt: skip
+JSON_TYPES = {"object": dict, "string": str, "boolean": bool, "array": list}
+
+
 @cache
 def _swagger_definitions() -> dict:
-    definitions = json.loads(SWAGGER.read_text())["definitions"]
+    definitions = json.loads(upstream("schemas", "argo-server-swagger.json").read_text())["definitions"]
     # The upstream definition says string only; Kubernetes and Argo take integers too.
     definitions["io.k8s.apimachinery.pkg.util.intstr.IntOrString"] = {"type": ["integer", "string"]}
     return definitions
 
 
 def request_errors(body: object, definition: str) -> list[str]:
-    """Where `body` breaks the Argo server's definition of the request (Swagger 2.0, draft 4), e.g.
-    `WorkflowTemplateUpdateRequest`."""
+    """Where `body` breaks the Argo server's definition of the request, e.g. `WorkflowTemplateUpdateRequest`: its
+    Swagger (2.0, draft 4) where the upstream files are there, else the packaged checks (see the module's doc)."""
+    if not available():
+        return _packaged_request_errors(body, definition)
     schema = {
         "$ref": f"#/definitions/io.argoproj.workflow.v1alpha1.{definition}",
         "definitions": _swagger_definitions(),
     }
     return [f"{list(e.absolute_path)}: {e.message}" for e in Draft4Validator(schema).iter_errors(body)]
+
+
+def _packaged_request_errors(body: object, definition: str) -> list[str]:
+    if not isinstance(body, dict):
+        return [f"[]: {body!r:.80} is not a JSON object"]
+    fields, errors = REQUEST_FIELDS[definition], []
+    for name, value in body.items():
+        expected = fields.get(name)
+        if expected is None:
+            errors.append(f"[]: unknown field {name!r} of {definition}")
+        elif expected in JSON_TYPES:
+            if not isinstance(value, JSON_TYPES[expected]):
+                errors.append(f"[{name!r}]: {value!r:.80} is not of type {expected!r}")
+        elif not isinstance(value, dict) or value.get("kind", expected) != expected:
+            errors.append(f"[{name!r}]: not a {expected}")
+        else:  # the object as Argo reads it: apiVersion and kind may be left out, the URL says them
+            whole = {"apiVersion": "argoproj.io/v1alpha1", "kind": expected, **value}
+            errors += [f"[{name!r}]: {error}" for error in lint_document(whole)]
+    return errors
 
 
 def moeloop(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,7 @@ from steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 from workflows.dag import loop_tasks, run_uri
 from workflows.local import run_local
-from workflows.render import chunk_tasks, dag_tasks, render_workflow_template
+from workflows.render import chunk_tasks, dag_tasks, render
 
 
 def dependencies(config, iterations: int) -> dict[str, set[str]]:
@@ -63,7 +63,7 @@ def test_rollouts_run_ahead_of_training_by_the_staleness(staleness: int) -> None
 
 def test_rendered_chunk_shows_rollout_after_publish_i_minus_1_not_train_i() -> None:
     config = small_config(iterations=4, rollout={"num_shards": 2, "max_staleness": 1})
-    rendered = dag_tasks(render_workflow_template(config, "s3://bucket/runs/tiny"))
+    rendered = dag_tasks(render(config, "s3://bucket/runs/tiny")["workflow-template.yaml"])
     slots = {t.name: tuple(sorted(t.dependencies)) for t in chunk_tasks(config)}
     assert {name: rendered[name] for name in slots} == slots
     graph = {name: set(deps) for name, deps in rendered.items()}
@@ -235,7 +235,7 @@ def test_report_of_a_bad_run_is_one_line(tmp_path: Path, run: str, message: str)
 def test_demo_learns_with_staleness_1(run_root: Path) -> None:
     """The loop issue's measure with rollouts one iteration ahead: after the demo's 24 iterations,
     eval_reward_mean beats the SFT checkpoint's by 0.2. At half the demo's learning rate: at the demo's own the
-    stale updates overshoot (README, "The asynchronous loop")."""
+    stale updates overshoot (workflows/README.md, "The asynchronous loop")."""
     config = load_config(REPO / "configs" / "tiny.yaml")
     data = config.model_dump()
     data["rollout"]["max_staleness"] = 1

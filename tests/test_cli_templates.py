@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
 from tests.argo_stand_in import (
     NAMESPACE,
@@ -25,7 +24,9 @@ from tests.argo_stand_in import (
 )
 from workflows.argo import ArgoServer, ArgoSession
 from workflows.lint import lint_document
-from workflows.render import render_cron_workflow, render_workflow_template
+from hera.workflows import Workflow
+
+from workflows.render import Loop, build
 
 pytestmark = pytest.mark.filterwarnings("ignore:The `json` method is deprecated:DeprecationWarning")
 STORED_VERSION = "4821"
@@ -40,10 +41,13 @@ class Kind:
     body_key: str  # where the create/update request carries the object
     create_request: str
     update_request: str
-    render: Callable[[MoeloopConfig, str], dict]
+    pick: Callable[[Loop], Workflow]  # the Hera object the command sends
+
+    def hera_object(self) -> Workflow:
+        return self.pick(build(cluster_config(), RUN_URI))
 
     def rendered(self) -> dict:
-        document = self.render(cluster_config(), RUN_URI)
+        document = self.hera_object().to_dict()
         return {**document, "metadata": {**document["metadata"], "namespace": NAMESPACE}}
 
     @property
@@ -68,7 +72,7 @@ KINDS = [
         "template",
         "WorkflowTemplateCreateRequest",
         "WorkflowTemplateUpdateRequest",
-        render_workflow_template,
+        lambda loop: loop.template,
     ),
     Kind(
         "schedule",
@@ -78,7 +82,7 @@ KINDS = [
         "cronWorkflow",
         "CreateCronWorkflowRequest",
         "UpdateCronWorkflowRequest",
-        render_cron_workflow,
+        lambda loop: loop.cron_workflow,
     ),
 ]
 
@@ -106,7 +110,7 @@ def already_exists(kind: Kind) -> Callable[[RecordedRequest], tuple[int, dict]]:
 
 def send(kind: Kind, host: str) -> str:
     with ArgoSession(ArgoServer(host, NAMESPACE, TOKEN)) as argo:
-        return getattr(argo, kind.command)(kind.render(cluster_config(), RUN_URI))
+        return getattr(argo, kind.command)(kind.hera_object())
 
 
 def check_body(kind: Kind, request: RecordedRequest, definition: str) -> dict:
@@ -216,14 +220,15 @@ def test_existing_object_without_a_resource_version_is_an_error(kind: Kind) -> N
 def test_an_invalid_manifest_is_not_sent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from workflows import cli, render
 
-    def misspelled(config: MoeloopConfig, run_uri: str) -> dict:
-        document = render_cron_workflow(config, run_uri)
-        return {**document, "spec": {**document["spec"], "schedulez": ["0 * * * *"]}}
+    def invalid(*args: object) -> Loop:
+        loop = build(*args)
+        loop.cron_workflow.concurrency_policy = "Forbidden"
+        return loop
 
-    monkeypatch.setattr(render, "render_cron_workflow", misspelled)
+    monkeypatch.setattr(render, "build", invalid)
     arguments = cli.parser().parse_args(["schedule", str(write_config(tmp_path)), "--namespace", NAMESPACE])
     with argo_stand_in({}) as (host, recorded):
         arguments.host = host
-        with pytest.raises(MoeloopError, match=r"^refusing to send an invalid manifest: .*schedulez"):
+        with pytest.raises(MoeloopError, match=r"^refusing to send an invalid manifest: .*concurrencyPolicy: 'Forbidden'"):
             arguments.handler(arguments)
     assert recorded == []

@@ -1,4 +1,4 @@
-"""The README's cluster guide, followed on paper as a new user would: every file it names exists (or an
+"""The cluster guide (manifests/README.md), followed on paper as a new user would: every file it names exists (or an
 earlier step of the guide creates it), every `moeloop` command parses with the CLI's own parser, every
 `docker build` names a Dockerfile, build arguments that Dockerfile declares and a ghcr.io/moeloop name,
 every `kubectl apply -k` a kustomization, and the config snippet validates."""
@@ -23,11 +23,15 @@ REPO_DIRS = ("manifests", "images", "configs", "steps", "workflows", "tests", "b
 PATH_TOKEN = re.compile(rf"(?<![\w./-])((?:{'|'.join(REPO_DIRS)})/[\w./-]*[\w/])")
 
 
+GUIDE = REPO / "manifests" / "README.md"
+
+
 def guide() -> str:
-    text = (REPO / "README.md").read_text()
-    assert GUIDE_TITLE in text, "README.md has no cluster guide"
+    text = GUIDE.read_text()
+    assert GUIDE_TITLE in text, f"{GUIDE} has no cluster guide"
     section = text[text.index(GUIDE_TITLE) :]
-    return section[: section.index("\n## ", len(GUIDE_TITLE))]
+    end = section.find("\n## ", len(GUIDE_TITLE))
+    return section if end < 0 else section[:end]
 
 
 def code_blocks(language: str) -> list[str]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from steps.rl.grpo import aggregate, behavior_weights, clipped_policy_loss, group_advantages, varied_groups
+from steps.rl.importance import behavior_ratio
 
 EPS = 1e-6  # group_advantages' default eps
 CLIP = 0.2
@@ -500,7 +501,7 @@ def test_clip_higher_bounds_each_side_separately(case: str) -> None:
 def test_behavior_weights_are_truncated_ratios_of_old_to_behavior() -> None:
     old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, -1.2]], dtype=torch.float64)
     behavior = torch.tensor([[-1.0, -1.0, -2.0], [-2.5, -0.1, -0.2]], dtype=torch.float64)
-    weights, truncated = behavior_weights(old, behavior, cap=2.0)
+    weights, truncated = behavior_weights(behavior_ratio(old, behavior, torch.ones_like(old), sequence=False), cap=2.0)
     # exp(0) = 1, exp(-1) = 0.368, exp(1.5) = 4.48 -> 2, exp(-0.5) = 0.607, exp(0) = 1, exp(-1) = 0.368.
     want = [[1.0, math.exp(-1.0), 2.0], [math.exp(-0.5), 1.0, math.exp(-1.0)]]
     assert weights.reshape(-1).tolist() == pytest.approx([w for row in want for w in row], rel=1e-12)
@@ -511,7 +512,8 @@ def test_behavior_weights_scale_each_tokens_loss_and_gradient_without_a_gradient
     logprobs_value, old, advantages, mask = random_batch(8, rows=3, length=5)
     behavior = old + (torch.rand(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) - 0.5) * 2
     old_requiring = old.clone().requires_grad_(True)
-    weights, _ = behavior_weights(old_requiring, behavior, cap=1.5)
+    ratio = behavior_ratio(old_requiring, behavior, torch.ones_like(old), sequence=False)
+    weights, _ = behavior_weights(ratio, cap=1.5)
     assert not weights.requires_grad
     logprobs = logprobs_value.clone().requires_grad_(True)
     terms = clipped_policy_loss(logprobs, old, advantages, torch.tensor(mask), CLIP, weights_BT=weights)
@@ -559,22 +561,18 @@ def test_varied_groups_marks_samples_of_groups_with_unequal_rewards() -> None:
 def test_every_variant_updates_the_policy_with_a_finite_loss(algorithm: dict, tmp_path) -> None:
     import copy
 
-    from transformers import Qwen3MoeForCausalLM
-
-    from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
+    from steps.model.policy import token_logprobs
     from steps.rl.state import make_optimizer
     from steps.rl.update import policy_update
     from tests.conftest import small_config
-    from tests.test_moe import tiny_config
-    from tests.test_train_ep import experience
+    from tests.test_train_ep import experience, reference_logprobs_of, tiny_policy
 
-    torch.manual_seed(0)
-    save_policy(Qwen3MoeForCausalLM(tiny_config()), build_tokenizer(["abc"]), tmp_path / "policy")
-    model, _ = load_policy_shard(tmp_path / "policy", "auto", "grouped_mm", None, torch.device("cpu"))
+    model = tiny_policy(tmp_path)
     reference = copy.deepcopy(model)
     config = small_config(iterations=1, algorithm=algorithm, trainer={"minibatch_size": 12, "epochs": 1})
     before = [p.detach().clone() for p in model.parameters()]
-    report = policy_update(model, reference, make_optimizer(model, config.trainer), experience(), config, seed=0)
+    ref_logprobs_BT = reference_logprobs_of(model, experience())
+    report = policy_update(model, ref_logprobs_BT, make_optimizer(model, config.trainer), experience(), config, seed=0)
 
     assert math.isfinite(report["loss"]) and math.isfinite(report["grad_norm"]) and report["optimizer_steps"] == 1
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))

@@ -73,7 +73,7 @@ def can_list(step: str, prefix: str) -> bool:
     return allowed(policy(step), LIST, f"arn:aws:s3:::{BUCKET}", {"s3:prefix": prefix})
 
 
-# What each step reads and writes (README, "The loop"), as the storage layout names it.
+# What each step reads and writes (steps/README.md), as the storage layout names it.
 NEEDS = {
     "start": {
         READ: [RunStorage.CONFIG, RunStorage.LATEST, f"{RunStorage.checkpoint(0)}/COMMIT"],

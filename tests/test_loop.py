@@ -23,7 +23,7 @@ from tests.conftest import small_config
 from workflows import local
 from workflows.dag import loop_tasks, run_uri, run_values
 from workflows.local import run_local
-from workflows.render import dag_tasks, render_workflow_template, step_placeholders
+from workflows.render import dag_tasks, render, step_placeholders
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: P
 
     # The Argo chunk (a WorkflowTemplate whose slot j runs LATEST + j; plan stands for what came before) has
     # the executed tasks, edges and commands: a new run's chunk runs iterations 1, 2, ... in slots 1, 2, ...
-    document = render_workflow_template(config, uri)
+    document = render(config, uri)["workflow-template.yaml"]
     chunk, chunk_dag = rendered_chunk(document), dag_tasks(document)
 
     def slot(name: str) -> str:
@@ -131,11 +131,12 @@ def test_workers_run_each_step_as_a_fresh_process_does(
         root = run_root / f"workers-{workers}"
         executed = run_local(config, run_uri(config, str(root)), tmp_path / f"logs-{workers}", progress=False)
         assert len(executed) == 2 + 2 * 6
-        # Step reports and metrics carry timings, and config.yaml the setting itself; the rest is the run's data.
+        # Step reports, metrics and their TensorBoard files carry timings, and config.yaml the setting itself; the
+        # rest is the run's data.
         outputs[workers] = {
             path: digest
             for path, digest in snapshot(root).items()
-            if path.split("/")[1] not in ("reports", "metrics", "config.yaml")
+            if path.split("/")[1] not in ("reports", "metrics", "tensorboard", "config.yaml")
         }
         if workers:
             # start, evaluate, reward, train, publish and one per rollout shard: 7 processes for 14 tasks.

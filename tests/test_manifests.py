@@ -3,11 +3,11 @@
 - core Kubernetes objects: `kubernetes-validate` (strict: unknown fields rejected) for Kubernetes 1.36, the
   newest minor version EKS runs (June 2026) and that kubernetes-validate 1.37 ships schemas for;
 - Karpenter objects (and any JobSet / Kubeflow Trainer object): the CRDs' openAPIV3Schema in
-  ../shared/schemas/k8s-crds, with objects closed wherever the CRD declares properties and does not
+  $MOELOOP_SHARED/schemas/k8s-crds (upstream files, see tests/upstream.py: without them these checks skip), with objects closed wherever the CRD declares properties and does not
   preserve unknown fields (a structural CRD prunes unknown fields, which would silently drop a typo), then
   the CRDs' CEL rules (x-kubernetes-validations) with cel-python;
 - the Argo controller ConfigMap: each key against the controller's Config struct (CONTROLLER_CONFIG_KEYS),
-  each value parsed and validated against Argo's JSON schema where it has a definition;
+  each value parsed and validated against lint's Argo schema (workflows/argo_schema.py) where it has a definition;
 - kustomize: every file a kustomization names exists and every object file is named; where `kubectl` is
   installed (it is on the development and CI machines), `kubectl kustomize` builds base and overlay and the
   built objects pass the same checks, with the overlay's replacements applied;
@@ -37,10 +37,11 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.upstream import needs_upstream, upstream
+from workflows import lint
 
 MANIFESTS = REPO / "manifests"
 BASE, OVERLAY = MANIFESTS / "base", MANIFESTS / "overlays" / "example"
-CRDS = REPO.parent / "shared" / "schemas" / "k8s-crds"
 KUBERNETES_VERSION = "1.36"
 
 ROLES = ("rollout", "reward", "train", "cpu", "memory")
@@ -51,7 +52,7 @@ ROLE_LABEL = "moeloop.dev/role"
 IRSA = "eks.amazonaws.com/role-arn"
 
 # The top-level keys of Argo's controller Config (config/config.go, json tags) at commit f016ad89 (v4.1.2),
-# the commit of ../shared/schemas/argo-workflows-schema.json; `config` is the documented alternative that
+# the release the manifests target; `config` is the documented alternative that
 # nests all of them under one key. A misspelled key is ignored by the controller, so it is an error here.
 CONTROLLER_CONFIG_KEYS = frozenset(
     {
@@ -63,11 +64,11 @@ CONTROLLER_CONFIG_KEYS = frozenset(
         "disableAgentPodCreation", "initlessPod",
     }
 )  # fmt: skip
-# Values with a definition in Argo's JSON schema; FailedPodRestartConfig has none: its fields are checked here.
+# Values with a definition in lint's Argo schema; FailedPodRestartConfig has none: its fields are checked here.
 CONTROLLER_CONFIG_DEFINITIONS = {
-    "artifactRepository": "io.argoproj.workflow.v1alpha1.ArtifactRepository",
-    "executor": "io.k8s.api.core.v1.Container",
-    "mainContainer": "io.k8s.api.core.v1.Container",
+    "artifactRepository": "ArtifactRepository",
+    "executor": "Container",
+    "mainContainer": "Container",
 }
 PARTIAL_CONTAINERS = frozenset({"executor", "mainContainer"})
 FAILED_POD_RESTART_FIELDS = {"enabled": bool, "maxRestarts": int}
@@ -129,9 +130,9 @@ def cluster_objects(built: list[tuple[str, Doc]] | None = None) -> list[tuple[st
 
 @cache
 def crd_group_kinds() -> dict[tuple[str, str], dict[str, Any]]:
-    """(group, kind) -> CRD, for every CRD in ../shared/schemas/k8s-crds (parsed once: they are megabytes)."""
+    """(group, kind) -> CRD, for every CRD in $MOELOOP_SHARED/schemas/k8s-crds (parsed once: they are megabytes)."""
     found = {}
-    for path in CRDS.glob("*.yaml"):
+    for path in upstream("schemas", "k8s-crds").glob("*.yaml"):
         crd = yaml.load(path.read_text(), Loader=YAML_LOADER)
         found[(crd["spec"]["group"], crd["spec"]["names"]["kind"])] = crd
     return found
@@ -216,19 +217,25 @@ def dotted(path: Iterator[Any] | list[Any]) -> str:
     return ".".join(str(part) for part in path) or "(top)"
 
 
+def is_custom(doc: Doc) -> bool:
+    """An object of an operator's CRD (Karpenter, JobSet, ...), not of Kubernetes itself."""
+    group = str(doc.get("apiVersion", "")).rpartition("/")[0]
+    return "." in group and not group.endswith(".k8s.io")
+
+
 def schema_errors(source: str, doc: Doc) -> list[str]:
-    """Validate one object: CRDs against ../shared/schemas/k8s-crds, core kinds with kubernetes-validate."""
+    """Validate one object: custom kinds against their CRDs (upstream files), core kinds with kubernetes-validate."""
     where = f"{source}: {label(doc)}"
     group, _, version = str(doc.get("apiVersion", "")).rpartition("/")
-    if (group, doc.get("kind")) in crd_group_kinds():
+    if is_custom(doc):
+        if (group, doc.get("kind")) not in crd_group_kinds():
+            return [f"{where}: no CRD for {doc.get('apiVersion')} {doc.get('kind')} in $MOELOOP_SHARED/schemas/k8s-crds"]
         validator = crd_validator(group, doc["kind"], version)
         errors = [f"{where}: {dotted(e.absolute_path)}: {e.message}" for e in validator.iter_errors(doc)]
         return errors or [
             f"{where}: {path}: {message}"
             for path, message in cel_findings(crd_schema(group, doc["kind"], version), doc)
         ]
-    if "." in group and not group.endswith(".k8s.io"):
-        return [f"{where}: no schema for {doc.get('apiVersion')} {doc.get('kind')} in {rel(CRDS)}"]
     try:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     except kubernetes_validate.ValidationError as error:
@@ -242,11 +249,8 @@ def schema_errors(source: str, doc: Doc) -> list[str]:
 # The Argo controller ConfigMap
 
 
-@cache
-def argo_validator(definition: str) -> jsonschema.Draft202012Validator:
-    from workflows.lint import _definitions  # the lint's schema: int-or-string fixed, objects closed
-
-    return jsonschema.Draft202012Validator({"$ref": f"#/definitions/{definition}", "definitions": _definitions()})
+def argo_validator(definition: str) -> Any:
+    return lint._schema_validator(definition)  # lint's own: Hera's models with the CRDs' facts, closed
 
 
 def as_the_controller_reads_it(data: dict[str, str]) -> Any:
@@ -292,7 +296,7 @@ def controller_config_errors(source: str, doc: Doc) -> list[str]:
         elif key == "workflowDefaults":
             extra = set(value) - {"metadata", "spec"}
             errors += [f"{where}: {field}.{name}: not a Workflow field" for name in sorted(extra)]
-            checks.append((f"{field}.spec", value.get("spec", {}), "io.argoproj.workflow.v1alpha1.WorkflowSpec"))
+            checks.append((f"{field}.spec", value.get("spec", {}), "WorkflowSpec"))
         elif key == "failedPodRestart":
             for name, item in value.items():
                 expected = FAILED_POD_RESTART_FIELDS.get(name)
@@ -472,17 +476,30 @@ needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kube
 # The checks on the repository's files
 
 
-def test_every_object_file_validates_against_its_schema() -> None:
-    errors, kinds = [], set()
-    for source, doc in sourced(object_files()):
-        if is_kustomization(doc):
+def validation_errors(objects: list[tuple[str, Doc]], custom: bool) -> list[str]:
+    """Schema errors of the core objects (and the controller settings), or of the custom ones."""
+    errors = []
+    for source, doc in objects:
+        if is_kustomization(doc) or is_custom(doc) != custom:
             continue
-        kinds.add(doc["kind"])
         errors += schema_errors(source, doc)
         if is_controller_config(doc):
             errors += controller_config_errors(source, doc)
-    assert not errors, "\n".join(errors)
-    assert {"NodePool", "EC2NodeClass", "DaemonSet", "ServiceAccount", "Role", "PriorityClass"} <= kinds
+    return errors
+
+
+def test_every_core_object_file_validates_against_its_schema() -> None:
+    objects = sourced(object_files())
+    assert not (errors := validation_errors(objects, custom=False)), "\n".join(errors)
+    kinds = {doc["kind"] for _, doc in objects if not is_custom(doc)}
+    assert {"DaemonSet", "ServiceAccount", "Role", "PriorityClass", "ConfigMap"} <= kinds
+
+
+@needs_upstream
+def test_every_custom_object_file_validates_against_its_crd() -> None:
+    objects = sourced(object_files())
+    assert not (errors := validation_errors(objects, custom=True)), "\n".join(errors)
+    assert {"NodePool", "EC2NodeClass"} <= {doc["kind"] for _, doc in objects if is_custom(doc)}
 
 
 def test_the_cluster_contracts_hold() -> None:
@@ -501,11 +518,7 @@ def test_kustomize_builds_base_and_overlay_and_the_builds_validate() -> None:
     base, overlay = kustomize_build(BASE), kustomize_build(OVERLAY)
     assert len(base) == len(cluster_objects()) == len(overlay), "the overlay adds or loses objects"
     for objects in (base, overlay):
-        errors = [e for source, doc in objects for e in schema_errors(source, doc)]
-        errors += [
-            e for source, doc in objects if is_controller_config(doc) for e in controller_config_errors(source, doc)
-        ]
-        errors += contract_errors(objects)
+        errors = validation_errors(objects, custom=False) + contract_errors(objects)
         assert not errors, "\n".join(errors)
     settings = yaml.safe_load((OVERLAY / "settings.yaml").read_text())["data"]
     accounts = of_kind(overlay, "ServiceAccount")
@@ -523,6 +536,13 @@ def test_kustomize_builds_base_and_overlay_and_the_builds_validate() -> None:
     patch = yaml.safe_load((OVERLAY / "artifact-repository.yaml").read_text())
     assert controller["data"]["artifactRepository"] == patch["data"]["artifactRepository"]
     assert {"failedPodRestart", "workflowDefaults", "executor"} <= set(controller["data"])
+
+
+@needs_upstream
+@needs_kubectl
+def test_kustomize_builds_custom_objects_that_validate_against_their_crds() -> None:
+    for objects in (kustomize_build(BASE), kustomize_build(OVERLAY)):
+        assert not (errors := validation_errors(objects, custom=True)), "\n".join(errors)
 
 
 def test_controller_settings_are_the_ones_moeloop_relies_on() -> None:
@@ -578,6 +598,7 @@ def only(objects: list[tuple[str, Doc]], kind: str, name: str) -> tuple[str, Doc
     return next((s, d) for s, d in objects if d.get("kind") == kind and d["metadata"]["name"] == name)
 
 
+@needs_upstream
 def test_a_misspelled_nodepool_field_is_rejected_with_file_and_field() -> None:
     objects = mutated("NodePool", "moeloop-train", lambda d: d["spec"]["template"]["spec"].update(taintz=[]))
     errors = schema_errors(*only(objects, "NodePool", "moeloop-train"))
@@ -586,6 +607,7 @@ def test_a_misspelled_nodepool_field_is_rejected_with_file_and_field() -> None:
     assert "'taintz' was unexpected" in errors[0]
 
 
+@needs_upstream
 def test_a_bad_enum_in_an_ec2nodeclass_is_rejected() -> None:
     objects = mutated("EC2NodeClass", "moeloop-train", lambda d: d["spec"].update(instanceStorePolicy="RAID5"))
     (error,) = schema_errors(*only(objects, "EC2NodeClass", "moeloop-train"))
@@ -692,6 +714,7 @@ def test_key_material_is_found() -> None:
     ]
 
 
+@needs_upstream
 def test_crd_cel_rules_are_enforced() -> None:
     both = mutated("EC2NodeClass", "moeloop-cpu", lambda d: d["spec"].update(instanceProfile="moeloop-nodes"))
     assert schema_errors(*only(both, "EC2NodeClass", "moeloop-cpu")) == [
@@ -745,6 +768,9 @@ def pools_for(objects: list[tuple[str, Doc]], node_selector: dict[str, str], tol
     return fitting
 
 
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+
+
 def pod_specs(document: Doc) -> Iterator[tuple[str, str, Doc]]:
     """(where, role, pod-level fields) for every pod the document makes: Argo templates and JobSet pods."""
     spec = document["spec"].get("workflowSpec", document["spec"])
@@ -764,7 +790,7 @@ def pod_specs(document: Doc) -> Iterator[tuple[str, str, Doc]]:
                 },
             )
         manifest = (template.get("resource") or {}).get("manifest")
-        if manifest and yaml.safe_load(manifest).get("kind") == "JobSet":
+        if manifest and manifest.startswith(f"apiVersion: {JOBSET_API_VERSION}\n"):
             jobset = yaml.safe_load(manifest)
             for job in jobset["spec"]["replicatedJobs"]:
                 pod = job["template"]["spec"]["template"]["spec"]
@@ -780,10 +806,11 @@ def test_every_rendered_pod_lands_on_its_roles_nodes_as_its_roles_service_accoun
     priority_classes = set(of_kind(objects, "PriorityClass"))
     for name, document in render(small_config(), "s3://acme-rl/runs/tiny").items():
         for template in document["spec"].get("templates", []):
-            manifest = yaml.safe_load((template.get("resource") or {}).get("manifest") or "null")
-            # Argo's own kinds (the next chunk's Workflow) are `moeloop lint`'s; the rest must match their CRDs.
-            if manifest and not manifest["apiVersion"].startswith("argoproj.io/"):
-                errors += schema_errors(f"rendered {name}", manifest)
+            text = (template.get("resource") or {}).get("manifest") or ""
+            # Argo's own kinds (the next chunk's Workflow, YAML only once Argo substituted its {{...}}) are
+            # `moeloop lint`'s; the rest must match their CRDs.
+            if text and not text.startswith("apiVersion: argoproj.io/"):
+                errors += schema_errors(f"rendered {name}", yaml.safe_load(text))
         for where, role, pod in pod_specs(document):
             pools = pools_for(objects, pod.get("nodeSelector") or {}, pod.get("tolerations") or [])
             if pools != [f"moeloop-{role}"]:

@@ -4,6 +4,7 @@ placed by role, lint-clean, written only when valid and small."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -14,6 +15,9 @@ from hera.workflows import CronWorkflow, Workflow, WorkflowTemplate
 
 from steps.config import MoeloopConfig, parse_config
 from steps.errors import MoeloopError
+from steps.start import load_config_argument
+from tests.argo_stand_in import moeloop
+from tests.conftest import REPO
 from workflows import render as render_module
 from workflows.dag import PLAN, START, STEPS, TRAIN, loop_tasks, run_values
 from workflows.lint import lint_documents
@@ -21,9 +25,9 @@ from workflows.local import local_argv
 from workflows.render import (
     MAX_CHUNK_TASKS,
     MAX_OBJECT_BYTES,
+    build,
     chunk_size,
     dag_tasks,
-    next_chunk_manifest,
     object_bytes,
     render,
     step_placeholders,
@@ -93,8 +97,15 @@ def test_objects_round_trip_through_hera(documents: dict[str, dict]) -> None:
 
 
 def fill(text: str, values: dict[str, str]) -> str:
-    """Argo's substitution of {{name}} tags, for the names given (others stay)."""
-    return re.sub(r"\{\{\s*([^}]+?)\s*\}\}", lambda m: values.get(m.group(1), m.group(0)), text)
+    """Argo's substitution of {{name}} and {{=toJson(name)}} tags, for the names given (others stay)."""
+
+    def value(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in values:
+            return match.group(0)
+        return json.dumps(values[name]) if match.group(1) else values[name]
+
+    return re.sub(r"\{\{\s*(=toJson\()?([^}()]+?)\)?\s*\}\}", value, text)
 
 
 def slot_iteration(value: str, first: int) -> int:
@@ -179,7 +190,7 @@ def test_ten_thousand_iterations_stay_well_under_a_megabyte(
     config = make_config(tmp_path, cluster={"chunk_iterations": None})
     config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"num_shards": shards})})
     documents = render(config, RUN_URI, iterations=10_000)
-    assert chunk_size(config) == {2: 20, 64: 7}[shards]  # 20 by default; fewer when an iteration has many tasks
+    assert chunk_size(config) == {2: 20, 64: 2}[shards]  # 20 by default; fewer when an iteration has many tasks
     assert len(dag_tasks(documents["workflow-template.yaml"])) <= MAX_CHUNK_TASKS
     largest = max(object_bytes(document) for document in documents.values())
     assert largest < MAX_OBJECT_BYTES // 2, largest
@@ -188,16 +199,16 @@ def test_ten_thousand_iterations_stay_well_under_a_megabyte(
 def test_a_chunk_over_the_task_bound_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     config = make_config(tmp_path, cluster={"chunk_iterations": 100})
-    with pytest.raises(MoeloopError, match=r"^cluster.chunk_iterations 100 makes a Workflow of more than 500 tasks"):
+    with pytest.raises(MoeloopError, match=r"^cluster.chunk_iterations 100 makes a Workflow of more than 200 tasks"):
         render(config, RUN_URI)
 
 
 def test_write_rendered_refuses_an_object_over_the_size_limit(
-    documents: dict[str, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    config: MoeloopConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(render_module, "MAX_OBJECT_BYTES", 10_000)
     with pytest.raises(MoeloopError, match=r"^workflow-template.yaml: \d+ bytes is over the 10000-byte object limit"):
-        write_rendered(documents, tmp_path / "out")
+        write_rendered(build(config, RUN_URI), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -245,7 +256,10 @@ def test_template_parameters_fill_the_submit_form(config: MoeloopConfig, documen
     assert template["iterations"]["default"] == "7"
     assert template["model"]["default"] == ""  # the tiny model
     assert template["chain"]["enum"] == ["true", "false"] and template["chain"]["default"] == "true"
-    assert parse_config(json.loads(template["config"]["default"]), "rendered").run_name == "render-test"
+    # The config as YAML, which the UI's form shows line by line; steps.start reads it back to the same config.
+    assert template["config"]["default"].startswith("# The run's config (steps/config.py).")
+    shipped = render_module.portable_config(config)
+    assert load_config_argument(template["config"]["default"]) == load_config_argument(shipped.to_json())
     # start applies iterations and model over the config; plan reads the stored config start adopted.
     templates = templates_by_name(documents["workflow-template.yaml"])
     assert templates["start"]["container"]["args"] == [
@@ -305,7 +319,7 @@ def test_next_chunk_is_this_workflows_parameters_on_the_same_template(
         "iterations": "10000",
         "model": "",
         "chain": "true",
-        "config": json.dumps({"a": 'it\'s: #1 "quoted"', "b": [1, {"c": None}]}),
+        "config": "# a YAML config\nrun_name: it's: #1 \"quoted\" <b> & \\\\ back\nlist: [1, {c: null}]\n",
     }
     substituted = fill(
         next_chunk["resource"]["manifest"],
@@ -321,7 +335,6 @@ def test_next_chunk_is_this_workflows_parameters_on_the_same_template(
     assert created["spec"]["workflowTemplateRef"] == {"name": "moeloop-render-test"}
     assert {name: p["value"] for name, p in parameters(created["spec"]).items()} == tricky
     assert lint_documents([template, created]) == []
-    assert next_chunk["resource"]["manifest"] == next_chunk_manifest(config)
 
 
 def test_label_task_marks_the_workflow_with_its_iterations(documents: dict[str, dict]) -> None:
@@ -373,7 +386,7 @@ def test_steps_expose_their_figures_as_output_parameters(documents: dict[str, di
 
 def shipped_config(document: dict) -> MoeloopConfig:
     """The config the pods get, from the template's `config` parameter."""
-    return parse_config(json.loads(parameters(document["spec"])["config"]["value"]), "rendered")
+    return load_config_argument(parameters(document["spec"])["config"]["value"])
 
 
 def test_prompt_paths_under_cwd_become_relative(documents: dict[str, dict]) -> None:
@@ -401,23 +414,63 @@ def test_local_checkpoint_outside_cwd_is_refused(config: MoeloopConfig) -> None:
         render(outside, RUN_URI)
 
 
-def test_write_rendered_writes_valid_documents(documents: dict[str, dict], tmp_path: Path) -> None:
+def test_write_rendered_writes_heras_yaml_of_the_objects(
+    config: MoeloopConfig, documents: dict[str, dict], tmp_path: Path
+) -> None:
     out_dir = tmp_path / "out" / "manifests"
-    paths = write_rendered(documents, out_dir)
+    loop = build(config, RUN_URI)
+    paths = write_rendered(loop, out_dir)
     assert paths == [out_dir / name for name in FILES]
     assert sorted(p.name for p in out_dir.iterdir()) == sorted(FILES)
-    for path in paths:
-        assert yaml.safe_load(path.read_text()) == documents[path.name]
+    for path, hera_object in zip(paths, loop.objects().values()):
+        assert yaml.safe_load(path.read_text()) == documents[path.name] == hera_object.to_dict()
+    # Rendering again replaces the files (and leaves no temporary behind).
+    paths[0].write_text("stale")
+    assert write_rendered(loop, out_dir) == paths
+    assert yaml.safe_load(paths[0].read_text()) == documents[paths[0].name]
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(FILES)
 
 
-def test_write_rendered_refuses_an_invalid_document_and_writes_nothing(
-    documents: dict[str, dict], tmp_path: Path
-) -> None:
-    templates_by_name(documents["workflow-template.yaml"])["rollout"]["container"]["imagePulPolicy"] = "Always"
+def test_write_rendered_refuses_an_invalid_object_and_writes_nothing(config: MoeloopConfig, tmp_path: Path) -> None:
+    loop = build(config, RUN_URI)
+    rollout = next(t for t in loop.template.templates if t.name == "rollout")
+    rollout.retry_strategy.retry_policy = "Allways"
     out_dir = tmp_path / "out"
-    with pytest.raises(MoeloopError, match="^refusing to write an invalid manifest: .*imagePulPolicy"):
-        write_rendered(documents, out_dir)
+    with pytest.raises(MoeloopError, match="^refusing to write an invalid manifest: .*retryPolicy: 'Allways'"):
+        write_rendered(loop, out_dir)
     assert not out_dir.exists()
+
+
+def unwritable_folder(tmp_path: Path) -> Path:
+    """A folder this process cannot create files in: a read-only one of its own, or, as root (who may write in
+    any other), sysfs, where nobody can."""
+    if os.geteuid() == 0:
+        return Path("/sys/kernel")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    return folder
+
+
+def test_render_onto_a_file_or_into_an_unwritable_folder_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    config_file = tmp_path / "tiny.yaml"
+    data = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    data["task"] = {"train_prompts": "s3://b/train.jsonl", "eval_prompts": "s3://b/eval.jsonl"}
+    config_file.write_text(yaml.safe_dump(data))
+    existing = tmp_path / "rendered.yaml"
+    existing.write_text("mine\n")
+    result = moeloop("render", str(config_file), "-o", str(existing))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"error: {existing}: not a folder; -o names the folder to write into\n"
+    assert existing.read_text() == "mine\n"
+
+    folder = unwritable_folder(tmp_path)
+    result = moeloop("render", str(config_file), "-o", str(folder))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"error: {folder}: cannot write there: Permission denied\n"
+    assert not [name for name in FILES if (folder / name).exists()]
+    if folder.is_relative_to(tmp_path):
+        assert list(folder.iterdir()) == []
 
 
 def test_start_is_a_plain_cpu_step(documents: dict[str, dict]) -> None:

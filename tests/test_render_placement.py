@@ -14,12 +14,12 @@ from jsonschema import Draft4Validator
 
 from steps.config import MoeloopConfig, load_config, parse_config
 from steps.errors import MoeloopError
+from tests.upstream import upstream
 from workflows.dag import STEPS
 from workflows.lint import lint_documents, lint_paths
-from workflows.render import EFA_ENV, render, render_jobset, write_rendered
+from workflows.render import EFA_ENV, build, render, render_jobset, write_rendered
 
 REPO = Path(__file__).resolve().parents[1]
-JOBSET_CRD = REPO.parent / "shared" / "schemas" / "k8s-crds" / "jobset.x-k8s.io_jobsets.yaml"
 RUN_URI = "s3://moeloop-runs/runs/placed"
 ROLE = "moeloop.dev/role"
 ROLE_IMAGES = {
@@ -204,7 +204,7 @@ def test_multi_node_train_is_a_jobset_argo_waits_on(multi_node: MoeloopConfig) -
 
 def test_jobset_validates_against_its_crd(multi_node: MoeloopConfig) -> None:
     jobset = render_jobset(multi_node)
-    validator = crd_validator(JOBSET_CRD, "v1alpha2")
+    validator = crd_validator(upstream("schemas", "k8s-crds", "jobset.x-k8s.io_jobsets.yaml"), "v1alpha2")
     assert [error.message for error in validator.iter_errors(jobset)] == []
     broken = copy.deepcopy(jobset)
     broken["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["imagePulPolicy"] = "x"
@@ -395,5 +395,5 @@ def test_no_secret_in_any_rendered_object(tmp_path: Path) -> None:
 def test_shipped_configs_render_and_lint(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)  # the prompts lie in the repo, which is the images' WORKDIR
     config = load_config(REPO / "configs" / name)
-    paths = write_rendered(render(config, "s3://moeloop-runs/runs/" + config.run_name), tmp_path)
+    paths = write_rendered(build(config, "s3://moeloop-runs/runs/" + config.run_name), tmp_path)
     assert lint_paths(paths) == []

@@ -136,6 +136,7 @@ def rollout_table(iteration: int, shard: int, rows: int = 2) -> pa.Table:
         "finish_reason": ["stop"] * rows,
         "policy_version": [iteration - 1] * rows,
         "engine": ["transformers"] * rows,
+        "routed_experts": [None] * rows,
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import yaml
 
 from steps.errors import MoeloopError
 from tests.argo_stand_in import (
@@ -23,7 +24,7 @@ from tests.argo_stand_in import (
 )
 from workflows.argo import ArgoServer, ArgoSession, argo_server
 from workflows.lint import lint_document
-from workflows.render import render_workflow
+from workflows.render import build, render
 
 WORKFLOWS = f"/api/v1/workflows/{NAMESPACE}"
 # Hera 7.1.0's WorkflowsService serialises with pydantic's deprecated `.json()`; not ours to fix.
@@ -39,7 +40,7 @@ def created(request: RecordedRequest) -> tuple[int, dict]:
 
 def submit(host: str, token: str | None = TOKEN) -> str:
     with ArgoSession(ArgoServer(host, NAMESPACE, token)) as argo:
-        return argo.submit(render_workflow(cluster_config(), RUN_URI))
+        return argo.submit(build(cluster_config(), RUN_URI).workflow)
 
 
 def test_submit_sends_the_rendered_workflow() -> None:
@@ -55,7 +56,7 @@ def test_submit_sends_the_rendered_workflow() -> None:
     workflow = request.body["workflow"]
     assert lint_document(workflow) == []
     # Exactly the rendered Workflow, in the namespace asked for rather than the config's.
-    rendered = render_workflow(cluster_config(), RUN_URI)
+    rendered = render(cluster_config(), RUN_URI)["workflow.yaml"]
     assert workflow == {**rendered, "metadata": {**rendered["metadata"], "namespace": NAMESPACE}}
     # The run's chunk lives in its registered WorkflowTemplate; the Workflow refers to it.
     assert workflow["spec"]["workflowTemplateRef"] == {"name": "moeloop-cluster-test"}
@@ -81,7 +82,7 @@ def test_submit_command_prints_the_workflow_name(tmp_path: Path) -> None:
     assert "Authorization" not in request.headers
     parameters = {p["name"]: p["value"] for p in request.body["workflow"]["spec"]["arguments"]["parameters"]}
     assert parameters["run"] == "s3://moeloop-runs/runs/cluster-test"
-    assert '"iterations":3' in parameters["config"]
+    assert parameters["iterations"] == "3" and yaml.safe_load(parameters["config"])["iterations"] == 3
 
 
 def test_server_and_token_from_the_argo_cli_environment(tmp_path: Path) -> None:

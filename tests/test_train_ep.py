@@ -57,6 +57,18 @@ def experience() -> ExperienceBatch:
     return experience_batch(rollouts, {f"s{i}": r for i, r in enumerate(rewards)})
 
 
+def tiny_policy(folder: Path) -> torch.nn.Module:
+    """A random tiny policy saved under folder/policy and loaded as the trainer holds it (one process)."""
+    torch.manual_seed(0)
+    save_policy(Qwen3MoeForCausalLM(tiny_config()), build_tokenizer(["abc"]), folder / "policy")
+    return load_trainer_model(folder / "policy", TrainerConfig(precision="fp32"), Parallel())[0]
+
+
+def reference_logprobs_of(model: torch.nn.Module, batch: ExperienceBatch) -> torch.Tensor:
+    """The reference pass the train step makes before it loads the policy, here of a copy of model (one process)."""
+    return frozen_logprobs(copy.deepcopy(model), batch, 1.0, TrainerConfig().max_tokens_per_microbatch, Parallel())
+
+
 def train_config(activation_checkpointing: bool = False) -> MoeloopConfig:
     """One optimizer step over the whole batch, clipped (max_grad_norm is below the gradient's norm), with KL. The
     token budget gives every rank one microbatch, so the load-balancing loss is HF's over the minibatch (with more,

@@ -1,5 +1,7 @@
 """Talk to an Argo server through Hera's WorkflowsService: submit, register, schedule, status, resubmit.
 
+submit, register and schedule send Hera objects (workflows.render.build's), in the session's namespace.
+
 Every request goes through one session and one error translation (`ArgoSession._call`): a refusal, an
 answer that is not the expected object, or an unreachable server becomes one `MoeloopError` line that
 names the server and the object, and never shows the token.
@@ -15,6 +17,7 @@ from http import HTTPStatus
 from typing import Self, TypeVar
 
 import requests
+from hera.workflows import CronWorkflow, Workflow, WorkflowTemplate
 from hera.workflows import models as m
 from hera.workflows.service import WorkflowsService
 from pydantic import BaseModel, ValidationError
@@ -101,19 +104,18 @@ class ArgoSession:
     def __exit__(self, *_: object) -> None:
         self._service.close()
 
-    def submit(self, document: dict) -> str:
+    def submit(self, workflow: Workflow) -> str:
         """Create the Workflow; returns the name the server gave it."""
-        workflow = m.Workflow.model_validate(self._in_namespace(document))
-        request = m.WorkflowCreateRequest(namespace=self.server.namespace, workflow=workflow)
-        created = self._call(f"create {self._object(document)}", lambda: self._service.create_workflow(request))
+        model = self._in_namespace(workflow)
+        request = m.WorkflowCreateRequest(namespace=self.server.namespace, workflow=model)
+        created = self._call(f"create {self._object(model)}", lambda: self._service.create_workflow(request))
         return self._name_of(created, "created a Workflow")
 
-    def register(self, document: dict) -> str:
+    def register(self, template: WorkflowTemplate) -> str:
         """Create the WorkflowTemplate, or replace the one of that name; returns "created" or "updated"."""
         namespace = self.server.namespace
         return self._create_or_update(
-            document,
-            m.WorkflowTemplate,
+            self._in_namespace(template),
             create=lambda template: self._service.create_workflow_template(
                 m.WorkflowTemplateCreateRequest(namespace=namespace, template=template)
             ),
@@ -123,12 +125,11 @@ class ArgoSession:
             ),
         )
 
-    def schedule(self, document: dict) -> str:
+    def schedule(self, cron_workflow: CronWorkflow) -> str:
         """Create the CronWorkflow, or replace the one of that name; returns "created" or "updated"."""
         namespace = self.server.namespace
         return self._create_or_update(
-            document,
-            m.CronWorkflow,
+            self._in_namespace(cron_workflow),
             create=lambda cron: self._service.create_cron_workflow(
                 m.CreateCronWorkflowRequest(namespace=namespace, cron_workflow=cron)
             ),
@@ -160,16 +161,13 @@ class ArgoSession:
 
     def _create_or_update(
         self,
-        document: dict,
-        model: type[Answer],
+        new: Answer,
         create: Callable[[Answer], Answer],
         get: Callable[[str], Answer],
         update: Callable[[str, Answer], Answer],
     ) -> str:
         """Argo has no apply: create; on 409 AlreadyExists, replace it at the resourceVersion just read."""
-        document = self._in_namespace(document)
-        name, described = document["metadata"]["name"], self._object(document)
-        new = model.model_validate(document)
+        name, described = new.metadata.name, self._object(new)
         try:
             self._call(f"create {described}", lambda: create(new))
             return "created"
@@ -179,8 +177,8 @@ class ArgoSession:
         existing = self._call(f"get {described}", lambda: get(name))
         if not existing.metadata.resource_version:
             raise MoeloopError(f"Argo server {self.server.host} returned {described} without a resourceVersion")
-        metadata = {**document["metadata"], "resourceVersion": existing.metadata.resource_version}
-        replacement = model.model_validate({**document, "metadata": metadata})
+        replacement = new.model_copy(deep=True)
+        replacement.metadata.resource_version = existing.metadata.resource_version
         self._call(f"update {described}", lambda: update(name, replacement))
         return "updated"
 
@@ -198,13 +196,16 @@ class ArgoSession:
             unreachable = f"cannot reach the Argo server at {host} to {what}: {_root_cause(error)}"
             raise MoeloopError(self._redact(unreachable)) from None
 
-    def _in_namespace(self, document: dict) -> dict:
-        # Kubernetes refuses a body whose namespace differs from the URL's.
-        return {**document, "metadata": {**document["metadata"], "namespace": self.server.namespace}}
+    def _in_namespace(self, hera_object: Workflow) -> Answer:
+        """The object's model (Hera's build), in the session's namespace: Kubernetes refuses a body whose
+        namespace differs from the URL's."""
+        model = hera_object.build()
+        model.metadata.namespace = self.server.namespace
+        return model
 
-    def _object(self, document: dict) -> str:
-        metadata = document["metadata"]
-        return f"{document['kind']} {self.server.namespace}/{metadata.get('name') or metadata['generateName']}"
+    def _object(self, model: BaseModel) -> str:
+        metadata = model.metadata
+        return f"{model.kind} {self.server.namespace}/{metadata.name or metadata.generate_name}"
 
     def _name_of(self, created: m.Workflow, what: str) -> str:
         if not created.metadata.name:

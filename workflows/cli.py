@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from steps.capacity.schedule import GraphTask
 from steps.config import MoeloopConfig, load_config
 from steps.errors import MoeloopError, run_cli
-from workflows.dag import run_uri
+from workflows.dag import ROLLOUT, loop_tasks, run_uri
 
 if TYPE_CHECKING:
+    from hera.workflows import Workflow
+
     from workflows.argo import ArgoServer, ArgoSession
+    from workflows.render import Loop
 
 EXIT_WORKFLOW_FAILED = 1  # status: the server answered, and the workflow failed (2 stays "could not ask")
 
@@ -39,10 +44,10 @@ def command_run(args: argparse.Namespace) -> None:
 
 
 def command_render(args: argparse.Namespace) -> None:
-    from workflows.render import render, write_rendered
+    from workflows.render import build, write_rendered
 
     config = _config(args)
-    for path in write_rendered(render(config, run_uri(config, args.root)), args.output):
+    for path in write_rendered(build(config, run_uri(config, args.root)), args.output):
         print(path)
 
 
@@ -63,52 +68,43 @@ def _server(args: argparse.Namespace) -> ArgoServer:
     return argo_server(args.host, args.namespace, args.token, args.insecure)
 
 
-def _checked(document: dict) -> dict:
-    """Only a manifest that lints clean goes to the server, as only one does to disk (render)."""
-    from workflows.lint import lint_document
-
-    errors = lint_document(document)
-    if errors:
-        raise MoeloopError(f"refusing to send an invalid manifest: {errors[0]}")
-    return document
-
-
-def _render_and_send(
-    args: argparse.Namespace,
-    render: Callable[[MoeloopConfig, str], dict],
-    send: Callable[[ArgoSession, dict], str],
-) -> tuple[dict, str]:
-    """Render the config's object, lint it, and send it; returns the object and what `send` returned."""
+def _build_and_send(
+    args: argparse.Namespace, pick: Callable[[Loop], Workflow], send: Callable[[ArgoSession, Workflow], str]
+) -> tuple[Workflow, str]:
+    """Build the config's loop, lint the object `pick` takes from it, and send that object; returns it and what
+    `send` returned. Only an object that lints clean goes to the server, as only one does to disk (render)."""
     from workflows.argo import ArgoSession
+    from workflows.lint import lint_document
+    from workflows.render import build
 
     config = _config(args)
-    document = _checked(render(config, run_uri(config, args.root)))
+    hera_object = pick(build(config, run_uri(config, args.root)))
+    errors = lint_document(hera_object.to_dict())
+    if errors:
+        raise MoeloopError(f"refusing to send an invalid manifest: {errors[0]}")
     with ArgoSession(_server(args)) as argo:
-        return document, send(argo, document)
+        return hera_object, send(argo, hera_object)
 
 
 def command_submit(args: argparse.Namespace) -> None:
     from workflows.argo import ArgoSession
-    from workflows.render import render_workflow
 
-    _, name = _render_and_send(args, render_workflow, ArgoSession.submit)
+    _, name = _build_and_send(args, lambda loop: loop.workflow, ArgoSession.submit)
     print(name)
 
 
 def command_register(args: argparse.Namespace) -> None:
     from workflows.argo import ArgoSession
-    from workflows.render import render_workflow_template
 
-    template, outcome = _render_and_send(args, render_workflow_template, ArgoSession.register)
-    print(template["metadata"]["name"], outcome)
+    template, outcome = _build_and_send(args, lambda loop: loop.template, ArgoSession.register)
+    print(template.name, outcome)
 
 
 def command_schedule(args: argparse.Namespace) -> None:
     from workflows.argo import ArgoSession
-    from workflows.render import render_cron_workflow
 
-    cron, outcome = _render_and_send(args, render_cron_workflow, ArgoSession.schedule)
-    print(cron["metadata"]["name"], outcome)
+    cron_workflow, outcome = _build_and_send(args, lambda loop: loop.cron_workflow, ArgoSession.schedule)
+    print(cron_workflow.name, outcome)
 
 
 def command_status(args: argparse.Namespace) -> None:
@@ -144,7 +140,43 @@ def command_resubmit(args: argparse.Namespace) -> None:
 def command_report(args: argparse.Namespace) -> None:
     from workflows.report import print_report
 
-    print_report(args.run)
+    print_report(args.run, args.plot)
+
+
+def command_sync(args: argparse.Namespace) -> None:
+    from steps.observe.trackers import sync_tensorboard
+
+    copied = sync_tensorboard(args.run, args.output)
+    print(f"{len(copied)} new event file(s) in {args.output}; view with: tensorboard --logdir {args.output}")
+
+
+def plan_dag(config: MoeloopConfig, shards: int, staleness: int, iterations: int) -> list[GraphTask]:
+    """The loop's DAG at another shard count and staleness, as the planner's plain data."""
+    rollout = config.rollout.model_copy(update={"num_shards": shards, "max_staleness": staleness})
+    return [
+        GraphTask(
+            t.name,
+            t.step.name,
+            t.iteration,
+            t.dependencies,
+            f"rollout-{dict(t.arguments)['shard']}" if t.step is ROLLOUT else t.step.name,
+            t.processes,
+        )
+        for t in loop_tasks(config.model_copy(update={"rollout": rollout}), iterations)
+    ]
+
+
+def command_plan(args: argparse.Namespace) -> None:
+    from steps.capacity.explain import plan_json, plan_table
+    from steps.capacity.inputs import plan_inputs
+    from steps.capacity.options import make_plan
+
+    for flag, value in (("--budget", args.budget), ("--deadline", args.deadline)):
+        if value is not None and value <= 0:
+            raise MoeloopError(f"{flag} must be positive, not {value:g}")
+    setup, own, measured_period = plan_inputs(args.source, args.target, plan_dag)
+    plan = make_plan(setup, args.budget, args.deadline, own, measured_period)
+    print(json.dumps(plan_json(plan), indent=2) if args.format == "json" else plan_table(plan))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -213,7 +245,25 @@ def parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="print each iteration's staleness, step times and waits")
     report.add_argument("run", help="the run's URI: its folder, or s3://bucket/prefix/<run_name>")
+    report.add_argument("--plot", type=Path, metavar="DIR", help="also draw the run's curves as PNGs into DIR")
     report.set_defaults(handler=command_report)
+
+    sync = commands.add_parser("sync", help="copy a run's TensorBoard event files (e.g. from S3) into a local folder")
+    sync.add_argument("run", help="the run's URI: its folder, or s3://bucket/prefix/<run_name>")
+    sync.add_argument("output", type=Path, help="local folder for `tensorboard --logdir`")
+    sync.set_defaults(handler=command_sync)
+
+    plan = commands.add_parser(
+        "plan",
+        help="rollout and train pool sizes, staleness and cost per iteration, from a run's measured rates",
+        description="Options for the loop's pools, each played out on its DAG; see steps/capacity/README.md.",
+    )
+    plan.add_argument("source", help="a run's URI (its measured rates), or a config YAML (rates stated in --target)")
+    plan.add_argument("--target", help="a target YAML: model, GPU, prices, batch, stated rates, options to weigh")
+    plan.add_argument("--budget", type=float, help="dollars for the run's iterations: the fastest option within it")
+    plan.add_argument("--deadline", type=float, help="hours for the run's iterations: the cheapest option within it")
+    plan.add_argument("--format", choices=["table", "json"], default="table")
+    plan.set_defaults(handler=command_plan)
     return root
 
 

@@ -1,10 +1,10 @@
 """Offline lint of Argo Workflows manifests.
 
 Two layers:
-- the upstream JSON schema (``argo-workflows-schema.json``), patched in memory: int-or-string types
-  accept integers, and every object with declared properties is closed so a misspelled key fails;
+- the closed JSON Schema of workflows/argo_schema.py: Hera's models with the facts of Argo's full CRDs (enums,
+  patterns, formats, bounds, CEL rules) and Kubernetes' pod enums; a misspelled key fails;
 - reference checks the schema cannot express: entrypoint/template/onExit/hook names, DAG
-  dependencies (names, ``depends`` expressions, cycles) and ``{{...}}`` parameter/task/step refs.
+  dependencies (names, ``depends`` syntax and results, cycles) and ``{{...}}`` parameter/task/step refs.
 
 Validation is cached per kind. Valid documents are accepted by a predicate compiled from the same
 closed schema (roughly 10x faster than jsonschema); only rejected documents go through jsonschema,
@@ -13,8 +13,6 @@ which is the authority for whether and where a document is wrong.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import reprlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -24,17 +22,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, FormatChecker, validators
 from jsonschema.exceptions import ValidationError
 
-SCHEMA_FILE = "argo-workflows-schema.json"
-SCHEMA_ENV = "MOELOOP_SCHEMAS"
-DEFINITION_PREFIX = "io.argoproj.workflow.v1alpha1."
+from workflows import argo_schema
+from workflows.argo_schema import POD_ENUM_KEYWORD, RULES, RULES_KEYWORD, is_expression
 
-# The kinds the schema's top-level oneOf covers.
-ARGO_KINDS = frozenset(
-    {"Workflow", "WorkflowTemplate", "ClusterWorkflowTemplate", "CronWorkflow", "WorkflowEventBinding"}
-)
+ARGO_KINDS = frozenset(argo_schema.KINDS)
 # Real kinds that share the argoproj.io API group but are not Argo Workflows manifests a user
 # writes (Argo Events, Argo CD, Argo Rollouts, and the Workflows controller's own bookkeeping):
 # skipped like any non-Argo document, so a kind typo under argoproj.io is still an error.
@@ -63,11 +57,6 @@ WORKFLOW_SPEC_PATHS: Mapping[str, tuple[str, ...]] = {
     "ClusterWorkflowTemplate": ("spec",),
     "CronWorkflow": ("spec", "workflowSpec"),
 }
-# Declared string-only upstream, but Kubernetes (and Argo's CRDs) take integers too.
-INT_OR_STRING_DEFINITIONS = (
-    "io.k8s.apimachinery.pkg.util.intstr.IntOrString",
-    "io.k8s.apimachinery.pkg.api.resource.Quantity",
-)
 # {{workflow.parameters.json}} is every workflow parameter as one JSON string.
 BUILTIN_WORKFLOW_PARAMETERS = frozenset({"json"})
 DEPENDS_RESULTS = frozenset(
@@ -137,24 +126,6 @@ def lint_paths(paths: Iterable[str | Path]) -> list[LintError]:
         else:
             errors.extend(error for doc in docs for error in _lint(doc, source, index))
     return errors
-
-
-def find_schema_dir() -> Path:
-    """$MOELOOP_SCHEMAS, else <repo>/../shared/schemas, else <cwd>/../shared/schemas."""
-    override = os.environ.get(SCHEMA_ENV)
-    candidates = (
-        [Path(override)]
-        if override
-        else [
-            Path(__file__).resolve().parent.parent.parent / "shared" / "schemas",
-            Path.cwd().resolve().parent / "shared" / "schemas",
-        ]
-    )
-    for candidate in candidates:
-        if (candidate / SCHEMA_FILE).is_file():
-            return candidate
-    looked = ", ".join(str(candidate / SCHEMA_FILE) for candidate in candidates)
-    raise FileNotFoundError(f"Argo schema not found; looked for {looked} (set ${SCHEMA_ENV} to override)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,50 +198,58 @@ def _index_templates(docs: Iterable[object]) -> dict[tuple[bool, str], frozenset
 
 
 # ---------------------------------------------------------------------------------------------
-# Schema: loading, patching, validating
+# Schema: validating against workflows/argo_schema.py
 
 
-@lru_cache(maxsize=1)
-def _definitions() -> dict[str, Any]:
-    """The schema's definitions with int-or-string types fixed and objects closed (in memory only)."""
-    with open(find_schema_dir() / SCHEMA_FILE, encoding="utf-8") as handle:
-        definitions: dict[str, Any] = json.load(handle)["definitions"]
-    for name in INT_OR_STRING_DEFINITIONS:
-        definitions[name] = {"type": ["integer", "string"]}
-    for schema in definitions.values():
-        _close_objects(schema)
-    return definitions
+def _rules(validator: Any, names: list[str], instance: object, schema: Any) -> Iterator[ValidationError]:
+    """The CRDs' CEL rules (argo_schema.RULES) on the object they are attached to."""
+    for message in _rule_messages(names, instance):
+        yield ValidationError(message)
 
 
-def _close_objects(schema: dict[str, Any]) -> None:
-    """Forbid undeclared keys wherever properties are declared; maps (additionalProperties) stay open.
+def _rule_messages(names: Sequence[str], instance: object) -> Iterator[str]:
+    if isinstance(instance, dict):
+        for name in names:
+            message = RULES[name](instance)
+            if message:
+                yield message
 
-    Walks only the keywords the schema uses (_CheckCompiler rejects any other, e.g. allOf, so a
-    future schema with compositions fails loudly instead of being closed wrongly).
-    """
-    if "properties" in schema and "additionalProperties" not in schema:
-        schema["additionalProperties"] = False
-    for subschema in schema.get("properties", {}).values():
-        _close_objects(subschema)
-    for keyword in ("items", "additionalProperties"):
-        if isinstance(schema.get(keyword), dict):
-            _close_objects(schema[keyword])
+
+def _pod_enum(validator: Any, allowed: list[str], instance: object, schema: Any) -> Iterator[ValidationError]:
+    if not _pod_enum_check(allowed)(instance):
+        yield ValidationError(f"{instance!r} is not one of {allowed!r} (or a {{{{...}}}} expression)")
+
+
+def _pod_enum_check(allowed: Sequence[str]) -> Check:
+    values = frozenset(allowed)
+    return lambda value: not isinstance(value, str) or value in values or is_expression(value)
+
+
+def _format_checker() -> FormatChecker:
+    checker = FormatChecker(formats=())
+    for name, check in argo_schema.FORMATS.items():
+        checker.checks(name)(check)
+    return checker
+
+
+_Validator = validators.extend(Draft202012Validator, {RULES_KEYWORD: _rules, POD_ENUM_KEYWORD: _pod_enum})
 
 
 @cache
-def _schema_validator(kind: str) -> Draft202012Validator:
-    root = {"$ref": f"#/definitions/{DEFINITION_PREFIX}{kind}", "definitions": _definitions()}
-    return Draft202012Validator(root)
+def _schema_validator(definition: str) -> Any:
+    """jsonschema's validator for a kind (or any definition) of argo_schema."""
+    root = {"$ref": f"#/$defs/{definition}", "$defs": argo_schema.definitions()}
+    return _Validator(root, format_checker=_format_checker())
 
 
 @cache
 def _schema_check(kind: str) -> Check:
-    return _check_compiler().compile({"$ref": f"#/definitions/{DEFINITION_PREFIX}{kind}"})
+    return _check_compiler().compile({"$ref": f"#/$defs/{kind}"})
 
 
 @lru_cache(maxsize=1)
 def _check_compiler() -> _CheckCompiler:
-    return _CheckCompiler(_definitions())
+    return _CheckCompiler(argo_schema.definitions())
 
 
 def _schema_findings(doc: YamlMap, kind: str) -> Iterator[Finding]:
@@ -281,15 +260,26 @@ def _schema_findings(doc: YamlMap, kind: str) -> Iterator[Finding]:
 
 
 def _schema_message(error: ValidationError) -> str:
+    instance = reprlib.repr(error.instance)
+    if error.validator == "pattern" and error.validator_value in argo_schema.PATTERN_NAMES:
+        return _one_line(f"{instance} is not {argo_schema.PATTERN_NAMES[error.validator_value]}")
+    if error.validator == "format":
+        return _one_line(f"{instance} is not a valid {error.validator_value}")
+    if error.validator == "maxItems":
+        return f"{len(error.instance)} items, more than the {error.validator_value} allowed"
     # jsonschema starts most messages with repr(instance), which can be a whole template.
     message, instance_repr = error.message, repr(error.instance)
     if message.startswith(instance_repr):
-        message = reprlib.repr(error.instance) + message[len(instance_repr) :]
+        message = instance + message[len(instance_repr) :]
     return _one_line(message)
 
 
 def _is_integer(value: object) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # Same semantics as jsonschema's draft 2020-12 type checker.
@@ -299,17 +289,17 @@ _TYPE_CHECKS: Mapping[str, Check] = {
     "string": lambda value: isinstance(value, str),
     "boolean": lambda value: isinstance(value, bool),
     "integer": _is_integer,
-    "number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+    "number": _is_number,
     "null": lambda value: value is None,
 }
-# Keywords that never reject (jsonschema does not assert "format" by default).
-_ANNOTATIONS = frozenset({"description", "title", "default", "format", "example", "examples"})
+# Keywords that never reject.
+_ANNOTATIONS = frozenset({"description", "title", "default", "example", "examples"})
 
 
 class _CheckCompiler:
     """Compiles the (closed) schema into a plain-Python predicate equivalent to jsonschema's verdict.
 
-    Supports exactly the keywords the Argo schema uses; any other keyword raises at build time.
+    Supports exactly the keywords argo_schema writes; any other keyword raises at build time.
     """
 
     def __init__(self, definitions: Mapping[str, Any]) -> None:
@@ -331,7 +321,7 @@ class _CheckCompiler:
         return all_pass
 
     def _keyword(self, keyword: str, value: Any, schema: Mapping[str, Any]) -> Check | None:
-        if keyword in _ANNOTATIONS or keyword.startswith("x-"):
+        if keyword in _ANNOTATIONS:
             return None
         if keyword == "$ref":
             return self._reference(value)
@@ -346,12 +336,25 @@ class _CheckCompiler:
             return _items_check(self.compile(value))
         if keyword == "required":
             return _required_check(tuple(value))
-        if keyword == "const" and isinstance(value, str):
-            return lambda instance: isinstance(instance, str) and instance == value
+        if keyword == "enum" and all(isinstance(item, str) for item in value):
+            allowed = frozenset(value)
+            return lambda instance: isinstance(instance, str) and instance in allowed
+        if keyword == "pattern":
+            pattern = re.compile(value)
+            return lambda instance: not isinstance(instance, str) or pattern.search(instance) is not None
+        if keyword in _BOUNDS:
+            applies, measure, holds = _BOUNDS[keyword]
+            return lambda instance: not applies(instance) or holds(measure(instance), value)
+        if keyword == "format":
+            return argo_schema.FORMATS.get(value)  # unknown formats are annotations, as in jsonschema
+        if keyword == RULES_KEYWORD:
+            return lambda instance: next(_rule_messages(value, instance), None) is None
+        if keyword == POD_ENUM_KEYWORD:
+            return _pod_enum_check(value)
         raise ValueError(f"workflows/lint.py cannot compile JSON Schema keyword {keyword!r}: {value!r:.80}")
 
     def _reference(self, ref: str) -> Check:
-        name = ref.removeprefix("#/definitions/")
+        name = ref.removeprefix("#/$defs/")
         if name not in self._compiled:
             self._compiled[name] = _PENDING  # marks a definition that refers to itself (recursion)
             self._compiled[name] = self.compile(self._definitions[name])
@@ -359,6 +362,37 @@ class _CheckCompiler:
             return self._compiled[name]
         compiled = self._compiled
         return lambda value: compiled[name](value)  # looked up late, once compiling has finished
+
+
+def _at_least(measured: float, bound: float) -> bool:
+    return measured >= bound
+
+
+def _at_most(measured: float, bound: float) -> bool:
+    return measured <= bound
+
+
+def _is_list(value: object) -> bool:
+    return isinstance(value, list)
+
+
+def _is_string(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _itself(value: Any) -> Any:
+    return value
+
+
+# keyword -> (the values it applies to, what it measures, whether the measure keeps the bound)
+_BOUNDS: Mapping[str, tuple[Check, Callable[[Any], float], Callable[[float, float], bool]]] = {
+    "minimum": (_is_number, _itself, _at_least),
+    "maximum": (_is_number, _itself, _at_most),
+    "minItems": (_is_list, len, _at_least),
+    "maxItems": (_is_list, len, _at_most),
+    "minLength": (_is_string, len, _at_least),
+    "maxLength": (_is_string, len, _at_most),
+}
 
 
 def _pending(value: object) -> bool:
@@ -436,7 +470,9 @@ _EXPRESSION_PARAMETER = re.compile(
     r"(?<![\w.])(inputs|workflow)\.parameters(?:\.([A-Za-z_]\w*)|\[\s*(['\"])(.*?)\3\s*\])"
 )
 _EXPRESSION_NODE = re.compile(r"(?<![\w.])(tasks|steps)(?:\.([A-Za-z_]\w*)|\[\s*(['\"])(.*?)\3\s*\])\.")
-_DEPENDS_TERM = re.compile(r"([A-Za-z0-9_][-\w]*)(?:\.(\w+))?")
+# Argo's task term in `depends` (workflow/common/ancestry.go): a task name, optionally with .Result.
+_DEPENDS_TERM = re.compile(r"([a-zA-Z0-9][-a-zA-Z0-9]*)(?:\.([A-Za-z]+))?")
+_DEPENDS_OPERATOR = re.compile(r"&&|\|\||!|\(|\)")
 _PLAIN_KEY = re.compile(r"[A-Za-z_][-\w]*")
 
 
@@ -444,7 +480,10 @@ def _reference_findings(doc: YamlMap, kind: str, index: TemplateIndex) -> Iterat
     spec_path = WORKFLOW_SPEC_PATHS.get(kind)
     spec = _get(doc, spec_path) if spec_path else None
     if isinstance(spec, dict):
-        yield from _spec_findings(spec, ".".join(spec_path or ()), _spec_scope(spec, kind, index))
+        path = ".".join(spec_path or ())
+        if kind in ("Workflow", "CronWorkflow") and "workflowTemplateRef" not in spec and "entrypoint" not in spec:
+            yield path, f"no entrypoint: a {kind} that defines its own templates names the one to run"
+        yield from _spec_findings(spec, path, _spec_scope(spec, kind, index))
 
 
 def _spec_scope(spec: YamlMap, kind: str, index: TemplateIndex) -> _SpecScope:
@@ -520,6 +559,10 @@ def _dag_findings(tasks: list[tuple[int, YamlMap]], path: str, scope: _SpecScope
     for i, task in tasks:
         task_path = f"{path}.tasks[{i}]"
         yield from _invocation_findings(task, task_path, scope)
+        depends = task.get("depends")
+        syntax_error = _depends_syntax_error(depends) if isinstance(depends, str) else None
+        if syntax_error:
+            yield f"{task_path}.depends", syntax_error
         upstream = _upstream_references(task)
         for field, name, result in upstream:
             if name not in task_names:
@@ -543,6 +586,76 @@ def _upstream_references(task: YamlMap) -> list[tuple[str, str, str]]:
     if isinstance(depends, str):
         references += [("depends", name, result) for name, result in _DEPENDS_TERM.findall(depends)]
     return references
+
+
+def _depends_syntax_error(depends: str) -> str | None:
+    """What is wrong with a `depends` expression's syntax: task terms joined by && and ||, with ! and parentheses."""
+    tokens: list[tuple[str, int]] = []  # (token, its 1-based column)
+    position = 0
+    while position < len(depends):
+        if depends[position].isspace():
+            position += 1
+            continue
+        match = _DEPENDS_OPERATOR.match(depends, position) or _DEPENDS_TERM.match(depends, position)
+        if match is None:
+            return _depends_problem(f"unexpected {depends[position]!r} at column {position + 1}")
+        tokens.append((match.group(0), position + 1))
+        position = match.end()
+    if not tokens:
+        return None
+    tokens.append(("", len(depends) + 1))  # the end
+    problem = _DependsParser(tokens).problem()
+    return _depends_problem(problem) if problem else None
+
+
+def _depends_problem(problem: str) -> str:
+    return f"invalid depends expression: {problem} (write task or task.Result terms joined by &&, ||, ! and parentheses)"
+
+
+class _DependsParser:
+    """Recursive descent over `expression := term (("&&" | "||") term)*`, `term := "!" term | "(" expression ")" |
+    task[.Result]`; `problem()` says where the tokens leave the grammar."""
+
+    def __init__(self, tokens: list[tuple[str, int]]) -> None:
+        self.tokens, self.at = tokens, 0
+
+    def problem(self) -> str | None:
+        return self._expression() or self._expect_end()
+
+    def _expression(self) -> str | None:
+        problem = self._term()
+        while not problem and self._peek() in ("&&", "||"):
+            self.at += 1
+            problem = self._term()
+        return problem
+
+    def _term(self) -> str | None:
+        token = self._peek()
+        self.at += 1
+        if token == "!":
+            return self._term()
+        if token == "(":
+            problem = self._expression()
+            if problem:
+                return problem
+            if self._peek() != ")":
+                return self._found("')'")
+            self.at += 1
+            return None
+        if token and _DEPENDS_TERM.fullmatch(token):
+            return None
+        self.at -= 1
+        return self._found("a task name, '!' or '('")
+
+    def _expect_end(self) -> str | None:
+        return None if self._peek() == "" else self._found("'&&', '||' or the end")
+
+    def _peek(self) -> str:
+        return self.tokens[self.at][0]
+
+    def _found(self, expected: str) -> str:
+        token, column = self.tokens[self.at]
+        return f"expected {expected} at column {column}, found {repr(token) if token else 'the end'}"
 
 
 def _invocation_findings(node: YamlMap, path: str, scope: _SpecScope) -> Iterator[Finding]:

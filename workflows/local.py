@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
+from steps.observe.trackers import check_trackers
 from steps.rewards.functions import reward_functions
 from steps.storage.prompts import read_prompt_file
 from steps.storage.run import RunStorage
@@ -47,6 +48,7 @@ def preflight(config: MoeloopConfig) -> None:
     read_prompt_file(config.task.train_prompts)
     read_prompt_file(config.task.eval_prompts)
     reward_functions(config.reward)
+    check_trackers(config)
 
 
 def pending_tasks(tasks: list[Task], latest_iteration: int | None) -> list[Task]:
@@ -90,6 +92,8 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
     executed: list[ExecutedTask] = []
     bar = tqdm(total=len(tasks), unit="step", disable=not progress, dynamic_ncols=True)
     description = ""
+    iterations_left = len({t.iteration for t in tasks if t.step == EVALUATE and t.iteration > 0})
+    loop_started, iterations_done = time.time(), 0
     try:
         while waiting or running:
             for task in [t for t in waiting if all(d in finished for d in t.dependencies)]:
@@ -136,6 +140,10 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 bar.update()
                 if task.step == EVALUATE:
                     bar.write(describe_metrics(storage.read_json(storage.metrics(task.iteration))))
+                    if task.iteration > 0:
+                        iterations_done += 1
+                        eta = overall_eta(time.time() - loop_started, iterations_done, iterations_left)
+                        bar.set_postfix_str(f"ETA {eta}")
     finally:
         for _, process, _, _ in running.values():
             process.terminate()
@@ -143,6 +151,13 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
             worker.close()
         bar.close()
     return executed
+
+
+def overall_eta(elapsed: float, done: int, total: int) -> str:
+    """The run's time left at the measured pace so far: seconds per finished iteration, steps overlapping as they
+    did (tqdm's own estimate counts steps, and an iteration's steps take very different times)."""
+    seconds = round(elapsed / done * (total - done))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def core_groups(parallelism: int) -> list[set[int]]:

@@ -15,8 +15,9 @@ every submission, resubmission or scheduled tick continues from LATEST. Every ta
 command comes from workflows/dag.py (`iteration_tasks`, `STEPS`); this module adds placement by role from
 `config.cluster`, security contexts, output parameters and the chaining.
 
-Documents are built as the plain dicts Argo reads (tests check Hera's models read and write them back
-unchanged) and linted against the closed upstream schema before they are written.
+The objects are Hera objects (`build` returns them: a WorkflowTemplate whose chunk is a DAG of Tasks over Container
+and Resource templates, a Workflow, a CronWorkflow); what `moeloop render` writes is Hera's own serialization of
+them, linted first.
 """
 
 from __future__ import annotations
@@ -24,28 +25,33 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from hera.workflows import DAG, Container, CronWorkflow, Parameter, Resource, Workflow, WorkflowTemplate
+from hera.workflows import Task as HeraTask
+from hera.workflows import models as m
 
 from steps.config import MoeloopConfig, Resources, RolePlacement, Toleration
 from steps.errors import MoeloopError
 from steps.outputs import OUTPUTS_ENV
 from workflows.dag import EVALUATE, PLAN, START, STEPS, TRAIN, Step, Task, iteration_tasks, run_values, step_role
 from workflows.lint import lint_documents
+from workflows.monitoring import run_annotations, template_metrics
 
 API_VERSION = "argoproj.io/v1alpha1"
 ENTRYPOINT = "chunk"
 # Config fields naming a file the pods read: it must be reachable from inside the image or by URI.
 LOCAL_PATH_FIELDS = (("task", "train_prompts"), ("task", "eval_prompts"), ("model", "checkpoint"))
-# libyaml's emitter when PyYAML was built with it: same output as yaml.safe_dump, about 3x faster.
+# libyaml's emitter when PyYAML was built with it: same output as PyYAML's own, about 3x faster.
 YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 # etcd's request limit is ~1.5 MiB and Argo adds status to a Workflow: a rendered object must stay well below.
 MAX_OBJECT_BYTES = 1_000_000
-# Argo keeps one status entry (~0.5-1 KB with outputs) per task and retry in the Workflow object: a chunk's
-# tasks stay within this many, so a running chunk stays within etcd's limit too.
-MAX_CHUNK_TASKS = 500
+# Argo's CRDs allow at most 200 tasks in a DAG (dag.tasks maxItems). That also keeps a running chunk's status,
+# one entry (~0.5-1 KB with outputs) per task and retry, within etcd's limit.
+MAX_CHUNK_TASKS = 200
 DEFAULT_CHUNK_ITERATIONS = 20  # a Workflow per ~day of a large run: short enough to find, resubmit, archive
 
 OUTPUTS_DIR = "/tmp/outputs"  # steps.common.print_json writes a report's scalars here ($MOELOOP_OUTPUTS)
@@ -59,7 +65,7 @@ PARAMETER_DESCRIPTIONS = {
     "iterations": "Target: the run's last iteration. A chunk runs from LATEST + 1 and stops at the target.",
     "model": "HF checkpoint URI to start a new run from; empty: the config's model.checkpoint (or the tiny model).",
     "chain": "Create the next chunk's Workflow when this one ends short of the target (the CronWorkflow sets false).",
-    "config": "The run's config as JSON (steps/config.py). A started run refuses changes except to iterations/cluster.",
+    "config": "The run's config as YAML (steps/config.py). A started run refuses changes but to cluster/local/storage_root.",
 }
 
 # The contract with manifests/ (Karpenter NodePools, service accounts, images).
@@ -220,7 +226,7 @@ def _resources(resources: Resources) -> dict[str, dict[str, str]]:
 
 
 def _pod_placement(config: MoeloopConfig, role: str) -> dict[str, Any]:
-    """The pod-level fields of a role's pods, in Argo template and Kubernetes PodSpec spelling alike."""
+    """The pod-level fields of a role's pods, in Kubernetes PodSpec spelling (the JobSet's pods)."""
     where = placement(config, role)
     fields: dict[str, Any] = {
         "serviceAccountName": where.service_account,
@@ -232,7 +238,20 @@ def _pod_placement(config: MoeloopConfig, role: str) -> dict[str, Any]:
     return {key: value for key, value in fields.items() if value}
 
 
+def _placed(config: MoeloopConfig, role: str, service_account: str | None = None) -> dict[str, Any]:
+    """The same fields as a Hera template's arguments."""
+    pod = _pod_placement(config, role)
+    return {
+        "service_account_name": service_account or pod.get("serviceAccountName"),
+        "priority_class_name": pod.get("priorityClassName"),
+        "node_selector": pod.get("nodeSelector"),
+        "tolerations": [m.Toleration.model_validate(t) for t in pod.get("tolerations", ())] or None,
+        "pod_security_context": m.PodSecurityContext.model_validate(pod["securityContext"]),
+    }
+
+
 def _container(config: MoeloopConfig, role: str, argv: list[str], extra_env: list[dict] = ()) -> dict[str, Any]:
+    """The role's container running argv, in Kubernetes spelling (the JobSet's pods)."""
     where = placement(config, role)
     _, mounts = _volumes(role, where)
     env = [*extra_env, *({"name": k, "value": v} for k, v in sorted(where.env.items()))]
@@ -250,24 +269,30 @@ def _container(config: MoeloopConfig, role: str, argv: list[str], extra_env: lis
     return {key: value for key, value in container.items() if value}
 
 
-def _step_template(step: Step, config: MoeloopConfig) -> dict[str, Any]:
+def _step_template(step: Step, config: MoeloopConfig) -> Container | Resource:
     if step is TRAIN and config.cluster.train_nodes > 1:
         return _jobset_train_template(config)
     argv = step.argv(step_placeholders(step), step.processes(config))
-    outputs_env = [{"name": OUTPUTS_ENV, "value": OUTPUTS_DIR}]
     role = step_role(step, config)
-    template: dict[str, Any] = {
-        "name": step.name,
+    where = placement(config, role)
+    volumes, mounts = _volumes(role, where)
+    container = _container(config, role, argv, [{"name": OUTPUTS_ENV, "value": OUTPUTS_DIR}])
+    return Container(
+        name=step.name,
         **_template_io(step, role),
-        **_pod_placement(config, role),
-        "container": _container(config, role, argv, outputs_env),
-    }
-    volumes, _ = _volumes(role, placement(config, role))
-    if volumes:
-        template["volumes"] = volumes
-    if role == "rollout":
-        template["retryStrategy"] = _spot_retry(config)
-    return template
+        **_placed(config, role),
+        image=where.image,
+        image_pull_policy=container["imagePullPolicy"],
+        command=container["command"],
+        args=container["args"],
+        env=[m.EnvVar.model_validate(variable) for variable in container["env"]],
+        resources=m.ResourceRequirements.model_validate(container["resources"]) if "resources" in container else None,
+        security_context=m.SecurityContext.model_validate(container["securityContext"]),
+        volume_mounts=[m.VolumeMount.model_validate(mount) for mount in mounts] or None,
+        volumes=[m.Volume.model_validate(volume) for volume in volumes] or None,
+        retry_strategy=_spot_retry(config) if role == "rollout" else None,
+        metrics=template_metrics(step.name, step.params, step.outputs, config.run_name, MISSING_OUTPUT),
+    )
 
 
 def _template_io(step: Step, role: str) -> dict[str, Any]:
@@ -275,17 +300,14 @@ def _template_io(step: Step, role: str) -> dict[str, Any]:
     labels = {f"{LABEL}/step": step.name, ROLE_LABEL: role}
     if "iteration" in step.params:
         labels[f"{LABEL}/iteration"] = "{{inputs.parameters.iteration}}"
-    io: dict[str, Any] = {"metadata": {"labels": labels}}
-    if step.params:
-        io["inputs"] = {"parameters": [{"name": p} for p in step.params]}
-    if step.outputs:
-        # plan's outputs steer the DAG: missing, the chunk must fail. A step's figures may be absent (skipped work).
-        default = {} if step is PLAN else {"default": MISSING_OUTPUT}
-        io["outputs"] = {
-            "parameters": [
-                {"name": name, "valueFrom": {"path": f"{OUTPUTS_DIR}/{name}", **default}} for name in step.outputs
-            ]
-        }
+    io: dict[str, Any] = {"labels": labels, "inputs": [Parameter(name=p) for p in step.params] or None}
+    # plan's outputs steer the DAG: missing, the chunk must fail. A step's figures may be absent (skipped work).
+    default = None if step is PLAN else MISSING_OUTPUT
+    outputs = [
+        Parameter(name=name, value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/{name}", default=default))
+        for name in step.outputs
+    ]
+    io["outputs"] = outputs or None
     return io
 
 
@@ -294,18 +316,18 @@ def _template_io(step: Step, role: str) -> dict[str, Any]:
 SPOT_RETRY_EXPRESSION = 'lastRetry.status == "Error" || asInt(lastRetry.exitCode) in [137, 143]'
 
 
-def _spot_retry(config: MoeloopConfig) -> dict[str, Any]:
+def _spot_retry(config: MoeloopConfig) -> m.RetryStrategy:
     retry = config.cluster.spot_retry
-    return {
-        "limit": retry.limit,
-        "retryPolicy": "Always",
-        "expression": SPOT_RETRY_EXPRESSION,
-        "backoff": {
-            "duration": f"{retry.backoff_seconds}s",
-            "factor": retry.backoff_factor,
-            "cap": f"{retry.max_backoff_seconds}s",
-        },
-    }
+    return m.RetryStrategy(
+        limit=m.IntOrString(retry.limit),
+        retry_policy="Always",
+        expression=SPOT_RETRY_EXPRESSION,
+        backoff=m.Backoff(
+            duration=f"{retry.backoff_seconds}s",
+            factor=m.IntOrString(retry.backoff_factor),
+            cap=f"{retry.max_backoff_seconds}s",
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +339,7 @@ JOBSET_REPLICATED_JOB = "node"
 
 
 def render_jobset(config: MoeloopConfig) -> dict[str, Any]:
-    """The JobSet the multi-node train task creates; Argo fills its {{...}} placeholders."""
+    """The JobSet the multi-node train task creates (a Kubernetes object, so a plain dict); Argo fills its {{...}}."""
     nodes = config.cluster.train_nodes
     # Pod i of replicated job `node` is <jobset>-node-0-i, reachable as such under the subdomain <jobset>.
     rendezvous = [
@@ -368,28 +390,24 @@ def render_jobset(config: MoeloopConfig) -> dict[str, Any]:
     }
 
 
-def _jobset_train_template(config: MoeloopConfig) -> dict[str, Any]:
+def _jobset_train_template(config: MoeloopConfig) -> Resource:
     io = _template_io(TRAIN, TRAIN.role)
-    io.pop("outputs")  # the figures stay in the JobSet's pods (and reports/iter-N/train.json)
-    return {
-        "name": TRAIN.name,
+    io["outputs"] = None  # the figures stay in the JobSet's pods (and reports/iter-N/train.json)
+    return Resource(
+        name=TRAIN.name,
         **io,
         **_orchestrator_pod(config),
-        "resource": {
-            "action": "create",
-            "setOwnerReference": True,  # deleted with the Workflow
-            "manifest": yaml.safe_dump(render_jobset(config), sort_keys=False),
-            "successCondition": "status.terminalState == Completed",
-            "failureCondition": "status.terminalState == Failed",
-        },
-    }
+        action="create",
+        set_owner_reference=True,  # deleted with the Workflow
+        manifest=yaml.safe_dump(render_jobset(config), sort_keys=False),
+        success_condition="status.terminalState == Completed",
+        failure_condition="status.terminalState == Failed",
+    )
 
 
 def _orchestrator_pod(config: MoeloopConfig) -> dict[str, Any]:
     """Resource templates run Argo's executor on CPU nodes, as the orchestrator, under `restricted`."""
-    pod = _pod_placement(config, "cpu")
-    pod["serviceAccountName"] = config.cluster.orchestrator_service_account
-    return pod
+    return _placed(config, "cpu", service_account=config.cluster.orchestrator_service_account)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,58 +457,50 @@ def _counted(slot: int) -> str:
     return f"{{{{{PLAN_OUTPUTS}.count}}}} >= {slot}"
 
 
-def _dag_task(task: Task, **fields: Any) -> dict[str, Any]:
-    arguments = [{"name": p, "value": v} for p, v in task.arguments]
-    dag_task: dict[str, Any] = {"name": task.name, "template": task.step.name}
-    if arguments:
-        dag_task["arguments"] = {"parameters": arguments}
-    if task.dependencies:
-        dag_task["dependencies"] = list(task.dependencies)
-    return dag_task | fields
+def _dag_task(task: Task, when: str | None = None, **values: str) -> HeraTask:
+    """dag.py's task as a Hera task; `values` replace its arguments' values."""
+    arguments = [Parameter(name=p, value=values.get(p, v)) for p, v in task.arguments]
+    return HeraTask(
+        name=task.name,
+        template=task.step.name,
+        arguments=arguments or None,
+        dependencies=list(task.dependencies) or None,
+        when=when,
+    )
 
 
-def _slot_task(task: Task) -> dict[str, Any]:
-    dag_task = _dag_task(task, when=_counted(task.iteration))
-    for parameter in dag_task["arguments"]["parameters"]:
-        if parameter["name"] == "iteration":
-            parameter["value"] = slot_iteration(task.iteration)
-    return dag_task
-
-
-def _chunk_dag(config: MoeloopConfig) -> dict[str, Any]:
+def _chunk_dag(config: MoeloopConfig) -> DAG:
     start = Task(START.name, START, 0, (("iteration", "0"),), ())
     plan = Task(PLAN.name, PLAN, 0, (("chunk", str(chunk_size(config))),), (START.name,))
     latest = Task("eval-latest", EVALUATE, 0, (("iteration", f"{{{{{PLAN_OUTPUTS}.latest}}}}"),), (PLAN.name,))
     slots = chunk_tasks(config)
-    return {
-        "name": ENTRYPOINT,
-        "dag": {
-            "tasks": [
-                _dag_task(start),
-                _dag_task(plan),
-                _dag_task(latest, when=f"{{{{{PLAN_OUTPUTS}.evaluate}}}} == true"),
-                {
-                    "name": "label",
-                    "template": "label",
-                    "arguments": {"parameters": [{"name": k, "value": v} for k, v in LABEL_INPUTS.items()]},
-                    "dependencies": [PLAN.name],
-                    "when": _counted(1),
-                },
-                *(_slot_task(task) for task in slots),
-                {
-                    "name": "next-chunk",
-                    "template": "next-chunk",
-                    "dependencies": [f"slot{slots[-1].iteration}-eval"],
-                    "when": f"{{{{{PLAN_OUTPUTS}.more}}}} == true && {{{{workflow.parameters.chain}}}} == true",
-                },
-            ]
-        },
-    }
+    return DAG(
+        name=ENTRYPOINT,
+        tasks=[
+            _dag_task(start),
+            _dag_task(plan),
+            _dag_task(latest, when=f"{{{{{PLAN_OUTPUTS}.evaluate}}}} == true"),
+            HeraTask(
+                name="label",
+                template="label",
+                arguments=[Parameter(name=k, value=v) for k, v in LABEL_INPUTS.items()],
+                dependencies=[PLAN.name],
+                when=_counted(1),
+            ),
+            *(_dag_task(task, when=_counted(task.iteration), iteration=slot_iteration(task.iteration)) for task in slots),
+            HeraTask(
+                name="next-chunk",
+                template="next-chunk",
+                dependencies=[f"slot{slots[-1].iteration}-eval"],
+                when=f"{{{{{PLAN_OUTPUTS}.more}}}} == true && {{{{workflow.parameters.chain}}}} == true",
+            ),
+        ],
+    )
 
 
-def _label_template(config: MoeloopConfig) -> dict[str, Any]:
+def _label_template(config: MoeloopConfig) -> Resource:
     """Labels the running Workflow with the iterations plan chose, so the UI finds a run's chunk by iteration."""
-    patch = {
+    patch = {  # a merge patch, not a whole Workflow: a plain dict
         "apiVersion": API_VERSION,
         "kind": "Workflow",
         "metadata": {
@@ -498,50 +508,48 @@ def _label_template(config: MoeloopConfig) -> dict[str, Any]:
             "labels": {f"{LABEL}/{name}-iteration": f"{{{{inputs.parameters.{name}}}}}" for name in LABEL_INPUTS},
         },
     }
-    return {
-        "name": "label",
-        "inputs": {"parameters": [{"name": name} for name in LABEL_INPUTS]},
+    return Resource(
+        name="label",
+        inputs=[Parameter(name=name) for name in LABEL_INPUTS],
         **_orchestrator_pod(config),
-        "resource": {"action": "patch", "mergeStrategy": "merge", "manifest": yaml.safe_dump(patch, sort_keys=False)},
-    }
-
-
-def next_chunk_manifest(config: MoeloopConfig) -> str:
-    """The next chunk's Workflow, with this Workflow's parameters. Argo substitutes {{...}} into the text
-    before parsing it; each value is a block scalar, so a URI or the config's JSON needs no YAML quoting."""
-    arguments = "".join(
-        f"    - name: {name}\n      value: |-\n        {{{{workflow.parameters.{name}}}}}\n" for name in PARAMETERS
-    )
-    return (
-        f"apiVersion: {API_VERSION}\n"
-        "kind: Workflow\n"
-        "metadata:\n"
-        f"  generateName: {config.run_name}-\n"
-        "  labels:\n"
-        + "".join(f"    {key}: {value}\n" for key, value in _run_labels(config).items())
-        + f"    {LABEL}/chained-from: '{{{{workflow.name}}}}'\n"
-        "spec:\n"
-        "  workflowTemplateRef:\n"
-        f"    name: {template_name(config)}\n"
-        "  arguments:\n"
-        "    parameters:\n" + arguments
+        action="patch",
+        merge_strategy="merge",
+        manifest=yaml.safe_dump(patch, sort_keys=False),
     )
 
 
-def _next_chunk_template(config: MoeloopConfig) -> dict[str, Any]:
-    return {
-        "name": "next-chunk",
+def next_chunk_workflow(config: MoeloopConfig) -> Workflow:
+    """The Workflow the last task creates: the next chunk, with this Workflow's parameters. Argo substitutes
+    {{...}} into the manifest's text before parsing it: each value is written as toJson's JSON string, which YAML
+    reads back as the very value, whatever its quotes, colons or lines."""
+    return Workflow(
+        generate_name=f"{config.run_name}-",
+        labels={**_run_labels(config), f"{LABEL}/chained-from": "{{workflow.name}}"},
+        workflow_template_ref=m.WorkflowTemplateRef(name=template_name(config)),
+        arguments=[Parameter(name=name, value=f"{{{{=toJson(workflow.parameters.{name})}}}}") for name in PARAMETERS],
+    )
+
+
+def _next_chunk_template(config: MoeloopConfig) -> Resource:
+    return Resource(
+        name="next-chunk",
         **_orchestrator_pod(config),
         # No owner reference: the next chunk outlives this Workflow (and its garbage collection).
-        "resource": {"action": "create", "manifest": next_chunk_manifest(config)},
-    }
+        action="create",
+        manifest=next_chunk_workflow(config),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
-# Documents
+# The objects
 
 
 PARAMETERS = ("run", "iterations", "model", "chain", "config")
+CONFIG_HEADER = (
+    "# The run's config (steps/config.py). The parameters `iterations` and `model` override its own; a started\n"
+    "# run refuses changes to anything but cluster, local and storage_root.\n"
+)
+YAML_WIDTH = 1 << 16  # no folded lines: a diff of two renders shows whole values
 
 
 def _run_labels(config: MoeloopConfig) -> dict[str, str]:
@@ -549,83 +557,92 @@ def _run_labels(config: MoeloopConfig) -> dict[str, str]:
 
 
 def _arguments(config: MoeloopConfig, run_uri: str, chain: bool) -> dict[str, str]:
-    return {**run_values(portable_config(config), run_uri), "chain": json.dumps(chain)}
+    """The run parameters' values; the config as YAML, which the Argo UI's forms show line by line."""
+    shipped = portable_config(config)
+    config_text = CONFIG_HEADER + yaml.safe_dump(shipped.model_dump(mode="json"), sort_keys=False)
+    return {**run_values(shipped, run_uri), "config": config_text, "chain": json.dumps(chain)}
 
 
-def _metadata(config: MoeloopConfig, **name: str) -> dict[str, Any]:
-    return {**name, "namespace": config.cluster.namespace, "labels": _run_labels(config)}
+@dataclass(frozen=True)
+class Loop:
+    """The run's Argo objects, as Hera objects: a WorkflowTemplate holding one chunk, and the Workflow and
+    CronWorkflow that run it. Change them as Hera objects (`chunk` is the template's DAG); `moeloop render`
+    writes them with Hera's serialization, submit/register/schedule send them."""
+
+    template: WorkflowTemplate
+    workflow: Workflow
+    cron_workflow: CronWorkflow
+
+    @property
+    def chunk(self) -> DAG:
+        return next(t for t in self.template.templates if isinstance(t, DAG) and t.name == ENTRYPOINT)
+
+    def objects(self) -> dict[str, Workflow]:
+        """By the file name `moeloop render` writes each to."""
+        return dict(zip(FILES, (self.template, self.workflow, self.cron_workflow)))
 
 
-def render_workflow_template(config: MoeloopConfig, run_uri: str) -> dict[str, Any]:
+FILES = ("workflow-template.yaml", "workflow.yaml", "cron-workflow.yaml")
+
+
+def build(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -> Loop:
+    """Every Argo object of the run at `run_uri` (e.g. s3://bucket/runs/<run_name>). `iterations` sets the target;
+    the chunks do not depend on it."""
+    config = with_target(config, iterations)
+    metadata = {"namespace": config.cluster.namespace, "labels": _run_labels(config)}
     values = _arguments(config, run_uri, chain=True)
-    parameters = []
-    for name in PARAMETERS:
+    template = WorkflowTemplate(
+        name=template_name(config),
+        **metadata,
+        entrypoint=ENTRYPOINT,
+        service_account_name=config.cluster.orchestrator_service_account,
         # `value` is what the controller substitutes; `default` is what the UI's submit form pre-fills.
-        parameter = {"name": name, "value": values[name], "default": values[name]}
-        parameter["description"] = PARAMETER_DESCRIPTIONS[name]
-        if name == "chain":
-            parameter["enum"] = ["true", "false"]
-        parameters.append(parameter)
-    templates = [
-        _chunk_dag(config),
-        *(_step_template(step, config) for step in STEPS),
-        _label_template(config),
-        _next_chunk_template(config),
-    ]
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "WorkflowTemplate",
-        "metadata": _metadata(config, name=template_name(config)),
-        "spec": {
-            "entrypoint": ENTRYPOINT,
-            "serviceAccountName": config.cluster.orchestrator_service_account,
-            "arguments": {"parameters": parameters},
-            # One chunk of a run at a time, whoever submitted it: a chained chunk waits for its predecessor.
-            "synchronization": {"mutexes": [{"name": f"moeloop-run-{config.run_name}"}]},
-            "workflowMetadata": {"labels": _run_labels(config)},
-            "podMetadata": {"labels": {f"{LABEL}/run": config.run_name}},
-            "templates": templates,
-        },
-    }
+        arguments=[
+            Parameter(
+                name=name,
+                value=values[name],
+                default=values[name],
+                description=PARAMETER_DESCRIPTIONS[name],
+                enum=["true", "false"] if name == "chain" else None,
+            )
+            for name in PARAMETERS
+        ],
+        # One chunk of a run at a time, whoever submitted it: a chained chunk waits for its predecessor.
+        synchronization=m.Synchronization(mutexes=[m.Mutex(name=f"moeloop-run-{config.run_name}")]),
+        workflow_metadata=m.WorkflowMetadata(labels=_run_labels(config), annotations=run_annotations(run_uri)),
+        pod_metadata=m.Metadata(labels={f"{LABEL}/run": config.run_name}),
+        templates=[
+            _chunk_dag(config),
+            *(_step_template(step, config) for step in STEPS),
+            _label_template(config),
+            _next_chunk_template(config),
+        ],
+    )
+    return Loop(
+        template=template,
+        workflow=Workflow(generate_name=f"{config.run_name}-", **metadata, **_referring(config, run_uri, True)),
+        # Each tick runs one chunk from LATEST (no chaining: the schedule is the chain); at the target a tick runs
+        # start and plan only and succeeds. Forbid: no tick while the previous one runs.
+        cron_workflow=CronWorkflow(
+            name=template_name(config),
+            **metadata,
+            schedules=list(config.cluster.schedule.schedules),
+            timezone=config.cluster.schedule.timezone,
+            concurrency_policy="Forbid",
+            starting_deadline_seconds=300,
+            successful_jobs_history_limit=3,
+            failed_jobs_history_limit=3,
+            **_referring(config, run_uri, False),
+        ),
+    )
 
 
-def _referring_spec(config: MoeloopConfig, run_uri: str, chain: bool) -> dict[str, Any]:
+def _referring(config: MoeloopConfig, run_uri: str, chain: bool) -> dict[str, Any]:
+    """A Workflow spec that runs the template (the template must be registered) with the run's arguments."""
     values = _arguments(config, run_uri, chain)
     return {
-        "workflowTemplateRef": {"name": template_name(config)},
-        "arguments": {"parameters": [{"name": name, "value": values[name]} for name in PARAMETERS]},
-    }
-
-
-def render_workflow(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -> dict[str, Any]:
-    """An ad-hoc run: the template's chunk, chained until the target (the template must be registered)."""
-    config = with_target(config, iterations)
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "Workflow",
-        "metadata": _metadata(config, generateName=f"{config.run_name}-"),
-        "spec": _referring_spec(config, run_uri, chain=True),
-    }
-
-
-def render_cron_workflow(config: MoeloopConfig, run_uri: str) -> dict[str, Any]:
-    """Each tick runs one chunk from LATEST (no chaining: the schedule is the chain); at the target a tick
-    runs start and plan only and succeeds. Forbid: no tick while the previous one runs."""
-    schedule = config.cluster.schedule
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "CronWorkflow",
-        "metadata": _metadata(config, name=template_name(config)),
-        "spec": {
-            "schedules": list(schedule.schedules),
-            "timezone": schedule.timezone,
-            "concurrencyPolicy": "Forbid",
-            "startingDeadlineSeconds": 300,
-            "successfulJobsHistoryLimit": 3,
-            "failedJobsHistoryLimit": 3,
-            # The run's labels come from the template's workflowMetadata (Hera's CronWorkflow drops its own).
-            "workflowSpec": _referring_spec(config, run_uri, chain=False),
-        },
+        "workflow_template_ref": m.WorkflowTemplateRef(name=template_name(config)),
+        "arguments": [Parameter(name=name, value=values[name]) for name in PARAMETERS],
     }
 
 
@@ -634,18 +651,19 @@ def with_target(config: MoeloopConfig, iterations: int | None) -> MoeloopConfig:
 
 
 def render(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -> dict[str, dict]:
-    """Every object of the run, by file name. `iterations` sets the target (the chunks do not depend on it)."""
-    config = with_target(config, iterations)
-    return {
-        "workflow-template.yaml": render_workflow_template(config, run_uri),
-        "workflow.yaml": render_workflow(config, run_uri),
-        "cron-workflow.yaml": render_cron_workflow(config, run_uri),
-    }
+    """Every object of the run as the dict Argo reads, by file name."""
+    return {name: hera_object.to_dict() for name, hera_object in build(config, run_uri, iterations).objects().items()}
 
 
-def write_rendered(documents: dict[str, dict], out_dir: Path) -> list[Path]:
-    """Lint every document (templateRefs across them) and check its size, then write each as YAML;
-    one invalid document means nothing is written."""
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_rendered(loop: Loop, out_dir: Path) -> list[Path]:
+    """Lint every object (templateRefs across them) and check its size, then write each with Hera's YAML
+    serialization into out_dir. Nothing is written unless all can be."""
+    objects = loop.objects()
+    documents = {name: hera_object.to_dict() for name, hera_object in objects.items()}
     errors = lint_documents(documents.values(), source=str(out_dir))
     if errors:
         raise MoeloopError(f"refusing to write an invalid manifest: {errors[0]}")
@@ -653,8 +671,28 @@ def write_rendered(documents: dict[str, dict], out_dir: Path) -> list[Path]:
         size = object_bytes(document)
         if size > MAX_OBJECT_BYTES:
             raise MoeloopError(f"{file_name}: {size} bytes is over the {MAX_OBJECT_BYTES}-byte object limit")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return [_write_atomically(out_dir / file_name, document) for file_name, document in documents.items()]
+    texts = {name: hera_object.to_yaml(Dumper=YAML_DUMPER, width=YAML_WIDTH) for name, hera_object in objects.items()}
+    return write_files(texts, out_dir)
+
+
+def write_files(texts: dict[str, str], out_dir: Path) -> list[Path]:
+    """Write each text to out_dir/<name>, replacing what is there: all or none. Every text goes to a temporary
+    name first; only when all are written are they renamed into place."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MoeloopError(f"{out_dir}: not a folder; -o names the folder to write into")
+    temporaries: list[str] = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in texts.items():
+            temporaries.append(_write_temporary(out_dir / name, text))
+    except OSError as error:
+        for temporary in temporaries:
+            os.unlink(temporary)
+        raise MoeloopError(f"{out_dir}: cannot write there: {error.strerror or error}") from None
+    paths = [out_dir / name for name in texts]
+    for temporary, path in zip(temporaries, paths):
+        os.replace(temporary, path)
+    return paths
 
 
 def object_bytes(document: dict) -> int:
@@ -662,17 +700,16 @@ def object_bytes(document: dict) -> int:
     return len(json.dumps(document, separators=(",", ":")).encode())
 
 
-def _write_atomically(path: Path, document: dict) -> Path:
+def _write_temporary(path: Path, text: str) -> str:
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(descriptor, "w") as stream:
-            yaml.dump(document, stream, Dumper=YAML_DUMPER, sort_keys=False)
+            stream.write(text)
         os.chmod(temporary, 0o644)  # mkstemp makes it owner-only; a manifest is meant to be read by others
-        os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
         raise
-    return path
+    return temporary
 
 
 def dag_tasks(document: dict) -> dict[str, tuple[str, ...]]:

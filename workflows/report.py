@@ -1,4 +1,5 @@
-"""`moeloop report RUN`: the loop's balance per iteration, read from the run's committed metrics files.
+"""`moeloop report RUN [--plot DIR]`: the loop's balance and the MoE's stability per iteration, read from the run's
+committed metrics files (and its pictures, drawn by steps/observe/plots.py).
 
 Only metrics/iter-NNNNNN.json count: evaluate writes each one whole (an atomic object) once the iteration
 is published, so an iteration still in flight is simply not there yet.
@@ -6,6 +7,7 @@ is published, so an iteration still in flight is simply not there yet.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from steps.storage.metrics import committed_metrics
@@ -22,15 +24,27 @@ COLUMNS = (
     ("reward wait", "reward_wait_seconds"),
     ("train wait", "train_wait_seconds"),
     ("iteration s", "iteration_seconds"),
+    # The MoE's stability: the routers' health and the engine/trainer mismatch (README "Metrics").
+    ("imbalance", "router_load_imbalance"),
+    ("entropy", "router_entropy"),
+    ("agreement", "routing_agreement"),
+    ("mismatch", "logprob_mismatch"),
+    ("masked", "mismatch_masked"),
     ("eval reward", "eval_reward_mean"),
 )
+# Ratios and shares: three decimals (the durations take one).
+FINE = {field for _, field in COLUMNS[9:]}
 
 
 def table_row(metrics: dict[str, Any]) -> dict[str, Any]:
     """The table's fields of one iteration's metrics (a run from before they were recorded lacks some)."""
     steps, waits = metrics.get("step_seconds") or {}, metrics.get("wait_seconds") or {}
+    router = metrics.get("router") or {}
     return {
         **metrics,
+        "router_load_imbalance": router.get("load_imbalance"),
+        "router_entropy": router.get("entropy"),
+        "routing_agreement": router.get("routing_agreement"),
         "reward_seconds": steps.get("reward"),
         "train_seconds": steps.get("train"),
         "reward_wait_seconds": waits.get("reward"),
@@ -44,7 +58,7 @@ def format_table(all_metrics: list[dict[str, Any]]) -> str:
             return "-"
         return (
             f"{value:.3f}"
-            if field == "eval_reward_mean"
+            if field in FINE
             else f"{value:.1f}"
             if isinstance(value, float)
             else str(value)
@@ -56,10 +70,15 @@ def format_table(all_metrics: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(text.rjust(width) for text, width in zip(row, widths, strict=True)) for row in rows)
 
 
-def print_report(run_uri: str) -> None:
+def print_report(run_uri: str, plot_dir: Path | None = None) -> None:
     storage = RunStorage(run_uri)
     storage.require_run()
     all_metrics = committed_metrics(storage)
     print(format_table(all_metrics))
     if not all_metrics:
         print(f"(no iteration of {run_uri} has committed metrics yet)")
+    elif plot_dir is not None:
+        from steps.observe.plots import write_plots
+
+        for path in write_plots(all_metrics, plot_dir):
+            print(path)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from steps.config import RolloutConfig, VLLMConfig
+from steps.config import VLLM_ROUTES, RolloutConfig, VLLMConfig
 from steps.errors import MoeloopError
 
 
@@ -26,6 +26,7 @@ class Sampling:
     top_p: float
     max_new_tokens: int
     seed: int
+    record_routing: bool = False  # record each response token's experts (`Completion.routed_experts`)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class Completion:
     token_ids: list[int]  # the response, ending with EOS when finish_reason is "stop"
     logprobs: list[float]  # the sampling distribution's logprob of each response token
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens)
+    # With Sampling.record_routing: the top-k experts of each MoE layer in the forward that sampled each response
+    # token, flattened [token][layer][k] in the router's order.
+    routed_experts: list[int] | None = None
 
 
 class Engine(Protocol):
@@ -94,7 +98,22 @@ class TransformersEngine:
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         greedy = sampling.temperature == 0
         prompt_ids_GT = torch.tensor(prompts, dtype=torch.long, device=self.model.device)
-        output = self.model.generate(
+        with RouteRecorder(self.model, sampling.record_routing) as recorder:
+            output = self._sample(prompt_ids_GT, sampling, greedy)
+        new_tokens_BT = output.sequences[:, prompt_ids_GT.shape[1] :]
+        # scores are the processed logits (after temperature and top-p): the distribution sampled from.
+        logprobs_BTV = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
+        chosen_BT = logprobs_BTV.gather(-1, new_tokens_BT.unsqueeze(-1)).squeeze(-1)
+        routes_BTLK = recorder.routes_BTLK(len(new_tokens_BT))
+        samples = [
+            self._completion(t, lp, routes_BTLK[b] if routes_BTLK is not None else None)
+            for b, (t, lp) in enumerate(zip(new_tokens_BT, chosen_BT, strict=True))
+        ]
+        per_prompt = 1 if greedy else sampling.n
+        return [samples[i : i + per_prompt] for i in range(0, len(samples), per_prompt)]
+
+    def _sample(self, prompt_ids_GT: torch.Tensor, sampling: Sampling, greedy: bool) -> Any:
+        return self.model.generate(
             input_ids=prompt_ids_GT,
             attention_mask=torch.ones_like(prompt_ids_GT),
             do_sample=not greedy,
@@ -108,21 +127,44 @@ class TransformersEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
         )
-        new_tokens_BT = output.sequences[:, prompt_ids_GT.shape[1] :]
-        # scores are the processed logits (after temperature and top-p): the distribution sampled from.
-        logprobs_BTV = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
-        chosen_BT = logprobs_BTV.gather(-1, new_tokens_BT.unsqueeze(-1)).squeeze(-1)
-        samples = [self._completion(t, lp) for t, lp in zip(new_tokens_BT, chosen_BT, strict=True)]
-        per_prompt = 1 if greedy else sampling.n
-        return [samples[i : i + per_prompt] for i in range(0, len(samples), per_prompt)]
 
-    def _completion(self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor) -> Completion:
+    def _completion(
+        self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor, routes_TLK: torch.Tensor | None
+    ) -> Completion:
         tokens = tokens_T.tolist()
         eos = self.tokenizer.eos_token_id
-        if eos in tokens:
-            end = tokens.index(eos) + 1
-            return Completion(tokens[:end], logprobs_T[:end].tolist(), "stop")
-        return Completion(tokens, logprobs_T.tolist(), "length")
+        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        routes = routes_TLK[:end].reshape(-1).tolist() if routes_TLK is not None else None
+        return Completion(tokens[:end], logprobs_T[:end].tolist(), "stop" if eos in tokens else "length", routes)
+
+
+class RouteRecorder:
+    """Records, while active, the top-k experts every MoE router of an HF model picks in each generate step
+    (forward hooks on the routers, which return (logits, weights, experts)); off, it does nothing."""
+
+    def __init__(self, model: torch.nn.Module, active: bool) -> None:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)] if active else []
+        self.steps_L: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> RouteRecorder:
+        for router, steps in zip(self.routers, self.steps_L, strict=True):
+            self.handles.append(router.register_forward_hook(lambda _m, _i, out, steps=steps: steps.append(out[2])))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def routes_BTLK(self, rows: int) -> torch.Tensor | None:
+        """[B, T, L, K]: generate step t's experts for each row. A step's forward routes [B * tokens, K]: the prompt
+        at step 0, whose last position sampled the first token, then one token per row."""
+        if not self.routers:
+            return None
+        last_of_step_L = [[step.view(rows, -1, step.shape[-1])[:, -1] for step in steps] for steps in self.steps_L]
+        return torch.stack([torch.stack(steps, 1) for steps in last_of_step_L], 2)
 
 
 class VLLMEngine:
@@ -174,6 +216,8 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if sampling.record_routing:
+            raise MoeloopError(VLLM_ROUTES)
         self._wake()
         greedy = sampling.temperature == 0
         # One seed per prompt: a prompt's samples do not depend on what else is in the batch.

@@ -7,6 +7,8 @@ not the microbatch's:
 - CUDA, bf16/fp16: flash attention's varlen kernel (`torch.nn.attention.varlen.varlen_attn`, bundled with torch);
 - elsewhere (CPU; fp32, which the flash kernel does not take): SDPA over the samples right-padded to the longest,
   causal (a real query sees no padding, which comes after it), exact.
+A call without cu_seqlens (a right-padded batch, as `steps.model.policy.token_logprobs` passes) is HF's causal SDPA
+over each row, exact for the real tokens for the same reason.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 VARLEN = "moeloop_varlen"
 _VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters
@@ -41,8 +44,10 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, None]:
     """HF's attention-function interface over one packed row: q [1, h, N, D], k and v [1, k, N, D] (k KV heads);
     returns [1, N, h, D]. Letters: h query heads, k KV heads, N packed tokens, D head size."""
-    if cu_seq_lens_q is None or max_length_q is None or query_1hND.shape[0] != 1:
-        raise ValueError(f"{VARLEN} attention takes one packed row and its cu_seq_lens (steps.rl.packing.Microbatch)")
+    if cu_seq_lens_q is None:  # a right-padded batch: causal attention is exact for every row's real tokens
+        return sdpa_attention_forward(module, query_1hND, key_1kND, value_1kND, None, dropout, scaling, is_causal=True)
+    if max_length_q is None or query_1hND.shape[0] != 1:
+        raise ValueError(f"{VARLEN} attention takes one packed row with its cu_seq_lens (steps.rl.packing.Microbatch)")
     query_NhD, key_NkD, value_NkD = (t[0].transpose(0, 1) for t in (query_1hND, key_1kND, value_1kND))
     if not (query_NhD.is_cuda and query_NhD.dtype in (torch.bfloat16, torch.float16)):
         return padded_attention(query_NhD, key_NkD, value_NkD, cu_seq_lens_q, scaling).unsqueeze(0), None

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -23,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
+from steps.errors import MoeloopError
 from steps.model import kernels
 from steps.model.dispatch import TokenDispatcher
 
@@ -107,6 +110,7 @@ class MoeBlock(nn.Module):
         self.gate = gate
         self.experts = experts
         self.dispatcher = dispatcher
+        self.replay_TK: torch.Tensor | None = None  # recorded experts to route each token to (-1: its own); `replaying`
 
     @classmethod
     def from_hf_block(
@@ -129,7 +133,11 @@ class MoeBlock(nn.Module):
 
     def route_and_run(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
-        _, topk_weights_TK, topk_idx_TK = self.gate(x_TH)
+        router_logits_TE, topk_weights_TK, topk_idx_TK = self.gate(x_TH)
+        if self.replay_TK is not None:
+            topk_weights_TK, topk_idx_TK = replay_routing(
+                router_logits_TE, topk_weights_TK, topk_idx_TK, self.replay_TK, self.gate.norm_topk_prob
+            )
         expert_x_NH, tokens_per_expert_e, meta = self.dispatcher.dispatch(x_TH, topk_idx_TK, topk_weights_TK)
         expert_y_NH = self.experts(expert_x_NH, tokens_per_expert_e, meta.weight_N)  # weighted in the SwiGLU
         return self.dispatcher.combine(expert_y_NH, meta).reshape(hidden_states.shape)
@@ -154,6 +162,44 @@ class MoeBlock(nn.Module):
 def unsharded(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor (an FSDP2 shard) made whole on every rank of its mesh (collective); a plain tensor as it is."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def replay_routing(
+    router_logits_TE: torch.Tensor,
+    weights_TK: torch.Tensor,
+    experts_TK: torch.Tensor,
+    recorded_TK: torch.Tensor,
+    normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rollout routing replay: each token with recorded experts (row not -1) goes to them, with the gate weights
+    HF's router gives those experts from this router's logits (softmax in fp32, renormalised over the K when
+    normalize), so the router still learns; the other tokens keep their own routing. Recorded in the router's own
+    order, the same experts give the same weights to the bit."""
+    recorded_TK = recorded_TK.to(experts_TK.device, experts_TK.dtype)
+    has_T1 = recorded_TK[:, :1] >= 0
+    experts_TK = torch.where(has_T1, recorded_TK, experts_TK)
+    replayed_TK = F.softmax(router_logits_TE, dtype=torch.float, dim=-1).gather(1, experts_TK)
+    if normalize:
+        replayed_TK = replayed_TK / replayed_TK.sum(dim=-1, keepdim=True)
+    return torch.where(has_T1, replayed_TK.to(weights_TK.dtype), weights_TK), experts_TK
+
+
+@contextmanager
+def replaying(model: nn.Module, routes_bTLK: torch.Tensor | None) -> Iterator[None]:
+    """Within it, model's forward routes token t of row b in MoE layer l to routes_bTLK[b, t, l] (K experts; -1
+    for the token's own choice): the engine's recorded routing. None replays nothing. A layer's tokens are the
+    forward's [b, T] flattened, as every MoE block flattens them."""
+    blocks = [module for module in model.modules() if isinstance(module, MoeBlock)]
+    if routes_bTLK is not None and routes_bTLK.shape[2] != len(blocks):
+        raise MoeloopError(f"recorded routes name {routes_bTLK.shape[2]} MoE layers, the model has {len(blocks)}")
+    for layer, block in enumerate(blocks):
+        routes = routes_bTLK[:, :, layer] if routes_bTLK is not None else None
+        block.replay_TK = routes.reshape(-1, routes.shape[-1]) if routes is not None else None
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.replay_TK = None
 
 
 def gather_over(local_eXY: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

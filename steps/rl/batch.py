@@ -11,11 +11,14 @@ import torch
 import torch.distributed as dist
 
 from steps.config import TrainerConfig
+from steps.errors import MoeloopError
 from steps.model.logprobs import packed_token_logprobs
+from steps.model.moe import replaying
 from steps.model.policy import pack_sequences
 from steps.model.sharding import reshard
 from steps.rl.packing import Microbatch, pack_rows, plan_microbatches
 from steps.rl.parallel import Parallel
+from steps.rl.router_health import RouterHealth
 
 
 @dataclass(frozen=True)
@@ -26,16 +29,31 @@ class ExperienceBatch:
     behavior_logprobs_BT: torch.Tensor  # the engine's logprobs, at the response positions
     rewards_B: torch.Tensor
     group_ids_B: torch.Tensor  # samples of one prompt form a group
+    # The engine's experts per input position and MoE layer, [B, T, L, K]: at position t those of the forward that
+    # sampled token t + 1 (so response positions shifted back by one); -1 elsewhere. None: not recorded.
+    routes_BTLK: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> ExperienceBatch:
-        return ExperienceBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)))
 
     def select(self, rows_b: torch.Tensor) -> ExperienceBatch:
-        return ExperienceBatch(*(getattr(self, f.name)[rows_b] for f in fields(self)))
+        return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t[rows_b]) for f in fields(self)))
 
 
-def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, float]) -> ExperienceBatch:
-    """The rollouts right-padded (with token 0, which no forward reads: they run on packed microbatches)."""
+def _apply(tensor: torch.Tensor | None, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    return function(tensor) if tensor is not None else None
+
+
+def recorded_routes(rollouts: dict[str, list]) -> bool:
+    """Whether every sample has the engine's routed experts (shards from before the column read as nulls)."""
+    return all(routes is not None for routes in rollouts.get("routed_experts", [None]))
+
+
+def experience_batch(
+    rollouts: dict[str, list], rewards_by_sample: dict[str, float], top_k: int | None = None
+) -> ExperienceBatch:
+    """The rollouts right-padded (with token 0, which no forward reads: they run on packed microbatches); with top_k
+    (the model's experts per token), the recorded routes as well."""
     prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
     input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id=0)
     behavior_BT = torch.zeros(input_ids_BT.shape)
@@ -48,7 +66,27 @@ def experience_batch(rollouts: dict[str, list], rewards_by_sample: dict[str, flo
         behavior_BT,
         torch.tensor([rewards_by_sample[s] for s in rollouts["sample_id"]], dtype=torch.float32),
         torch.tensor(rollouts["prompt_id"]),
+        routes_tensor(rollouts, prompts, responses, input_ids_BT.shape, top_k) if top_k is not None else None,
     )
+
+
+def routes_tensor(
+    rollouts: dict[str, list], prompts: list, responses: list, shape: torch.Size, top_k: int
+) -> torch.Tensor:
+    """`ExperienceBatch.routes_BTLK` from the rows' flat routed_experts ([token][layer][k] per response token)."""
+    tokens, routed = next(((len(r), len(e)) for r, e in zip(responses, rollouts["routed_experts"], strict=True) if r))
+    layers = max(routed // (tokens * top_k), 1)
+    routes_BTLK = torch.full((*shape, layers, top_k), -1, dtype=torch.long)
+    recorded = zip(prompts, responses, rollouts["routed_experts"], strict=True)
+    for row, (prompt, response, routes) in enumerate(recorded):
+        if len(routes) != len(response) * layers * top_k:
+            raise MoeloopError(
+                f"sample {rollouts['sample_id'][row]}: {len(routes)} routed experts for {len(response)} tokens,"
+                f" {layers} MoE layers and top-{top_k}: damaged data"
+            )
+        start = len(prompt) - 1  # the position whose forward sampled the first response token
+        routes_BTLK[row, start : start + len(response)] = torch.tensor(routes).view(len(response), layers, top_k)
+    return routes_BTLK
 
 
 def minibatches(order_B: torch.Tensor, size: int, world_size: int) -> list[torch.Tensor]:
@@ -79,14 +117,22 @@ def frozen_pass(
     batch: ExperienceBatch,
     max_tokens: int,
     parallel: Parallel,
+    replay: bool = False,
+    health: RouterHealth | None = None,
 ) -> torch.Tensor:
-    """per_token(model, microbatch)[0] (token logprobs or values, [n, T]) for the whole batch, on every rank: each
-    rank runs its microbatches of the batch's packing in eval mode; each row is then summed in from the one rank
-    that computed it (the others hold zeros there)."""
+    """per_token(model, microbatch) (token logprobs or values, [n, T], and router logits) for the whole batch, on
+    every rank: each rank runs its microbatches of the batch's packing in eval mode; each row is then summed in from
+    the one rank that computed it (the others hold zeros there). replay: routed as the engine was; health: given
+    the router logits of this rank's microbatches."""
     model.eval()
     values_BT = torch.zeros(batch.input_ids_BT.shape, device=batch.input_ids_BT.device)
     for micro in rank_microbatches(batch, torch.arange(len(batch.input_ids_BT)), max_tokens, parallel):
-        values_BT[micro.rows_n] = per_token(model, micro)[0]
+        routes_1NLK = micro.pack(batch.routes_BTLK).unsqueeze(0) if batch.routes_BTLK is not None else None
+        with replaying(model, routes_1NLK if replay else None):
+            values_nT, router_logits_L = per_token(model, micro)
+        values_BT[micro.rows_n] = values_nT
+        if health is not None:
+            health.add(router_logits_L, micro.real_tokens().unsqueeze(0), routes_1NLK, replayed=replay)
     reshard(model)
     if parallel.world_size > 1:
         dist.all_reduce(values_BT)
@@ -105,11 +151,17 @@ def rank_microbatches(
 
 
 def frozen_logprobs(
-    model: torch.nn.Module, batch: ExperienceBatch, temperature: float, max_tokens: int, parallel: Parallel
+    model: torch.nn.Module,
+    batch: ExperienceBatch,
+    temperature: float,
+    max_tokens: int,
+    parallel: Parallel,
+    replay: bool = False,
+    health: RouterHealth | None = None,
 ) -> torch.Tensor:
     """The whole batch's token logprobs on every rank."""
     logprobs = partial(packed_token_logprobs, temperature=temperature)
-    return frozen_pass(logprobs, model, batch, max_tokens, parallel)
+    return frozen_pass(logprobs, model, batch, max_tokens, parallel, replay, health)
 
 
 def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:

@@ -11,6 +11,8 @@ from typing import Literal
 
 import torch
 
+from steps.rl.importance import ImportanceLevel, importance_ratio
+
 
 def group_advantages(
     rewards_B: torch.Tensor, group_ids_B: torch.Tensor, scale: bool, eps: float = 1e-6
@@ -78,10 +80,9 @@ def aggregate(
     return per_sequence_B.sum() / sequences
 
 
-def behavior_weights(
-    old_logprobs_BT: torch.Tensor, behavior_logprobs_BT: torch.Tensor, cap: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance weights min(pi_old / pi_behavior, cap) and whether each was truncated.
+def behavior_weights(behavior_ratio_BT: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance weights min(pi_old / pi_behavior, cap) and whether each was truncated, from the ratio
+    per token or per sequence (`steps.rl.importance.behavior_ratio`).
 
     The decoupled PPO objective (Hilton et al. 2022, "Batch size-invariance for policy optimization",
     arXiv:2110.00641) clips the ratio against a proximal policy pi_old (here: the trainer's policy at the start
@@ -90,7 +91,7 @@ def behavior_weights(
     V-trace does (Espeholt et al. 2018, arXiv:1802.01561) and as asynchronous RL for LLMs does (AReaL, Fu et al.
     2025, arXiv:2505.24298). Constants: no gradient flows through them.
     """
-    ratio_BT = torch.exp(old_logprobs_BT - behavior_logprobs_BT).detach()
+    ratio_BT = behavior_ratio_BT.detach()
     return ratio_BT.clamp(max=cap), ratio_BT > cap
 
 
@@ -116,17 +117,19 @@ def clipped_policy_loss(
     weights_BT: torch.Tensor | None = None,
     ref_logprobs_BT: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    importance_level: ImportanceLevel = "token",
 ) -> LossTerms:
     """Clipped surrogate -w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), aggregated, plus kl_coef * k3 KL.
 
     advantages is per sequence [B] (GRPO) or per token [B, T] (PPO). weights_BT are the behaviour importance
     weights (None: 1). clip_high None is clip_low (symmetric); a larger one is DAPO's clip-higher (Yu et al. 2025,
     arXiv:2503.14476), which lets unlikely tokens with A > 0 gain more before the clip stops them.
+    importance_level picks r (`steps.rl.importance.importance_ratio`): per token, or GSPO's per sequence over mask_BT.
     """
     clip_high = clip_low if clip_high is None else clip_high
     mask = mask_BT.to(logprobs_BT.dtype)
     advantages_BT = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
+    ratio_BT = importance_ratio(logprobs_BT, old_logprobs_BT, mask_BT, importance_level)
     unclipped_BT = ratio_BT * advantages_BT
     clipped_BT = torch.clamp(ratio_BT, 1 - clip_low, 1 + clip_high) * advantages_BT
     surrogate_BT = -torch.minimum(unclipped_BT, clipped_BT)

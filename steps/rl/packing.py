@@ -105,8 +105,8 @@ class Microbatch:
 
     def pack(self, values_BT: torch.Tensor) -> torch.Tensor:
         """The padded batch's per-token values [B, T] at this microbatch's tokens, [N]."""
-        if self.empty:
-            return values_BT.new_zeros(1)
+        if self.empty:  # its one token: the batch's first
+            return values_BT[:1, 0]
         return values_BT[self.rows_n[self.row_N], self.column_N]
 
     def attention_kwargs(self) -> dict[str, object]:

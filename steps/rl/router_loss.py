@@ -1,10 +1,12 @@
-"""The MoE routers' load-balancing loss (HF's), split over the ranks and microbatches."""
+"""The MoE routers' load-balancing loss (HF's), split over the ranks and microbatches; and `trainer.freeze_router`,
+which takes the routers (and so that loss) out of training."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from steps.rl.parallel import Parallel
 
@@ -50,9 +52,24 @@ def router_aux_loss(
     minibatch_tokens: int,
     parallel: Parallel,
 ) -> torch.Tensor:
-    """The load-balancing loss of model's routers, weighted by its config's router_aux_loss_coef."""
+    """The load-balancing loss of model's routers, weighted by its config's router_aux_loss_coef; 0 when the routers
+    are frozen (it is there to train them)."""
     config = model.config
+    routers = router_parameters(model)
+    if routers and not any(parameter.requires_grad for parameter in routers):
+        return torch.zeros((), device=mask_t.device)
     aux = load_balancing_loss(
         router_logits_L, mask_t, config.num_experts, config.num_experts_per_tok, minibatch_tokens, parallel
     )
     return config.router_aux_loss_coef * aux
+
+
+def router_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The routers' weights, of `MoeBlock`s and of HF's own blocks alike (`TopKRouter` subclasses HF's router)."""
+    return [p for module in model.modules() if isinstance(module, Qwen3MoeTopKRouter) for p in module.parameters()]
+
+
+def freeze_routers(model: torch.nn.Module, frozen: bool) -> None:
+    """`trainer.freeze_router`: the routers take no gradient, so no optimizer step (and no weight decay) moves them."""
+    for parameter in router_parameters(model):
+        parameter.requires_grad_(not frozen)

@@ -26,6 +26,7 @@ from steps.model.sharding import checkpoint_decoder_layers, full_value, shard_li
 from steps.rl.batch import ExperienceBatch, frozen_logprobs
 from steps.rl.offload import OffloadedAdamW
 from steps.rl.parallel import Parallel, expert_parameters
+from steps.rl.router_loss import freeze_routers
 from steps.rl.update import Critic
 from steps.storage.cache import fetch_checkpoint
 from steps.storage.run import CRITIC_DIR, OPTIMIZER_FILE, RunStorage
@@ -35,9 +36,11 @@ MASTER = "master_weight"  # the optimizer state's key for a parameter's fp32 mas
 
 def prepare_trainer_model(model: nn.Module, settings: TrainerConfig, parallel: Parallel) -> nn.Module:
     """An EP shard as `load_policy_shard` or `load_critic_shard` builds it, made the trainer's, in place: the LM head
-    computes logprobs (`steps.model.logprobs.LogprobHead`), attention runs over packed samples, FSDP2 shards it at
+    computes logprobs (`steps.model.logprobs.LogprobHead`), attention runs over packed samples, the routers are
+    frozen with `trainer.freeze_router`, FSDP2 shards it at
     the trainer's precision (with its activation checkpointing), and on CUDA the decoder layers are compiled. With no
     mesh (`Parallel()`, one process without torch.distributed) it is not sharded."""
+    freeze_routers(model, settings.freeze_router)  # before fully_shard, which keeps requires_grad per parameter
     if hasattr(model, "lm_head"):
         use_logprob_head(model)
     model.config._attn_implementation = VARLEN

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from steps.config import MoeloopConfig
+from steps.config import MismatchConfig, MoeloopConfig
 from steps.errors import MoeloopError
 from steps.model.logprobs import packed_token_logprobs, packed_token_values
+from steps.model.moe import replaying
 from steps.rl.batch import (
     ExperienceBatch,
     frozen_logprobs,
@@ -27,9 +28,11 @@ from steps.rl.batch import (
     rank_microbatches,
 )
 from steps.rl.grpo import behavior_weights, clipped_policy_loss, group_advantages, varied_groups
+from steps.rl.importance import behavior_ratio, mismatch_mask
 from steps.rl.packing import Microbatch
 from steps.rl.parallel import Parallel, all_reduce_sum, clip_grad_norm
 from steps.rl.ppo import gae, token_rewards, value_loss, whiten
+from steps.rl.router_health import RouterHealth
 from steps.rl.router_loss import router_aux_loss
 
 
@@ -49,20 +52,28 @@ def minibatch_step(
     loss_of: Callable[[Microbatch], tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]],
     config: MoeloopConfig,
     parallel: Parallel,
+    replay: bool = False,
+    health: RouterHealth | None = None,
 ) -> tuple[float, list[float]]:
     """One optimizer step over a minibatch. For each of this rank's packed microbatches of it, loss_of(micro) gives
     (that microbatch's part of the minibatch's loss, its router logits, figures to report, as tensors); its loss
     and the routers' aux loss are backpropagated. Then the gradients (summed over the ranks in FSDP2's
     reduce-scatters) are clipped and the optimizer steps. Returns the gradient norm before clipping and the figures
-    summed over the microbatches and ranks, read once the step is queued (nothing before waits for the GPU)."""
+    summed over the microbatches and ranks, read once the step is queued (nothing before waits for the GPU).
+    replay: each microbatch routes as the engine did (`algorithm.routing_replay`), in its backward too (activation
+    checkpointing recomputes the forward there); health: given each forward's router logits."""
     settings = config.trainer
     microbatches = rank_microbatches(batch, minibatch_rows, settings.max_tokens_per_microbatch, parallel)
     minibatch_tokens = int(batch.attention_mask_BT[minibatch_rows].sum())
     optimizer.zero_grad(set_to_none=True)
     sums: list[torch.Tensor] = []
     for micro in microbatches:
-        loss, router_logits_L, figures = loss_of(micro)
-        (loss + router_aux_loss(model, router_logits_L, micro.real_tokens(), minibatch_tokens, parallel)).backward()
+        routes_1NLK = micro.pack(batch.routes_BTLK).unsqueeze(0) if batch.routes_BTLK is not None else None
+        with replaying(model, routes_1NLK if replay else None):
+            loss, router_logits_L, figures = loss_of(micro)
+            (loss + router_aux_loss(model, router_logits_L, micro.real_tokens(), minibatch_tokens, parallel)).backward()
+        if health is not None:
+            health.add(router_logits_L, micro.real_tokens().unsqueeze(0), routes_1NLK, replayed=replay)
         sums = [a + b.detach() for a, b in zip(sums, figures, strict=True)] if sums else [f.detach() for f in figures]
     grad_norm = clip_grad_norm(model.parameters(), settings.max_grad_norm, parallel)
     optimizer.step()
@@ -85,6 +96,26 @@ def ppo_advantages(
     rewards_BT = token_rewards(batch.rewards_B, mask_BT, algorithm.kl_coef, old_logprobs_BT, ref_logprobs_BT)
     advantages_BT, returns_BT = gae(rewards_BT, old_values_BT, mask_BT, algorithm.gae_gamma, algorithm.gae_lambda)
     return whiten(advantages_BT, mask_BT), returns_BT, old_values_BT
+
+
+def mismatch_loss_mask(
+    old_logprobs_BT: torch.Tensor,
+    behavior_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    settings: MismatchConfig,
+    report: dict[str, Any],
+) -> torch.Tensor:
+    """The policy loss's mask: the response tokens, less those (or the sequences) whose pi_old / pi_behavior leaves
+    [low, high]. Reports the share of response tokens and of sequences masked (0 with masking off)."""
+    loss_mask_BT = mask_BT
+    if settings.level != "off":
+        ratio_BT = behavior_ratio(old_logprobs_BT, behavior_logprobs_BT, mask_BT, sequence=settings.level == "sequence")
+        loss_mask_BT = mismatch_mask(ratio_BT, mask_BT, settings.low, settings.high)
+    responses_B = mask_BT.any(1)
+    report["mismatch_masked"] = 1 - float(loss_mask_BT.sum()) / max(float(mask_BT.sum()), 1.0)
+    dropped = float((responses_B & ~loss_mask_BT.any(1)).sum())
+    report["mismatch_masked_sequences"] = dropped / max(float(responses_B.sum()), 1.0)
+    return loss_mask_BT
 
 
 def policy_update(
@@ -113,8 +144,16 @@ def policy_update(
     if len(batch.rewards_B) < parallel.world_size:  # nothing left that every rank could take a share of
         return {**report, "optimizer_steps": 0, "response_tokens": int(batch.response_mask_BT.sum())}
     mask_BT = batch.response_mask_BT
-    # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1.
-    old_logprobs_BT = frozen_logprobs(model, batch, temperature, settings.max_tokens_per_microbatch, parallel)
+    replay = algorithm.routing_replay == "rollout"
+    if replay and batch.routes_BTLK is None:
+        raise MoeloopError("algorithm.routing_replay rollout needs the engine's recorded routed_experts")
+    # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1. Its pass
+    # measures the routing agreement: pi_old is the policy the engine sampled with (at max_staleness 0), which the
+    # training forwards move away from.
+    old_health = RouterHealth(model.config.num_experts, model.config.num_experts_per_tok, parallel.device)
+    budget = settings.max_tokens_per_microbatch
+    old_logprobs_BT = frozen_logprobs(model, batch, temperature, budget, parallel, replay, old_health)
+    old_routing = old_health.report(distributed=parallel.world_size > 1)
     log_ratio_BT = ref_logprobs_BT - old_logprobs_BT
     report["kl"] = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT)
     # Engine vs trainer: mean |difference| and KL(behaviour || trainer), k3. With a stale behaviour policy
@@ -124,11 +163,13 @@ def policy_update(
     report["behavior_kl"] = masked_mean(torch.exp(behavior_gap_BT) - behavior_gap_BT - 1, mask_BT)
     weights_BT = None
     if algorithm.behavior_weight_cap is not None:
-        weights_BT, truncated_BT = behavior_weights(
-            old_logprobs_BT, batch.behavior_logprobs_BT, algorithm.behavior_weight_cap
+        ratio_BT = behavior_ratio(
+            old_logprobs_BT, batch.behavior_logprobs_BT, mask_BT, sequence=algorithm.importance_level != "token"
         )
+        weights_BT, truncated_BT = behavior_weights(ratio_BT, algorithm.behavior_weight_cap)
         report["behavior_weight_mean"] = masked_mean(weights_BT, mask_BT)
         report["behavior_weight_truncated"] = masked_mean(truncated_BT.to(weights_BT.dtype), mask_BT)
+    loss_mask_BT = mismatch_loss_mask(old_logprobs_BT, batch.behavior_logprobs_BT, mask_BT, algorithm.mismatch, report)
     if critic is None:
         advantages = group_advantages(batch.rewards_B, batch.group_ids_B, scale=algorithm.scale_rewards)
     else:
@@ -141,7 +182,13 @@ def policy_update(
     kl_reference_BT = ref_logprobs_BT if critic is None and algorithm.kl_coef > 0 else None
 
     schedule = minibatch_schedule(len(batch.rewards_B), settings, seed, parallel.world_size)
-    measured = actor_steps(model, optimizer, batch, schedule, advantages, old_logprobs_BT, weights_BT, kl_reference_BT, config, parallel)
+    measured = actor_steps(
+        model, optimizer, batch, schedule, advantages, old_logprobs_BT, weights_BT, kl_reference_BT, loss_mask_BT,
+        config, parallel,
+    )  # fmt: skip
+    report.update(measured.pop("router_health"))
+    if "routing_agreement" in old_routing:
+        report["routing_agreement"] = old_routing["routing_agreement"]
     if critic is not None:
         measured |= critic_steps(critic, batch, schedule, old_values_BT, returns_BT, config, parallel)
     report.update({name: sum(values) / len(values) for name, values in measured.items()})
@@ -161,16 +208,22 @@ def actor_steps(
     old_logprobs_BT: torch.Tensor,
     weights_BT: torch.Tensor | None,
     kl_reference_BT: torch.Tensor | None,
+    loss_mask_BT: torch.Tensor,
     config: MoeloopConfig,
     parallel: Parallel,
-) -> dict[str, list[float]]:
+) -> dict[str, Any]:
     """One clipped-surrogate step of the policy per minibatch of the schedule, with the routers' aux loss and, given
-    kl_reference_BT (GRPO with kl_coef > 0), the k3 KL to the reference in the loss."""
-    algorithm, temperature, mask_BT = config.algorithm, config.rollout.temperature, batch.response_mask_BT
-    measured: dict[str, list[float]] = defaultdict(list)
+    kl_reference_BT (GRPO with kl_coef > 0), the k3 KL to the reference in the loss. loss_mask_BT: the response
+    tokens the loss keeps (`mismatch_loss_mask`). With routing replay each forward routes as the engine did. Also
+    the routers' health over these forwards, under "router_health"."""
+    algorithm, temperature = config.algorithm, config.rollout.temperature
+    replay = algorithm.routing_replay == "rollout"
+    health = RouterHealth(model.config.num_experts, model.config.num_experts_per_tok, parallel.device)
+    measured: dict[str, Any] = defaultdict(list)
     model.train()
     for minibatch_rows in schedule:
-        num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
+        num_tokens = max(int(loss_mask_BT[minibatch_rows].sum()), 1)
+        num_sequences = max(int(loss_mask_BT[minibatch_rows].any(1).sum()), 1)  # masked-out sequences drop out
 
         def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
             logprobs_nT, router_logits_L = packed_token_logprobs(model, micro, temperature)
@@ -179,24 +232,30 @@ def actor_steps(
                 logprobs_nT,
                 old_logprobs_BT[rows],
                 advantages[rows],
-                mask_BT[rows],
+                loss_mask_BT[rows],
                 clip_low=algorithm.clip_eps,
                 clip_high=algorithm.clip_eps_high,
                 aggregation=algorithm.loss_aggregation,
                 max_length=config.rollout.max_new_tokens,
                 num_tokens=num_tokens,
-                num_sequences=len(minibatch_rows),  # noqa: B023 -- called in this iteration only
+                num_sequences=num_sequences,  # noqa: B023 -- called in this iteration only
                 weights_BT=weights_BT[rows] if weights_BT is not None else None,
                 ref_logprobs_BT=kl_reference_BT[rows] if kl_reference_BT is not None else None,
                 kl_coef=algorithm.kl_coef if kl_reference_BT is not None else 0.0,
+                importance_level=algorithm.importance_level,
             )
             # The microbatch's part of the minibatch's loss; its clip fraction is over its own tokens.
-            return terms.loss, router_logits_L, [terms.loss, terms.clip_fraction * mask_BT[rows].sum()]
+            return terms.loss, router_logits_L, [terms.loss, terms.clip_fraction * loss_mask_BT[rows].sum()]
 
-        grad_norm, (loss, clipped) = minibatch_step(model, optimizer, batch, minibatch_rows, loss_of, config, parallel)
+        grad_norm, (loss, clipped) = minibatch_step(
+            model, optimizer, batch, minibatch_rows, loss_of, config, parallel, replay, health
+        )
         measured["grad_norm"].append(grad_norm)
         measured["loss"].append(loss)
         measured["clip_fraction"].append(clipped / num_tokens)
+    health_report = health.report(distributed=parallel.world_size > 1)
+    health_report.pop("routing_agreement", None)  # measured on pi_old's pass (policy_update)
+    measured["router_health"] = health_report
     return measured
 
 

@@ -36,8 +36,13 @@ ROLLOUT_SCHEMA = pa.schema(
         ("finish_reason", pa.string()),  # "stop" or "length"
         ("policy_version", pa.int32()),  # iteration of the checkpoint that generated it
         ("engine", pa.string()),
+        # The engine's top-k experts per response token and MoE layer, flattened [token][layer][k]: those of the
+        # forward that sampled the token. Null where the engine did not record them (`rollout.record_routing`).
+        ("routed_experts", pa.list_(pa.uint16())),
     ]
 )
+# Columns that shards written before they existed lack: read as nulls.
+LATER_COLUMNS = {"routed_experts"}
 
 REWARD_SCHEMA = pa.schema(
     [
@@ -63,6 +68,9 @@ def parse_table(data: bytes, source: str, schema: pa.Schema) -> pa.Table:
     except (pa.ArrowInvalid, OSError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise MoeloopError(f"not a readable Parquet file: {source} ({reason})") from None
+    for index, column in enumerate(schema):
+        if column.name in LATER_COLUMNS and column.name not in table.schema.names and index == table.num_columns:
+            table = table.append_column(column, pa.nulls(table.num_rows, column.type))
     if not table.schema.equals(schema, check_metadata=False):
         raise MoeloopError(f"unexpected Parquet schema: {source}")
     return table

@@ -1,0 +1,132 @@
+"""The capacity planner against the loop: from one short calibration run, predict the iteration period of three
+longer runs whose shards, staleness and batch differ, then run them and compare.
+
+    python benchmarks/planner_validation.py [--calibration-iterations 4] [--iterations 8] [--engine vllm]
+
+Every run is the demo (configs/tiny.yaml) through `moeloop run`, with 10 SFT steps, 64 eval prompts and the
+local runner's defaults (2 slots on pinned cores, long-lived workers). The prediction is `moeloop plan
+CALIBRATION --target T --format json`, T stating only the other run's batch, shards and staleness; the measured
+period is the mean of `iteration_seconds` over each run's iterations after its first 2 + max_staleness. Prints
+Markdown. The run folders live in a temporary directory removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+# (name, rollout shards, max_staleness, prompts per iteration, samples per prompt)
+CALIBRATION = ("calibration", 1, 0, 192, 16)
+VALIDATION = (
+    ("two-shards", 2, 0, 256, 16),
+    ("ahead-by-one", 1, 1, 384, 8),
+    ("two-shards-ahead", 2, 1, 128, 16),
+)
+
+
+def write_config(folder: Path, run: tuple, iterations: int, engine: str) -> Path:
+    name, shards, staleness, prompts, samples = run
+    config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    config.update(run_name=f"plan-{name}", iterations=iterations)
+    config["task"] = {key: str(REPO / "configs" / path) for key, path in config["task"].items()}
+    config["model"]["sft"]["steps"] = 10  # the policy's quality does not matter here, only the steps' lengths
+    config["rollout"].update(
+        engine=engine,
+        num_shards=shards,
+        max_staleness=staleness,
+        prompts_per_iteration=prompts,
+        samples_per_prompt=samples,
+    )
+    config["eval"]["max_prompts"] = 64
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def moeloop(*args: str, environment: dict[str, str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "workflows.cli", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=REPO,
+        check=False,
+    )
+    if done.returncode:
+        raise SystemExit(f"moeloop {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def measured_period(run: Path, iterations: int, staleness: int) -> float:
+    metrics = [json.loads((run / "metrics" / f"iter-{i:06d}.json").read_text()) for i in range(1, iterations + 1)]
+    return statistics.mean(m["iteration_seconds"] for m in metrics[2 + staleness :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calibration-iterations", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--engine", default="vllm", choices=["transformers", "vllm"])
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="moeloop-plan-validation-") as temporary:
+        folder = Path(temporary)
+        environment = {**os.environ, "MOELOOP_CACHE": str(folder / "cache"), "PYTHONPATH": str(REPO)}
+        load = os.getloadavg()[0]
+        started = time.perf_counter()
+        calibration = write_config(folder, CALIBRATION, args.calibration_iterations, args.engine)
+        moeloop("run", str(calibration), "--root", str(folder / "runs"), "--no-progress", environment=environment)
+        calibration_run = folder / "runs" / f"plan-{CALIBRATION[0]}"
+        own = json.loads(moeloop("plan", str(calibration_run), "--format", "json", environment=environment))
+        rows = []
+        for run in VALIDATION:
+            name, shards, staleness, prompts, samples = run
+            target = folder / f"{name}-target.yaml"
+            target.write_text(
+                yaml.safe_dump(
+                    {
+                        "batch": {"prompts_per_iteration": prompts, "samples_per_prompt": samples},
+                        "search": {"rollout_shards": [shards], "staleness": [staleness]},
+                    }
+                )
+            )
+            plan = json.loads(
+                moeloop(
+                    "plan", str(calibration_run), "--target", str(target), "--format", "json", environment=environment
+                )
+            )
+            config = write_config(folder, run, args.iterations, args.engine)
+            moeloop("run", str(config), "--root", str(folder / "runs"), "--no-progress", environment=environment)
+            measured = measured_period(folder / "runs" / f"plan-{name}", args.iterations, staleness)
+            rows.append((run, plan["best"]["period_seconds"], plan["best"]["critical_path"], measured))
+        wall = time.perf_counter() - started
+
+    print(
+        f"calibration: {CALIBRATION[3]} prompts x {CALIBRATION[4]}, 1 shard, staleness 0,"
+        f" {args.calibration_iterations} iterations; its own period predicted"
+        f" {own['calibration']['predicted_period_seconds']:.2f} s, measured"
+        f" {own['calibration']['measured_period_seconds']:.2f} s. Engine {args.engine}, {os.cpu_count()} cores,"
+        f" 1-minute load {load:.1f} before and {os.getloadavg()[0]:.1f} after, {wall / 60:.1f} min in all.\n"
+    )
+    print("| run | shards | staleness | batch | predicted s | critical path | measured s | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (name, shards, staleness, prompts, samples), predicted, path, measured in rows:
+        error = (predicted - measured) / measured
+        print(
+            f"| {name} | {shards} | {staleness} | {prompts} x {samples} | {predicted:.2f} | {path} | {measured:.2f}"
+            f" | {error:+.1%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The capacity planner behind `moeloop plan`: see README.md in this folder."""

@@ -1,0 +1,156 @@
+"""The plan as a table (options, the best one, the run's own setup against its measured period, then every
+input with its source) or as JSON for scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from steps.capacity.memory import GIB
+from steps.capacity.options import Evaluated, Plan, pareto
+
+
+def _pools(plan: Plan, e: Evaluated) -> list[str]:
+    o, setup = e.option, plan.setup
+    if setup.local:
+        return [f"{o.rollout_shards} shard(s)", f"{o.train_gpus} process(es)", "-"]
+    per_shard = f"{o.rollout_shards} x {setup.gpus_per_shard} GPU"
+    reward = f"{o.reward_nodes * setup.prices.gpus} GPUs" if o.reward_nodes else "-"
+    return [
+        f"{per_shard}, {o.rollout_nodes} node(s)",
+        f"{o.train_gpus} GPUs, {o.train_nodes} node(s), EP {o.expert_parallel}",
+        reward,
+    ]
+
+
+def _row(plan: Plan, e: Evaluated) -> list[str]:
+    busy = " ".join(f"{pool} {share:.0%}" for pool, share in e.utilisation.items())
+    row = [
+        "*" if e is plan.best else "",
+        *_pools(plan, e),
+        str(e.option.staleness),
+        f"{e.period:.1f}",
+        e.critical_path,
+        busy,
+    ]
+    if e.cost_per_iteration is not None:
+        per_million = e.cost_per_iteration / plan.setup.tokens * 1e6
+        memory = f"{e.train_memory.total / GIB:.0f}/{plan.setup.gpu.memory_bytes / GIB:.0f}"
+        row += [f"{e.cost_per_iteration:.2f}", f"{per_million:.3f}", f"{e.spot_retry_seconds:.1f}", memory]
+    return row
+
+
+def _count(value: float) -> str:
+    return f"{value / 1e9:.3g}B" if value >= 1e9 else f"{value / 1e6:.3g}M"
+
+
+def _best_lines(plan: Plan) -> list[str]:
+    best, setup = plan.best, plan.setup
+    run = f"{best.period * setup.iterations / 3600:.2f} h for {setup.iterations} iterations"
+    if best.cost_per_iteration is not None:
+        run += f", ${best.cost_per_iteration * setup.iterations:,.0f}"
+    pools = ", ".join(p for p in _pools(plan, best) if p != "-")
+    lines = [
+        f"best ({plan.constraint}): {pools}, staleness {best.option.staleness}: {best.period:.1f} s/iteration, {run}",
+        "  step seconds: " + ", ".join(f"{step} {s:.1f}" for step, s in best.step_seconds.items()),
+    ]
+    if best.train_memory is not None:
+        terms = ", ".join(f"{name} {size / GIB:.1f}" for name, size in best.train_memory.terms.items())
+        lines.append(f"  train memory per GPU, GiB, at the {best.train_memory.moment}: {terms}")
+    return lines
+
+
+def plan_table(plan: Plan) -> str:
+    setup = plan.setup
+    counts, v = setup.counts, setup.value
+    where = (
+        "the local runner" if setup.local else f"{setup.gpu.name}, {setup.instance} ({setup.prices.gpus} GPUs a node)"
+    )
+    lines = [
+        f"plan for {setup.model}: {_count(counts.total)} parameters, {_count(counts.active)} active; on {where}",
+        *([] if setup.local else [f"prices: {setup.prices_source}"]),
+        (
+            f"batch: {v('prompts_per_iteration'):.0f} prompts x {v('samples_per_prompt'):.0f} samples of"
+            f" {v('prompt_tokens'):.0f} + {v('response_tokens'):.0f} tokens ({_count(setup.tokens)} tokens an"
+            f" iteration), {v('epochs'):.0f} epoch(s)"
+        ),
+        "",
+    ]
+    header = ["", "rollout", "train", "reward", "staleness", "period s", "critical path", "busy"]
+    if not setup.local:
+        header[1:3] = ["rollout (Spot)", "train (on demand)"]
+        header += ["$/iteration", "$/M tokens", "Spot retry s", "train GiB/GPU"]
+    shown = pareto(plan.evaluated)
+    rows = [header] + [_row(plan, e) for e in shown + ([] if plan.best in shown else [plan.best])]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.append(
+        f"{len(plan.evaluated)} options weighed; shown: those no other beats on both period and cost"
+        + (f"; {len(plan.unfit)} left out: their trainer fits no EP size on the GPU" if plan.unfit else "")
+    )
+    lines += ["", *_best_lines(plan)]
+    if plan.calibration is not None:
+        own, measured = plan.calibration
+        error = (own.period - measured.value) / measured.value if measured.value else float("nan")
+        lines += [
+            "",
+            (
+                f"the run's own setup ({', '.join(p for p in _pools(plan, own) if p != '-')}, staleness"
+                f" {own.option.staleness}): predicted {own.period:.2f} s an iteration, measured {measured.value:.2f} s"
+                f" ({error:+.0%}; {measured.source})"
+            ),
+        ]
+    lines += ["", "inputs:"] + [f"  {name} = {f.value:.4g} {f.unit}  [{f.source}]" for name, f in setup.figures.items()]
+    return "\n".join(lines)
+
+
+def _option_json(plan: Plan, e: Evaluated, front: list[Evaluated]) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        **vars(e.option),
+        "period_seconds": e.period,
+        "critical_path": e.critical_path,
+        "step_seconds": e.step_seconds,
+        "spot_retry_seconds": e.spot_retry_seconds,
+        "utilisation": e.utilisation,
+        "cost_per_iteration": e.cost_per_iteration,
+        "cost_per_million_tokens": None
+        if e.cost_per_iteration is None
+        else e.cost_per_iteration / plan.setup.tokens * 1e6,
+        "best": e is plan.best,
+        "pareto": e in front,
+    }
+    if e.train_memory is not None:
+        result["train_memory"] = {
+            "moment": e.train_memory.moment,
+            "bytes": e.train_memory.total,
+            "terms": e.train_memory.terms,
+        }
+    return result
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    setup, front = plan.setup, pareto(plan.evaluated)
+    counts = setup.counts
+    return {
+        "model": {
+            "source": setup.model,
+            "model_type": setup.shape.model_type,
+            "parameters": counts.total,
+            "active_parameters": counts.active,
+        },
+        "gpu": None if setup.local else setup.gpu.name,
+        "instance": setup.instance,
+        "gpus_per_shard": setup.gpus_per_shard,
+        "iterations": setup.iterations,
+        "tokens_per_iteration": setup.tokens,
+        "inputs": {name: vars(figure) for name, figure in setup.figures.items()},
+        "best": {"constraint": plan.constraint, **_option_json(plan, plan.best, front)},
+        "options": [_option_json(plan, e, front) for e in plan.evaluated],
+        "unfit": [vars(option) for option in plan.unfit],
+        "calibration": None
+        if plan.calibration is None
+        else {
+            "predicted_period_seconds": plan.calibration[0].period,
+            "measured_period_seconds": plan.calibration[1].value,
+            "measured": plan.calibration[1].source,
+        },
+    }

@@ -1,0 +1,124 @@
+"""The run's pictures, PNGs drawn headless (matplotlib's Agg) from its committed metrics files.
+
+- learning_curves.png: eval and train reward with KL on a second axis; logprob mismatch; clip fraction.
+- time_balance.png: per iteration, stacked bars of the steps' seconds and of the waits between them.
+- expert_load.png: the router's load imbalance per layer (`router/...` metrics holding "imbalance"), when the
+  metrics carry them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from steps.errors import MoeloopError
+from steps.observe.scalars import flatten
+
+# (label, path into an iteration's metrics): what a bar of the time balance stacks, in seconds.
+BALANCE = (
+    ("rollout", ("rollout_seconds",)),
+    ("reward", ("step_seconds", "reward")),
+    ("train", ("step_seconds", "train")),
+    ("publish", ("step_seconds", "publish")),
+    ("rollout wait", ("rollout_wait_seconds",)),
+    ("reward wait", ("wait_seconds", "reward")),
+    ("train wait", ("wait_seconds", "train")),
+)
+
+
+def pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise MoeloopError("plots need matplotlib: pip install 'moeloop[observe]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(plt: Any, figure: Any, path: Path) -> None:
+    """Atomically: a reader sees the old picture or the new one."""
+    for axes in figure.axes:
+        axes.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # iterations
+    partial = path.with_name(f".{path.name}.partial")
+    figure.savefig(partial, format="png", dpi=100)
+    plt.close(figure)
+    os.replace(partial, path)
+
+
+def series(all_metrics: list[dict[str, Any]], *path: str) -> tuple[list[int], list[float]]:
+    """(iterations, values) of one figure, where the iterations have it."""
+    points = []
+    for metrics in all_metrics:
+        value: Any = metrics
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            points.append((metrics["iteration"], float(value)))
+    return [i for i, _ in points], [v for _, v in points]
+
+
+def learning_curves(plt: Any, all_metrics: list[dict[str, Any]], path: Path) -> None:
+    figure, (rewards, mismatch, clipped) = plt.subplots(1, 3, figsize=(15, 4), layout="constrained")
+    rewards.plot(*series(all_metrics, "eval_reward_mean"), "o-", label="eval reward (greedy)")
+    rewards.plot(*series(all_metrics, "reward_mean"), "s-", label="train reward (sampled)")
+    rewards.set(xlabel="iteration", ylabel="reward", title="Rewards and KL")
+    kl = rewards.twinx()
+    kl.plot(*series(all_metrics, "kl"), "^--", color="tab:red", label="KL to reference")
+    kl.set_ylabel("KL")
+    lines = rewards.get_legend_handles_labels()[0] + kl.get_legend_handles_labels()[0]
+    rewards.legend(lines, [line.get_label() for line in lines], loc="best", fontsize="small")
+    mismatch.plot(*series(all_metrics, "logprob_mismatch"), "o-", label="engine vs trainer logprob")
+    mismatch.plot(*series(all_metrics, "behavior_kl"), "s-", label="behaviour KL")
+    mismatch.set(xlabel="iteration", title="Engine / trainer mismatch")
+    mismatch.legend(fontsize="small")
+    clipped.plot(*series(all_metrics, "clip_fraction"), "o-")
+    clipped.set(xlabel="iteration", ylabel="fraction of tokens", title="Clip fraction")
+    save(plt, figure, path)
+
+
+def time_balance(plt: Any, all_metrics: list[dict[str, Any]], path: Path) -> None:
+    figure, axes = plt.subplots(figsize=(9, 4), layout="constrained")
+    iterations = [m["iteration"] for m in all_metrics if m["iteration"] > 0]  # iteration 0 is the start
+    bottom = [0.0] * len(iterations)
+    for label, key in BALANCE:
+        found = dict(zip(*series(all_metrics, *key), strict=True))
+        heights = [found.get(i, 0.0) for i in iterations]
+        axes.bar(iterations, heights, bottom=bottom, label=label, hatch="//" if "wait" in label else None)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    axes.set(xlabel="iteration", ylabel="seconds", title="Where the time went (steps, then waits)")
+    axes.legend(fontsize="small", ncols=2)
+    save(plt, figure, path)
+
+
+def imbalance_series(all_metrics: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    flat = [(m["iteration"], flatten(m, "")) for m in all_metrics]
+    tags = sorted({t for _, f in flat for t in f if t.startswith("router/") and "imbalance" in t})
+    return {tag: ([i for i, f in flat if tag in f], [f[tag] for _, f in flat if tag in f]) for tag in tags}
+
+
+def expert_load(plt: Any, all_metrics: list[dict[str, Any]], path: Path) -> bool:
+    found = imbalance_series(all_metrics)
+    if not found:
+        return False
+    figure, axes = plt.subplots(figsize=(7, 4), layout="constrained")
+    for tag, (iterations, values) in found.items():
+        axes.plot(iterations, values, "o-", label=tag.removeprefix("router/"))
+    axes.set(xlabel="iteration", ylabel="max / mean tokens per expert - 1", title="Expert load imbalance")
+    axes.legend(fontsize="small")
+    save(plt, figure, path)
+    return True
+
+
+def write_plots(all_metrics: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """Every picture the metrics allow, into folder; returns the files written."""
+    plt = pyplot()
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [folder / "learning_curves.png", folder / "time_balance.png"]
+    learning_curves(plt, all_metrics, written[0])
+    time_balance(plt, all_metrics, written[1])
+    if expert_load(plt, all_metrics, folder / "expert_load.png"):
+        written.append(folder / "expert_load.png")
+    return written

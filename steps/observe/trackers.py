@@ -1,0 +1,143 @@
+"""The trackers of `observe.trackers`: where each committed iteration's scalars go.
+
+- tensorboard: one event file per iteration, <run>/tensorboard/events.out.tfevents.<iteration>.moeloop, written
+  whole (an atomic object, local or S3) from the committed files: a rewrite is the same bytes, so a retried step
+  adds no point. Needs no package (steps/observe/events.py); reading it takes TensorBoard.
+- mlflow: one MLflow run per moeloop run (tagged moeloop.run=<run URI>), created by the start step; a point
+  is logged only where that metric has none at the iteration yet.
+- wandb: one W&B run per moeloop run, its id derived from the run URI; offline mode needs no network.
+
+Each tracker's package is imported only when it is selected; `check_trackers` tells a missing one up front.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from steps.config import MoeloopConfig
+from steps.errors import MoeloopError
+from steps.observe.events import event_file
+from steps.observe.scalars import IterationScalars, iteration_scalars
+from steps.storage.backends import LocalBackend
+from steps.storage.manifest import TEMPORARY
+from steps.storage.run import RunStorage
+
+# The package each tracker imports (TensorBoard's files need none).
+PACKAGES = {"tensorboard": None, "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def check_trackers(config: MoeloopConfig) -> None:
+    """A one-line error for a selected tracker whose package is not installed, before anything runs."""
+    for name in config.observe.trackers:
+        package = PACKAGES[name]
+        if package and importlib.util.find_spec(package) is None:
+            raise MoeloopError(
+                f"observe.trackers selects {name}, but its package {package!r} is not installed"
+                " (pip install 'moeloop[observe]')"
+            )
+
+
+class TensorBoardFiles:
+    FOLDER = "tensorboard"
+
+    def __init__(self, storage: RunStorage, config: MoeloopConfig):
+        self.storage = storage
+
+    @classmethod
+    def name(cls, iteration: int) -> str:
+        return f"{cls.FOLDER}/events.out.tfevents.{iteration:06d}.moeloop"
+
+    def begin(self) -> None:
+        pass  # each iteration's file stands alone
+
+    def record(self, scalars: IterationScalars) -> None:
+        name = self.name(scalars.iteration)
+        if isinstance(self.storage.backend, LocalBackend):
+            # A local write killed midway leaves its temporary beside the file, and TensorBoard reads every file
+            # named *tfevents*: a whole one would repeat the points. Only this iteration's retry writes this name.
+            for leftover in self.storage.fs.glob(f"{self.storage.full(name)}{TEMPORARY}*"):
+                self.storage.fs.rm(leftover)
+        self.storage.write_bytes(name, event_file(scalars.iteration, scalars.wall_time, sorted(scalars.values.items())))
+
+
+def sync_tensorboard(run_uri: str, local_dir: Path) -> list[Path]:
+    """Copy the run's event files into local_dir (for `tensorboard --logdir`); files already there are kept."""
+    storage = RunStorage(run_uri)
+    storage.require_run()
+    local_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name, size in sorted(storage.sizes(TensorBoardFiles.FOLDER).items()):
+        target = local_dir / name
+        if target.exists() and target.stat().st_size == size:
+            continue  # an event file is written once, whole: same size, same file
+        temporary = target.with_name(f".{target.name}.partial")
+        temporary.write_bytes(storage.read_bytes(f"{TensorBoardFiles.FOLDER}/{name}"))
+        os.replace(temporary, target)
+        copied.append(target)
+    return copied
+
+
+class MLflowRun:
+    RUN_TAG = "moeloop.run"
+
+    def __init__(self, storage: RunStorage, config: MoeloopConfig):
+        settings = config.observe.mlflow
+        uri = settings.tracking_uri
+        if uri and ("://" not in uri or uri.startswith("file:")):
+            # MLflow 3 refuses a file store unless opted in; a local folder is what a laptop or a test has.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(uri)
+        self.experiment = settings.experiment or config.run_name
+        self.run_uri = storage.uri
+
+    def run_id(self) -> str:
+        """The MLflow run of this moeloop run, created (with its experiment) where there is none."""
+        experiment = self.client.get_experiment_by_name(self.experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(self.experiment)
+        quoted = self.run_uri.replace("'", "\\'")
+        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`{self.RUN_TAG}` = '{quoted}'")
+        if runs:
+            return min(runs, key=lambda r: r.info.start_time).info.run_id
+        run_name = os.path.basename(self.run_uri.rstrip("/"))
+        return self.client.create_run(experiment_id, tags={self.RUN_TAG: self.run_uri}, run_name=run_name).info.run_id
+
+    def begin(self) -> None:
+        self.run_id()
+
+    def record(self, scalars: IterationScalars) -> None:
+        from mlflow.entities import Metric
+
+        run_id = self.run_id()
+        timestamp = int(scalars.wall_time * 1000)
+        missing = [
+            Metric(tag, value, timestamp, scalars.iteration)
+            for tag, value in sorted(scalars.values.items())
+            if all(m.step != scalars.iteration for m in self.client.get_metric_history(run_id, tag))
+        ]
+        for first in range(0, len(missing), 1000):  # log_batch's limit
+            self.client.log_batch(run_id, metrics=missing[first : first + 1000])
+
+
+TRACKERS = {"tensorboard": TensorBoardFiles, "mlflow": MLflowRun}
+
+
+def open_trackers(storage: RunStorage, config: MoeloopConfig) -> list:
+    check_trackers(config)
+    return [TRACKERS[name](storage, config) for name in config.observe.trackers]
+
+
+def begin_trackers(storage: RunStorage, config: MoeloopConfig) -> None:
+    """The start step's part: the trackers' runs exist before any iteration records into them."""
+    for tracker in open_trackers(storage, config):
+        tracker.begin()
+
+
+def record_iteration(storage: RunStorage, config: MoeloopConfig, iteration: int) -> None:
+    """Send the iteration's committed metrics and reports to every selected tracker (safe to repeat)."""
+    scalars = iteration_scalars(storage, iteration, storage.read_json(storage.metrics(iteration)))
+    for tracker in open_trackers(storage, config):
+        tracker.record(scalars)

@@ -1,0 +1,72 @@
+"""The routers' health over the policy update's forwards: load imbalance per MoE layer, router entropy, and the
+agreement of the trainer's routing with the engine's recorded one. Plain numbers for the train report.
+
+- load imbalance of a layer: max over experts of the tokens routed to it / the mean over experts - 1 (0 is
+  perfectly balanced; E - 1 puts every token on one expert when top_k is 1), over the unpadded tokens of every
+  training forward of the update, all ranks' tokens together; `router_load_imbalance` is its mean over layers;
+- router entropy: the mean over unpadded tokens and layers of the entropy (nats) of the router's softmax;
+- routing agreement: the share of (token, layer) pairs with recorded engine routes whose top-k expert set the
+  trainer's own router picks, too, in pi_old's pass (the update measures it there: pi_old is the policy the
+  engine sampled with at max_staleness 0). Under routing replay the forward routes to the recorded experts, so
+  the agreement is that of the trainer's router logits (its unreplayed choice) with the engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class RouterHealth:
+    """Sums over the update's forwards; `report` all-reduces them once (collective: every rank calls it)."""
+
+    def __init__(self, num_experts: int, top_k: int, device: torch.device) -> None:
+        self.top_k = top_k
+        self.load_LE = torch.zeros(0, num_experts, dtype=torch.float64, device=device)  # layers: on the first add
+        # entropy sum, tokens (per layer), agreeing (token, layer) pairs, recorded (token, layer) pairs
+        self.sums_4 = torch.zeros(4, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def add(
+        self,
+        router_logits_L: tuple[torch.Tensor, ...],
+        attention_mask_bT: torch.Tensor,
+        routes_bTLK: torch.Tensor | None = None,
+        replayed: bool = False,
+    ) -> None:
+        """One forward's router logits ([b * T, E] per layer); routes_bTLK the engine's recorded experts per token
+        and layer (-1 where none), which the forward routed to where replayed."""
+        mask_t = attention_mask_bT.reshape(-1).bool()
+        if not len(self.load_LE):
+            self.load_LE = self.load_LE.new_zeros(len(router_logits_L), self.load_LE.shape[1])
+        for layer, logits_tE in enumerate(router_logits_L):
+            logits_nE = logits_tE.detach().float()[mask_t]
+            own_nK = torch.topk(logits_nE, self.top_k, dim=-1).indices
+            routed_nK = own_nK
+            if routes_bTLK is not None:
+                recorded_nK = routes_bTLK[:, :, layer].reshape(-1, self.top_k)[mask_t].long()
+                has_n = recorded_nK[:, 0] >= 0
+                same_n = (own_nK.sort(1).values == recorded_nK.sort(1).values).all(1)
+                self.sums_4[2] += (same_n & has_n).sum()
+                self.sums_4[3] += has_n.sum()
+                if replayed:
+                    routed_nK = torch.where(has_n.unsqueeze(1), recorded_nK, own_nK)
+            self.load_LE[layer] += torch.bincount(routed_nK.reshape(-1), minlength=self.load_LE.shape[1])
+            log_p_nE = F.log_softmax(logits_nE, dim=-1)
+            self.sums_4[0] += -(log_p_nE.exp() * log_p_nE).sum()
+        self.sums_4[1] += mask_t.sum()
+
+    def report(self, group: dist.ProcessGroup | None = None, distributed: bool = False) -> dict[str, float]:
+        summed = torch.cat([self.load_LE.reshape(-1), self.sums_4])
+        if distributed:
+            dist.all_reduce(summed, group=group)
+        load_LE = summed[: self.load_LE.numel()].view_as(self.load_LE)
+        entropy, tokens, agreeing, recorded = summed[self.load_LE.numel() :].tolist()
+        imbalance_L = load_LE.max(1).values / load_LE.mean(1).clamp(min=1e-12) - 1
+        report = {"router_load_imbalance": float(imbalance_L.mean())}
+        report.update({f"router_load_imbalance_layer_{layer}": float(v) for layer, v in enumerate(imbalance_L)})
+        report["router_entropy"] = entropy / max(tokens * len(load_LE), 1.0)
+        if recorded:
+            report["routing_agreement"] = agreeing / recorded
+        return report

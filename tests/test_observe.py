@@ -1,0 +1,217 @@
+"""Seeing a run: TensorBoard event files and MLflow runs rebuilt from the committed metrics, read back with
+TensorBoard's and MLflow's own readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from steps.config import MoeloopConfig
+from steps.errors import MoeloopError
+from steps.observe.events import masked_crc32c
+from steps.observe.scalars import flatten, iteration_scalars
+from steps.observe.trackers import TensorBoardFiles, check_trackers, record_iteration, sync_tensorboard
+from steps.publish import publish
+from steps.reward import reward
+from steps.rollout import rollout
+from steps.start import start
+from steps.storage.backends import CRASH_AFTER_WRITES
+from steps.storage.manifest import TEMPORARY
+from steps.storage.run import RunStorage
+from steps.train import train
+from tests.conftest import REPO, SMALL_TRANSFORMERS_ROLLOUT, small_config
+from workflows.dag import run_uri
+from workflows.local import run_local
+
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+
+def as_float32(value: float) -> float:
+    """TensorBoard's simple_value is a float32."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def tensorboard_points(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    accumulator = event_accumulator.EventAccumulator(str(folder), size_guidance={event_accumulator.SCALARS: 0})
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def expected_scalars(storage: RunStorage, iterations: int) -> dict[int, dict[str, float]]:
+    return {
+        i: iteration_scalars(storage, i, storage.read_json(storage.metrics(i))).values for i in range(iterations + 1)
+    }
+
+
+def assert_one_point_each(points: dict[str, list[tuple[int, float]]], expected: dict[int, dict[str, float]]) -> None:
+    for tag, series in points.items():
+        assert max(Counter(step for step, _ in series).values()) == 1, tag
+    got = {(tag, step): value for tag, series in points.items() for step, value in series}
+    want = {(tag, i): as_float32(value) for i, values in expected.items() for tag, value in values.items()}
+    assert got == want
+
+
+def test_crc32c_and_flatten() -> None:
+    # CRC-32C's check value, masked as TFRecord does.
+    crc = 0xE3069283
+    assert masked_crc32c(b"123456789") == (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    assert flatten({"a": 1, "b": {"c": 0.5, "d": None, "e": "x", "f": True}, "g": [2.0, {"h": 3}]}, "") == {
+        "a": 1.0,
+        "b/c": 0.5,
+        "g/0": 2.0,
+        "g/1/h": 3.0,
+    }
+
+
+def test_a_missing_tracker_package_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    config = small_config(iterations=1, observe={"trackers": ["tensorboard", "mlflow"]})
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "mlflow" else find_spec(name))
+    with pytest.raises(MoeloopError, match=r"^observe.trackers selects mlflow, but its package 'mlflow' is not"):
+        check_trackers(config)
+    with pytest.raises(ValueError, match="more than once"):
+        MoeloopConfig.model_validate({**config.model_dump(), "observe": {"trackers": ["mlflow", "mlflow"]}})
+
+
+@pytest.mark.slow
+def test_killed_and_rerun_evaluation_leaves_one_point_per_tag_and_iteration(run_root: Path, tmp_path: Path) -> None:
+    mlflow_client = pytest.importorskip("mlflow.tracking")
+    store = f"file://{tmp_path / 'mlruns'}"
+    observe = {"trackers": ["tensorboard", "mlflow"], "mlflow": {"tracking_uri": store}}
+    config = small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT, observe=observe)
+    uri = run_uri(config, str(run_root))
+    run_local(config, uri, tmp_path / "logs", progress=False)
+
+    # Iteration 3 by hand, then its evaluation killed after each of its writes in turn, and run once more.
+    longer = config.model_copy(update={"iterations": 3})
+    start(uri, longer)
+    for shard in range(config.rollout.num_shards):
+        rollout(uri, 3, shard, config.rollout.num_shards)
+    reward(uri, 3)
+    train(uri, 3)
+    publish(uri, 3)
+    storage = RunStorage(uri)
+    command = [sys.executable, "-m", "steps.evaluate", "--run", uri, "--iteration", "3"]
+    for writes in range(1, 10):
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", CRASH_AFTER_WRITES: str(writes)}
+        crashed = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
+        if crashed.returncode == 0:
+            break
+        assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+    else:
+        pytest.fail("evaluate never finished")
+    assert writes >= 3  # it was killed after its report, and after its metrics (before TensorBoard saw them)
+    # A leftover of a write killed midway is cleared by the retry (TensorBoard would read it).
+    leftover = run_root / config.run_name / f"{TensorBoardFiles.name(3)}{TEMPORARY}0123abcd"
+    leftover.write_bytes((run_root / config.run_name / TensorBoardFiles.name(3)).read_bytes())
+    subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True)
+    assert not leftover.exists()
+
+    expected = expected_scalars(storage, 3)
+    assert {"eval_reward_mean", "kl", "step_seconds/train", "step/train/grad_norm"} <= set(expected[3])
+    assert expected[3]["eval_reward_mean"] == storage.read_json(storage.metrics(3))["eval_reward_mean"]
+    assert_one_point_each(tensorboard_points(run_root / config.run_name / "tensorboard"), expected)
+
+    client = mlflow_client.MlflowClient(store)
+    experiment = client.get_experiment_by_name(config.run_name)
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.data.tags["moeloop.run"] == uri
+    for tag in expected[3]:
+        history = client.get_metric_history(run.info.run_id, tag)
+        assert sorted(m.step for m in history) == [i for i in range(4) if tag in expected[i]], tag
+        assert {m.step: m.value for m in history} == {i: v[tag] for i, v in expected.items() if tag in v}
+
+
+def test_s3_event_files_sync_for_tensorboard(s3_run_root: str, run_root: Path, tmp_path: Path) -> None:
+    """On S3 the event files are objects of the run; `moeloop sync` copies them where TensorBoard reads them."""
+    config = small_config(iterations=1)
+    uri = run_uri(config, s3_run_root)
+    storage = RunStorage(uri)
+    storage.write_bytes(RunStorage.CONFIG, b"run_name: x\n")  # a run, as far as sync asks
+    for iteration, seconds in ((0, 2.5), (1, 4.0)):
+        report = {"seconds": seconds, "started_at": 100.0 + iteration, "ended_at": 102.5 + iteration}
+        storage.write_json(storage.report(iteration, "evaluate"), report)
+        storage.write_json(storage.metrics(iteration), {"iteration": iteration, "eval_reward_mean": 0.1 * iteration})
+        record_iteration(storage, config, iteration)
+    record_iteration(storage, config, 1)  # a retry
+    local = tmp_path / "tensorboard"
+    assert [p.name for p in sync_tensorboard(uri, local)] == [
+        "events.out.tfevents.000000.moeloop",
+        "events.out.tfevents.000001.moeloop",
+    ]
+    assert sync_tensorboard(uri, local) == []  # nothing new
+    assert_one_point_each(tensorboard_points(local), expected_scalars(storage, 1))
+
+
+def rendered_metric_names(config: MoeloopConfig) -> set[str]:
+    from workflows.render import build
+
+    templates = build(config, "s3://bucket/runs/x").template.to_dict()["spec"]["templates"]
+    return {g["name"] for t in templates for g in t.get("metrics", {}).get("prometheus", [])}
+
+
+def test_step_templates_emit_their_figures_and_the_dashboard_queries_only_those() -> None:
+    from workflows.render import build
+
+    config = small_config(iterations=1)
+    document = build(config, "s3://bucket/runs/x").template.to_dict()
+    templates = {t["name"]: t for t in document["spec"]["templates"]}
+    [loss] = [g for g in templates["train"]["metrics"]["prometheus"] if g["name"] == "moeloop_train_loss"]
+    assert loss["gauge"]["value"] == "{{outputs.parameters.loss}}"
+    iteration = {"key": "iteration", "value": "{{inputs.parameters.iteration}}"}
+    assert loss["labels"] == [{"key": "run", "value": config.run_name}, iteration]
+    assert "moeloop_rollout_engine" not in rendered_metric_names(config)  # text, not a figure
+    annotations = document["spec"]["workflowMetadata"]["annotations"]
+    tensorboard = "https://s3.console.aws.amazon.com/s3/buckets/bucket?prefix=runs/x/tensorboard/"
+    assert annotations["moeloop-tensorboard"] == tensorboard
+
+    dashboard = json.loads((REPO / "manifests" / "monitoring" / "grafana-dashboard.json").read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    named = {name for q in queries for name in re.findall(r"\bmoeloop_[a-z_]+", q)}
+    assert named and named <= rendered_metric_names(config), named - rendered_metric_names(config)
+
+
+def test_report_plot_writes_pngs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from steps.observe.plots import write_plots
+
+    metrics = [{"iteration": 0, "eval_reward_mean": 0.4}] + [
+        {
+            "iteration": i,
+            "eval_reward_mean": 0.4 + 0.1 * i,
+            "reward_mean": 0.3 + 0.1 * i,
+            "kl": 0.01 * i,
+            "logprob_mismatch": 0.001,
+            "clip_fraction": 0.05,
+            "rollout_seconds": 3.0,
+            "step_seconds": {"reward": 0.2, "train": 2.0, "publish": 0.5},
+            "wait_seconds": {"reward": 0.1, "train": 0.0},
+            "rollout_wait_seconds": 1.0,
+            "router": {"load_imbalance": [0.5 / i, 0.3]},
+        }
+        for i in (1, 2, 3)
+    ]
+    written = write_plots(metrics, tmp_path / "plots")
+    assert [p.name for p in written] == ["learning_curves.png", "time_balance.png", "expert_load.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") and p.stat().st_size > 10_000 for p in written)
+    assert write_plots([m for m in metrics if "router" not in m], tmp_path / "few")[-1].name == "time_balance.png"
+
+
+def test_overall_eta_is_the_measured_pace_times_the_iterations_left() -> None:
+    from workflows.local import overall_eta
+
+    assert overall_eta(elapsed=120.0, done=2, total=10) == "0:08:00"
+    assert overall_eta(elapsed=3700.0, done=1, total=2) == "1:01:40"
+    assert overall_eta(elapsed=50.0, done=5, total=5) == "0:00:00"

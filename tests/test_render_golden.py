@@ -1,0 +1,56 @@
+"""The render of the shipped configs against the golden renders committed in tests/golden/ (so a change to the
+render shows in review as a YAML diff), and the render and lint of a 10,000-iteration target staying fast.
+
+MOELOOP_REGENERATE_GOLDEN=1 rewrites the golden renders from the current code; review the diff, then commit."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import resource
+import shutil
+from pathlib import Path
+
+import pytest
+
+from steps.config import load_config
+from tests.argo_stand_in import moeloop
+from tests.conftest import REPO
+from workflows.dag import run_uri
+from workflows.render import FILES, build, write_rendered
+
+GOLDEN = REPO / "tests" / "golden"
+REGENERATE_ENV = "MOELOOP_REGENERATE_GOLDEN"
+RENDER_SECONDS = 2.0
+
+
+@pytest.mark.parametrize("name", ["tiny", "eks"])
+def test_the_render_of_a_shipped_config_is_its_golden_render(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`moeloop render configs/<name>.yaml -o DIR`, run from the repository root, writes exactly these files."""
+    monkeypatch.chdir(REPO)  # the prompt paths become relative to it, as for the pods
+    config = load_config(REPO / "configs" / f"{name}.yaml")
+    written = write_rendered(build(config, run_uri(config)), tmp_path)
+    golden = GOLDEN / name
+    if os.environ.get(REGENERATE_ENV):
+        golden.mkdir(parents=True, exist_ok=True)
+        for path in written:
+            shutil.copyfile(path, golden / path.name)
+    assert sorted(p.name for p in golden.iterdir()) == sorted(FILES)
+    for path in written:
+        expected = (golden / path.name).read_text().splitlines(keepends=True)
+        diff = list(difflib.unified_diff(expected, path.read_text().splitlines(keepends=True), str(golden / path.name), "render"))
+        assert not diff, f"the render differs from {golden / path.name} (set {REGENERATE_ENV}=1 to accept):\n" + "".join(diff[:60])
+
+
+def test_ten_thousand_iterations_render_and_lint_in_under_two_seconds(tmp_path: Path) -> None:
+    """The CLI as a user runs it, in fresh processes; measured in CPU seconds, which other jobs on the machine
+    do not add to as they do to wall-clock time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rendered = moeloop("render", "configs/tiny.yaml", "--iterations", "10000", "-o", str(tmp_path / "out"))
+    linted = moeloop("lint", str(tmp_path / "out"))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert (rendered.returncode, linted.returncode) == (0, 0), rendered.stderr + linted.stderr
+    seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert seconds < RENDER_SECONDS, f"render and lint took {seconds:.2f} CPU seconds"

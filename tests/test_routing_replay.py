@@ -1,0 +1,241 @@
+"""Rollout routing replay: the transformers engine records each response token's experts, the rollout shard
+stores them, and the trainer's MoE blocks route to them (steps/moe.py:replaying), in one process and under EP = 2
+on gloo (processes spawned here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import Qwen3MoeForCausalLM
+
+from steps.engines.engine import Sampling, TransformersEngine
+from steps.errors import MoeloopError
+from steps.model.moe import MoeBlock, replaying
+from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
+from steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
+from steps.rl.router_health import RouterHealth
+from steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
+from tests.test_moe import TOP_K, tiny_config
+from tests.test_moe_ep import run_ranks
+
+PROMPTS = [[2, 3, 4], [5, 6], [7, 8, 9, 10]]
+
+
+def save_models(folder: Path) -> tuple[Path, Path]:
+    """A random tiny policy, and a copy whose routers are perturbed enough that some tokens route elsewhere."""
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(tiny_config())
+    tokenizer = build_tokenizer(["abc"])
+    save_policy(model, tokenizer, folder / "policy")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.add_(0.5 * parameter.std() * torch.randn_like(parameter))
+    save_policy(model, tokenizer, folder / "perturbed")
+    return folder / "policy", folder / "perturbed"
+
+
+def recorded_batch(checkpoint: Path) -> ExperienceBatch:
+    """Two samples per prompt from the transformers engine on checkpoint, with their routes, packed for the trainer."""
+    engine = TransformersEngine(checkpoint)
+    sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=0, record_routing=True)
+    generated = zip(PROMPTS, engine.generate(PROMPTS, sampling), strict=True)
+    samples = [(prompt, completion) for prompt, completions in generated for completion in completions]
+    for _, completion in samples:
+        assert len(completion.routed_experts) == len(completion.token_ids) * 2 * TOP_K  # 2 MoE layers
+    rollouts = {
+        "prompt_token_ids": [p for p, _ in samples],
+        "response_token_ids": [c.token_ids for _, c in samples],
+        "behavior_logprobs": [c.logprobs for _, c in samples],
+        "routed_experts": [c.routed_experts for _, c in samples],
+        "sample_id": [f"s{i}" for i in range(len(samples))],
+        "prompt_id": [i // 2 for i in range(len(samples))],
+    }
+    assert recorded_routes(rollouts)
+    return experience_batch(rollouts, {f"s{i}": 0.0 for i in range(len(samples))}, top_k=TOP_K)
+
+
+def trainer(checkpoint: Path, dispatcher: str = "auto", ep_group=None) -> torch.nn.Module:
+    return load_policy_shard(checkpoint, dispatcher, "grouped_mm", ep_group, torch.device("cpu"))[0]
+
+
+def agreement(model: torch.nn.Module, batch: ExperienceBatch) -> float:
+    health = RouterHealth(model.config.num_experts, TOP_K, torch.device("cpu"))
+    with torch.no_grad():
+        _, router_logits_L = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
+    health.add(router_logits_L, batch.attention_mask_BT, batch.routes_BTLK)
+    return health.report()["routing_agreement"]
+
+
+def record_dispatches(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every (experts, weights) the model's MoE blocks hand their dispatcher, in call order (layer order)."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for dispatcher in {id(m.dispatcher): m.dispatcher for m in model.modules() if isinstance(m, MoeBlock)}.values():
+        dispatch = dispatcher.dispatch
+
+        def recording(x_TH, topk_idx_TK, topk_weights_TK, dispatch=dispatch):
+            calls.append((topk_idx_TK.detach().clone(), topk_weights_TK.detach().clone()))
+            return dispatch(x_TH, topk_idx_TK, topk_weights_TK)
+
+        dispatcher.dispatch = recording
+    return calls
+
+
+def test_routes_of_the_same_model_replay_to_the_same_forward_exactly(tmp_path: Path) -> None:
+    policy, _ = save_models(tmp_path)
+    batch = recorded_batch(policy)
+    # Recorded at the position whose forward sampled each response token: the trainer's own top-k there agrees.
+    model = trainer(policy).eval()
+    assert agreement(model, batch) == 1.0
+    assert int((batch.routes_BTLK[..., 0] >= 0).sum()) == int(batch.response_mask_BT.sum()) * 2
+    with torch.no_grad():
+        free_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+        with replaying(model, batch.routes_BTLK):
+            replayed_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+    assert torch.equal(replayed_BTV, free_BTV)
+    assert all(m.replay_TK is None for m in model.modules() if isinstance(m, MoeBlock))  # the context cleans up
+
+
+def expected_routing(routes_TK: torch.Tensor, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recorded experts where there are some, the router's own top-k elsewhere; weights from this router's
+    softmax at those experts, renormalised (tiny_config has norm_topk_prob)."""
+    own_TK = torch.topk(logits_TE, TOP_K, dim=-1).indices
+    experts_TK = torch.where(routes_TK >= 0, routes_TK, own_TK)
+    weights_TK = torch.softmax(logits_TE.float(), dim=-1).gather(1, experts_TK)
+    return experts_TK, weights_TK / weights_TK.sum(1, keepdim=True)
+
+
+def test_a_perturbed_models_routes_are_used_token_by_token_and_the_router_still_learns(tmp_path: Path) -> None:
+    policy, perturbed = save_models(tmp_path)
+    batch = recorded_batch(perturbed)
+    model = trainer(policy).train()
+    assert agreement(model, batch) < 0.95  # the perturbed routers do pick other experts
+    calls = record_dispatches(model)
+    with replaying(model, batch.routes_BTLK):
+        logprobs_BT, router_logits_L = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
+    assert len(calls) == len(router_logits_L) == 2
+    for layer, ((experts_TK, weights_TK), logits_TE) in enumerate(zip(calls, router_logits_L, strict=True)):
+        routes_TK = batch.routes_BTLK[:, :, layer].reshape(-1, TOP_K)
+        want_experts_TK, want_weights_TK = expected_routing(routes_TK, logits_TE.detach())
+        assert torch.equal(experts_TK, want_experts_TK), layer
+        torch.testing.assert_close(weights_TK, want_weights_TK, rtol=1e-6, atol=1e-7)
+    (-logprobs_BT[batch.response_mask_BT].sum()).backward()
+    gates = [m.gate.weight for m in model.modules() if isinstance(m, MoeBlock)]
+    assert all(gate.grad is not None and gate.grad.abs().sum() > 0 for gate in gates)
+
+
+def check_replay_under_ep(rank: int, world_size: int, policy: Path, batch: ExperienceBatch, want: dict) -> None:
+    model = trainer(policy, "all_to_all", dist.group.WORLD).train()
+    rows = torch.arange(len(batch.input_ids_BT)).tensor_split(world_size)[rank]
+    calls = record_dispatches(model)
+    routes_bTLK = batch.routes_BTLK[rows]
+    with replaying(model, routes_bTLK):
+        logprobs_bT, router_logits_L = token_logprobs(model, batch.input_ids_BT[rows], batch.attention_mask_BT[rows])
+    torch.testing.assert_close(logprobs_bT, want["logprobs_BT"][rows], rtol=1e-5, atol=1e-5)
+    for layer, ((experts_TK, _), logits_TE) in enumerate(zip(calls, router_logits_L, strict=True)):
+        want_experts_TK, _ = expected_routing(routes_bTLK[:, :, layer].reshape(-1, TOP_K), logits_TE.detach())
+        assert torch.equal(experts_TK, want_experts_TK), layer
+    (-logprobs_bT[batch.response_mask_BT[rows]].sum()).backward()
+    gates = [m.gate.weight for m in model.modules() if isinstance(m, MoeBlock)]
+    for gate, want_grad in zip(gates, want["gate_grads"], strict=True):
+        dist.all_reduce(gate.grad)  # the routers are replicated: their gradient is the sum over the ranks' tokens
+        torch.testing.assert_close(gate.grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_replay_under_ep2_routes_every_rank_to_the_recorded_experts(tmp_path: Path) -> None:
+    policy, perturbed = save_models(tmp_path)
+    batch = recorded_batch(perturbed)
+    model = trainer(policy).train()
+    with replaying(model, batch.routes_BTLK):
+        logprobs_BT, _ = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
+    (-logprobs_BT[batch.response_mask_BT].sum()).backward()
+    want = {
+        "logprobs_BT": logprobs_BT.detach(),
+        "gate_grads": [m.gate.weight.grad for m in model.modules() if isinstance(m, MoeBlock)],
+    }
+    run_ranks(check_replay_under_ep, 2, tmp_path, policy, batch, want)
+
+
+def old_shard_bytes() -> bytes:
+    """A shard as written before the routed_experts column existed."""
+    old_schema = pa.schema([field for field in ROLLOUT_SCHEMA if field.name != "routed_experts"])
+    row = {
+        "sample_id": ["1-0-0"], "iteration": [1], "shard": [0], "prompt_id": [0], "sample_index": [0],
+        "prompt_text": ["ab"], "prompt_token_ids": [[2, 3]], "response_token_ids": [[4, 1]], "response_text": ["c"],
+        "behavior_logprobs": [[-0.5, -0.1]], "finish_reason": ["stop"], "policy_version": [0],
+        "engine": ["transformers"],
+    }  # fmt: skip
+    return table_bytes(pa.table(row, schema=old_schema))
+
+
+def test_old_shards_read_without_routes_and_replay_refuses_them_naming_the_column(tmp_path: Path) -> None:
+    from steps.rl.update import policy_update
+    from tests.conftest import small_config
+
+    table = parse_table(old_shard_bytes(), "old.parquet", ROLLOUT_SCHEMA)
+    assert table.schema.equals(ROLLOUT_SCHEMA) and table["routed_experts"].null_count == 1
+    rollouts = table.to_pydict()
+    assert not recorded_routes(rollouts)
+    batch = experience_batch(rollouts, {"1-0-0": 1.0})
+    assert batch.routes_BTLK is None
+    config = small_config(iterations=1, algorithm={"routing_replay": "rollout"})
+    policy, _ = save_models(tmp_path)
+    with pytest.raises(MoeloopError, match="routed_experts"):
+        policy_update(trainer(policy), batch.behavior_logprobs_BT, None, batch, config, seed=0)
+
+
+def test_the_shard_schema_stores_routes_per_token() -> None:
+    """A row's routes survive the Parquet round trip as uint16; the measured size per token is in the README."""
+    routes = [3, 0, 1, 2, 7, 6, 5, 4]  # 2 tokens x 2 layers x top 2
+    columns = {name: [None] for name in ROLLOUT_SCHEMA.names}
+    columns.update(sample_id=["1-0-0"], iteration=[1], shard=[0], routed_experts=[routes])
+    read = parse_table(table_bytes(pa.table(columns, schema=ROLLOUT_SCHEMA)), "new.parquet", ROLLOUT_SCHEMA)
+    assert read["routed_experts"].to_pylist() == [routes]
+
+
+@pytest.mark.slow
+def test_a_replayed_gspo_run_records_stores_and_replays_the_routes(run_root: Path, tmp_path: Path) -> None:
+    """One iteration through the local runner: the transformers engine records, the shards hold the column, and
+    the train step replays it (GSPO-token, token masking), reporting the routers' health and the masked share."""
+    from steps.storage.experience import read_rollouts
+    from steps.storage.run import RunStorage
+    from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
+    from workflows.dag import run_uri
+    from workflows.local import run_local
+
+    algorithm = {"routing_replay": "rollout", "importance_level": "sequence_token", "mismatch": {"level": "token"}}
+    config = small_config(iterations=1, rollout=SMALL_TRANSFORMERS_ROLLOUT, algorithm=algorithm)
+    uri = run_uri(config, str(run_root))
+    run_local(config, uri, tmp_path / "logs", progress=False)
+    storage = RunStorage(uri)
+    rollouts = read_rollouts(storage, 1, config.rollout.num_shards).to_pydict()
+    for response, routes in zip(rollouts["response_token_ids"], rollouts["routed_experts"], strict=True):
+        shape = config.model.tiny
+        assert len(routes) == len(response) * shape.num_hidden_layers * shape.num_experts_per_tok
+    train = storage.read_json(storage.report(1, "train"))
+    # Engine and trainer both fp32 on the same checkpoint (pi_old's pass): their routers agree but for near-ties.
+    assert train["routing_agreement"] > 0.95 and 0 <= train["mismatch_masked"] < 0.05
+    metrics = storage.read_json(storage.metrics(1))
+    assert metrics["router"]["routing_agreement"] == train["routing_agreement"]
+    assert metrics["router"]["load_imbalance"] == train["router_load_imbalance"] >= 0
+    assert metrics["mismatch_masked"] == train["mismatch_masked"]
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [{"algorithm": {"routing_replay": "rollout"}}, {"rollout": {"record_routing": True, "engine": "vllm"}}],
+    ids=["replay", "record"],
+)
+def test_recording_routes_with_the_vllm_engine_is_refused_in_one_line(sections: dict) -> None:
+    from steps.config import parse_config
+    from tests.test_importance import BASE
+
+    data = {**BASE, **sections, "rollout": {"engine": "vllm", **sections.get("rollout", {})}}
+    with pytest.raises(MoeloopError, match="need the transformers engine") as error:
+        parse_config(data, "c.yaml")
+    assert "\n" not in str(error.value)
