@@ -222,6 +222,9 @@ class TrainerConfig(Strict):
     max_tokens_per_microbatch: int = Field(16384, gt=0)
     # AdamW's moments in host memory (steps/rl/offload.py): 8 bytes per parameter less on the GPU.
     offload_optimizer: bool = False
+    # The GPU memory of one trainer process: start and train refuse a config whose predicted peak exceeds it
+    # (steps/capacity/memory.py), before loading any weight. None: no check.
+    gpu_memory_bytes: int | None = Field(None, gt=0)
 
     def compute_precision(self, cuda: bool) -> Literal["bf16", "fp32"]:
         if self.precision == "auto":

@@ -20,10 +20,19 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
+from steps.capacity.memory import refuse_unfit_trainer
 from steps.common import print_json, quiet_libraries, step_parser, write_report
 from steps.config import MoeloopConfig, SFTConfig, load_config, parse_config
 from steps.errors import MoeloopError, run_cli
-from steps.model.policy import build_tiny_model, build_tokenizer, load_policy, pack_sequences, save_policy, token_logprobs
+from steps.model.policy import (
+    build_tiny_model,
+    build_tokenizer,
+    load_policy,
+    pack_sequences,
+    save_policy,
+    tiny_model_config,
+    token_logprobs,
+)
 from steps.observe.trackers import begin_trackers, check_trackers
 from steps.rewards.models import adopt_reward_models, check_reward_models
 from steps.storage.cache import cache_root, fetch_verified, local_scratch
@@ -174,18 +183,38 @@ def starting_policy(
         if first_found is not None:
             record_model_source(storage, uri, first_found)
         return model, tokenizer, {"source": uri}
-    texts = [r["prompt"] + r.get("answer", "") for r in train + evaluation]
-    tokenizer = build_tokenizer(texts)
+    tokenizer = demo_tokenizer(train, evaluation)
     model = build_tiny_model(config.model.tiny, tokenizer, seed=config.seed)
     losses = sft(model, tokenizer, train, config.model.sft, seed=config.seed)
     tail = losses[-20:] or [float("nan")]
     return model, tokenizer, {"source": "tiny+sft", "sft_steps": len(losses), "sft_loss": sum(tail) / len(tail)}
 
 
+def demo_tokenizer(train: list[dict], evaluation: list[dict]) -> Any:
+    return build_tokenizer([r["prompt"] + r.get("answer", "") for r in train + evaluation])
+
+
+def refuse_unfit_trainer_of(config: MoeloopConfig, train: list[dict], evaluation: list[dict]) -> None:
+    """The trainer's memory check (steps/capacity/memory.py) for the starting policy's architecture, read from
+    model.checkpoint's config.json or made for the tiny model: no weight is loaded, nothing written."""
+    if config.trainer.gpu_memory_bytes is None:
+        return
+    if config.model.checkpoint is None:
+        hf_config = tiny_model_config(config.model.tiny, demo_tokenizer(train, evaluation)).to_dict()
+    else:
+        source, folder = source_folder(config.model.checkpoint)
+        try:
+            hf_config = json.loads(source.read_bytes(f"{folder}/config.json"))
+        except (MoeloopError, json.JSONDecodeError) as error:
+            raise MoeloopError(f"model.checkpoint {config.model.checkpoint}: no readable config.json ({error})") from None
+    refuse_unfit_trainer(config.trainer, hf_config, "model")
+
+
 def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
     # Read every input before writing anything, so bad input leaves nothing behind.
     train = read_prompt_file(config.task.train_prompts)
     evaluation = read_prompt_file(config.task.eval_prompts)
+    refuse_unfit_trainer_of(config, train, evaluation)
     check_reward_models(config.reward.models)
     check_trackers(config)
     storage = RunStorage(run_uri)

@@ -15,6 +15,7 @@ the experts gathered, so the storage layout and publish are unchanged.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from steps.capacity.memory import refuse_unfit_trainer
 from steps.common import (
     already_committed,
     derive_seed,
@@ -92,6 +94,8 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
     output = storage.trainer_state(iteration)
     if storage.is_committed(output):
         return already_committed(storage, output)
+    checkpoint_config = json.loads((fetch_checkpoint(storage, 0) / "config.json").read_text())
+    refuse_unfit_trainer(config.trainer, checkpoint_config, "checkpoint 0")  # before any weight is loaded
     parallel = init_parallel(config.trainer)
     try:
         with local_scratch() as scratch:

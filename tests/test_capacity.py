@@ -86,7 +86,7 @@ def test_memory_terms_by_hand() -> None:
     assert memory.terms["adam_moments"] == int(2 * FP32 * shard)
     assert memory.terms["reference_policy"] == int(BF16 * shard)
     assert memory.terms["gathered_layers"] == int(2 * BF16 * layer)
-    assert memory.terms["logits"] == 4096 * 32000 * (2 + 4 + 4)
+    assert memory.terms["logits"] == 4096 * 32000 * (2 + 4 + 4) + 4 * 32000 * 4096  # a chunk, and the head's fp32 grad
     # Checkpointed: every layer's input in bf16, plus one layer recomputed whole. Per token, that layer saves:
     attention = (2 * h + 4) + 2 * h + 2 * (32 * 128 + 8 * 256) + (2 * 32 * 128 + 32 * 4)  # norm, qkv in, q k v, out
     moe = (2 * h + 4 + 2 * h) + (2 * 4 * 8 + 2 * (4 + 8)) + 2 * (2 * 2 * h + 2 * 3 * 14336)  # norm, router, 2 experts
@@ -102,7 +102,9 @@ def test_memory_moves_the_right_way() -> None:
     unchecked = predict_train_peak_bytes(shape, 8, 1, 16384, activation_checkpointing=False)
     assert unchecked.terms["activations"] > 10 * base.terms["activations"]
     offloaded = predict_train_peak_bytes(shape, 8, 1, 16384, optimizer_offload=True, reference="precomputed")
-    assert [offloaded.terms[t] for t in ("master_weights", "gradients", "adam_moments", "reference_policy")] == [0] * 4
+    # trainer.offload_optimizer keeps AdamW's moments on the host; master weights and gradients stay on the GPU.
+    assert [offloaded.terms[t] for t in ("adam_moments", "reference_policy")] == [0] * 2
+    assert offloaded.terms["master_weights"] == base.terms["master_weights"]
     # One microbatch a step: gradients fill in as the activations go, so the peak is whichever moment is larger.
     single = predict_train_peak_bytes(shape, 8, 1, 16384, gradient_accumulation=False)
     assert single.total == max(

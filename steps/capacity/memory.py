@@ -4,9 +4,10 @@ The model is the one issue 19 describes: FSDP2 over the (dp, ep) mesh with mixed
 fp32 master weights, gradients reduced in fp32, fp32 AdamW moments), activation checkpointing per decoder
 layer, packed microbatches of at most `max_tokens_per_microbatch` tokens. Every term below is named, sized
 from first principles, and returned on its own, so it can be compared term by term with
-`torch.cuda.max_memory_allocated()` and calibrated. Not yet calibrated on a GPU: the activation terms list
-the tensors that autograd saves in a straightforward implementation (the product's kernels may save fewer),
-and `workspace_bytes` is a stated allowance, not a measurement.
+`torch.cuda.max_memory_allocated()` and calibrated. Against the product's train step on an H200
+(benchmarks/policy_update.md) it is not yet within 15%: the activation terms list the tensors that autograd
+saves in a straightforward implementation (the product's kernels save otherwise), and `workspace_bytes` is a
+stated allowance, not a measurement. `refuse_unfit_trainer` turns it into the train and start steps' check.
 
 Sharding: FSDP2 shards the dense weights and the routers over all `world_size` ranks, and each EP slice of the
 experts over the dp = world_size / ep ranks that hold it, so every persistent term is (all parameters) /
@@ -19,9 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from steps.capacity.models import ModelShape, parameter_counts
+from steps.capacity.models import ModelShape, parameter_counts, shape_from_hf_config
+from steps.config import TrainerConfig
+from steps.errors import MoeloopError
 
 GIB = 1 << 30
+LOGIT_ROWS = 4096  # steps.model.logprobs.CHUNK_ROWS
 FP32, BF16 = 4, 2
 Precision = Literal["bf16", "fp32"]
 Reference = Literal["sharded", "precomputed", "none"]
@@ -91,7 +95,8 @@ def predict_train_peak_bytes(
     """Peak bytes on one GPU of the train step, term by term.
 
     max_tokens_per_microbatch: tokens one rank runs through the model at once (packed samples).
-    optimizer_offload: FSDP2's CPUOffloadPolicy: sharded master weights, gradients and moments live on the host.
+    optimizer_offload: `trainer.offload_optimizer` (steps/rl/offload.py): AdamW's moments live on the host; the fp32
+      master weights and gradients stay on the GPU.
     reference: the KL reference policy `sharded` like the policy (bf16, frozen), its logprobs `precomputed`
       once per update before training (nothing of it left at the peak), or `none` (kl_coef 0).
     gradient_accumulation: a minibatch is more than one microbatch, so the gradients of the earlier ones are
@@ -105,12 +110,11 @@ def predict_train_peak_bytes(
     counts = parameter_counts(shape)
     compute = BF16 if precision == "bf16" else FP32
     shard = counts.total / world_size  # parameters this rank holds of every sharded state
-    on_gpu = 0 if optimizer_offload else 1
     terms = {
         # fp32 either way: the master copy under bf16 mixed precision, the parameters themselves under fp32.
-        "master_weights": on_gpu * FP32 * shard,
-        "gradients": on_gpu * FP32 * shard,  # sharded, in fp32 (reduce_dtype)
-        "adam_moments": on_gpu * 2 * FP32 * shard,
+        "master_weights": FP32 * shard,
+        "gradients": FP32 * shard,  # sharded, in fp32 (reduce_dtype)
+        "adam_moments": 0 if optimizer_offload else 2 * FP32 * shard,
         "reference_policy": compute * shard if reference == "sharded" else 0,
     }
     # One layer gathered for compute and the next one prefetched: the dense part whole, the experts' EP slice.
@@ -126,11 +130,33 @@ def predict_train_peak_bytes(
         terms["activations"] = tokens * (shape.num_layers * compute * shape.hidden_size + max(dense, moe))
     else:
         terms["activations"] = tokens * (shape.dense_layers * dense + shape.moe_layers * moe)
-    # The LM head's logits in the compute dtype, their fp32 log-softmax (saved for its backward) and the fp32
-    # gradient of the logits, alive together at the start of the backward.
-    terms["logits"] = tokens * shape.vocab_size * (compute + FP32 + FP32)
+    # The LM head computes the targets' log-probabilities LOGIT_ROWS rows at a time (steps.model.logprobs): one
+    # chunk's logits in the compute dtype, their fp32 copy and fp32 gradient, and the head's fp32 weight gradient.
+    rows = min(tokens, LOGIT_ROWS)
+    terms["logits"] = rows * shape.vocab_size * (compute + FP32 + FP32) + FP32 * shape.vocab_size * shape.hidden_size
     terms["workspace"] = workspace_bytes
     start = {**terms, "gradients": terms["gradients"] if gradient_accumulation else 0}
     end = {**terms, "activations": 0, "logits": 0}
     moment, peak = max(("backward start", start), ("backward end", end), key=lambda item: sum(item[1].values()))
     return TrainMemory(moment, {name: int(value) for name, value in peak.items()})
+
+
+def refuse_unfit_trainer(settings: TrainerConfig, hf_config: dict, source: str) -> None:
+    """A one-line error where the train step's predicted peak per GPU exceeds `trainer.gpu_memory_bytes`; nothing
+    to check where that is not set. The start and train steps call it before any weight is loaded. The reference
+    policy's logprobs are computed once, before the policy loads (steps/train.py): it adds nothing to the peak."""
+    if settings.gpu_memory_bytes is None:
+        return
+    memory = predict_train_peak_bytes(
+        shape_from_hf_config(hf_config, source), settings.world_size, settings.expert_parallel,
+        settings.max_tokens_per_microbatch, settings.compute_precision(cuda=True), settings.activation_checkpointing,
+        settings.offload_optimizer, "precomputed",
+    )  # fmt: skip
+    if memory.total > settings.gpu_memory_bytes:
+        largest = sorted(memory.terms.items(), key=lambda item: -item[1])[:3]
+        parts = ", ".join(f"{name} {value / GIB:.1f}" for name, value in largest)
+        raise MoeloopError(
+            f"the train step needs about {memory.total / GIB:.1f} GiB per GPU ({parts}), more than"
+            f" trainer.gpu_memory_bytes ({settings.gpu_memory_bytes / GIB:.1f} GiB): raise trainer.world_size or"
+            " expert_parallel, turn on activation_checkpointing or offload_optimizer, or lower max_tokens_per_microbatch"
+        )
