@@ -211,7 +211,10 @@ def product_update(
     old_logprobs_BT = frozen_logprobs(model, batch, temperature, config.trainer.max_tokens_per_microbatch, parallel)
 
     def update() -> None:
-        actor_steps(model, optimizer, batch, [rows_B], advantages_B, old_logprobs_BT, None, None, config, parallel)
+        actor_steps(
+            model, optimizer, batch, [rows_B], advantages_B, old_logprobs_BT, None, None, batch.response_mask_BT,
+            config, parallel,
+        )  # fmt: skip
 
     def logprob_pass() -> None:
         frozen_logprobs(model, batch, temperature, config.trainer.max_tokens_per_microbatch, parallel)

@@ -107,7 +107,8 @@ def measure(args: argparse.Namespace) -> dict:
     rows_B = torch.arange(args.samples)
     step_started = time.perf_counter()
     measured = actor_steps(
-        model, optimizer, experience, [rows_B], advantages_B, old_logprobs_BT, None, ref_logprobs_BT, config, parallel
+        model, optimizer, experience, [rows_B], advantages_B, old_logprobs_BT, None, ref_logprobs_BT,
+        experience.response_mask_BT, config, parallel,
     )
     torch.cuda.synchronize()
     return {

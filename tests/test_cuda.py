@@ -1,5 +1,6 @@
 """The GPU path (skipped without CUDA; run on an H200 for the closing note): the varlen attention against SDPA per
-sample, the packed bf16 update against fp32, the whole train step and a 2-iteration `moeloop run` on one GPU."""
+sample, the compiled LM-head and router-loss passes against eager, and a 2-iteration `moeloop run` on one GPU (the
+whole train step in bf16, packed)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from steps.model.attention import VARLEN, varlen_attention
+from steps.model.logprobs import ChunkedTokenLogprobs
+from steps.rl.router_loss import layer_routing
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -43,6 +46,29 @@ def test_varlen_attention_equals_causal_sdpa_per_sample() -> None:
     want = [want_1NhD, *torch.autograd.grad(want_1NhD, (q_1hND, k_1kND, v_1kND), grad_1NhD.float())]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert ((g.float() - w).norm() / w.norm()) < 1e-2, name
+
+
+def test_fused_passes_equal_their_eager_selves() -> None:
+    """The LM head's chunks and the routers' loss terms, compiled on CUDA (`steps.model.kernels.fused_on_cuda`),
+    against the same functions run eagerly on the CPU: forward and gradients, several chunks, the last one short."""
+    generator = torch.Generator().manual_seed(0)
+    hidden_NH, weight_VH = torch.randn(10, 8, generator=generator), torch.randn(32, 8, generator=generator)
+    targets_N, grad_N = torch.randint(0, 32, (10,), generator=generator), torch.randn(10, generator=generator)
+    logits_tE, mask_t = torch.randn(50, 16, generator=generator), (torch.rand(50, generator=generator) > 0.3).float()
+    results = {}
+    for device in ("cpu", "cuda"):
+        hidden, weight = (t.detach().to(device).requires_grad_() for t in (hidden_NH, weight_VH))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("steps.model.logprobs.CHUNK_ROWS", 3)
+            logprobs_N = ChunkedTokenLogprobs.apply(hidden, weight, targets_N.to(device), 0.7)
+            logprobs_N.backward(grad_N.to(device))
+        logits = logits_tE.detach().to(device).requires_grad_()
+        assigned_E, probability_sum_E = layer_routing(logits, mask_t.to(device), 4)
+        probability_sum_E.square().sum().backward()
+        results[device] = [t.detach().cpu() for t in (logprobs_N, hidden.grad, weight.grad, assigned_E, logits.grad)]
+    for name, got, want in zip(("logprobs", "d hidden", "d weight", "assigned", "d router logits"),
+                               results["cuda"], results["cpu"], strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:

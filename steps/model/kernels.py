@@ -400,3 +400,16 @@ def _softmax_topk_backward(ctx: Any, grad_weights_TK: torch.Tensor, _: Any) -> t
 
 
 softmax_topk_triton.register_autograd(_softmax_topk_backward, setup_context=_softmax_topk_setup_context)
+
+
+def fused_on_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, compiled by inductor (dynamic shapes: one graph for every size) when its first argument is a CUDA tensor,
+    eager otherwise: for the trainer's pointwise and reduction passes outside the compiled decoder layers (the LM
+    head's chunks, the routers' loss), which eager runs as one kernel per operation over large fp32 tensors."""
+    compiled = torch.compile(fn, dynamic=True)
+
+    def call(*args: Any) -> Any:
+        return (compiled if args[0].is_cuda else fn)(*args)
+
+    call.__doc__, call.__name__ = fn.__doc__, fn.__name__
+    return call

@@ -16,9 +16,37 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from steps.model.kernels import fused_on_cuda
 from steps.rl.packing import Microbatch
 
 CHUNK_ROWS = 4096  # 4096 x 151936 fp32 logits: 2.5 GB at a time
+
+
+# On CUDA a chunk's work after its matmul is one fused pass over the [c, V] fp32 logits, not one per operation.
+@fused_on_cuda
+def chunk_logprobs(
+    hidden_cH: torch.Tensor, weight_VH: torch.Tensor, targets_c: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each row's target, log-sum-exp of its logits) of one chunk of rows, in fp32."""
+    logits_cV = F.linear(hidden_cH, weight_VH).float() / temperature
+    lse_c = torch.logsumexp(logits_cV, dim=-1)
+    return logits_cV.gather(1, targets_c[:, None]).squeeze(1) - lse_c, lse_c
+
+
+@fused_on_cuda
+def chunk_logit_grads(
+    hidden_cH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_c: torch.Tensor,
+    lse_c: torch.Tensor,
+    grad_c: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """The gradient of the chunk's logits, (onehot(target) - softmax) x grad / temperature, in the hidden dtype."""
+    logits_cV = F.linear(hidden_cH, weight_VH).float() / temperature
+    target_cV = torch.arange(logits_cV.shape[1], device=logits_cV.device) == targets_c[:, None]
+    grad_logits_cV = (target_cV.float() - torch.exp(logits_cV - lse_c[:, None])) * (grad_c[:, None] / temperature)
+    return grad_logits_cV.to(hidden_cH.dtype)
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -37,9 +65,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         lse_N = torch.empty_like(logprobs_N)
         for start in range(0, len(hidden_NH), CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
-            logits_cV = F.linear(hidden_NH[rows], weight_VH).float() / temperature
-            lse_N[rows] = torch.logsumexp(logits_cV, dim=-1)
-            logprobs_N[rows] = logits_cV.gather(1, targets_N[rows, None]).squeeze(1) - lse_N[rows]
+            logprobs_N[rows], lse_N[rows] = chunk_logprobs(hidden_NH[rows], weight_VH, targets_N[rows], temperature)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N)
         ctx.temperature = temperature
         return logprobs_N
@@ -51,10 +77,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
         for start in range(0, len(hidden_NH), CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
-            logits_cV = F.linear(hidden_NH[rows], weight_VH).float() / ctx.temperature
-            grad_logits_cV = torch.exp(logits_cV - lse_N[rows, None]).mul_(-grad_N[rows, None])
-            grad_logits_cV.scatter_add_(1, targets_N[rows, None], grad_N[rows, None])
-            grad_logits_cV = (grad_logits_cV / ctx.temperature).to(hidden_NH.dtype)
+            grad_logits_cV = chunk_logit_grads(
+                hidden_NH[rows], weight_VH, targets_N[rows], lse_N[rows], grad_N[rows], ctx.temperature
+            )
             grad_hidden_NH[rows] = grad_logits_cV @ weight_VH
             grad_weight_VH += (grad_logits_cV.T @ hidden_NH[rows]).float()
         return grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype), None, None

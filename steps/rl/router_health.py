@@ -37,25 +37,28 @@ class RouterHealth:
     ) -> None:
         """One forward's router logits ([b * T, E] per layer); routes_bTLK the engine's recorded experts per token
         and layer (-1 where none), which the forward routed to where replayed."""
-        mask_t = attention_mask_bT.reshape(-1).bool()
+        # Padding is weighted out rather than indexed out: a boolean index waits for the GPU, once per layer.
+        real_t = attention_mask_bT.reshape(-1).bool()
+        weight_t = real_t.to(self.load_LE.dtype)
         if not len(self.load_LE):
             self.load_LE = self.load_LE.new_zeros(len(router_logits_L), self.load_LE.shape[1])
         for layer, logits_tE in enumerate(router_logits_L):
-            logits_nE = logits_tE.detach().float()[mask_t]
-            own_nK = torch.topk(logits_nE, self.top_k, dim=-1).indices
-            routed_nK = own_nK
+            logits_tE = logits_tE.detach().float()
+            own_tK = torch.topk(logits_tE, self.top_k, dim=-1).indices
+            routed_tK = own_tK
             if routes_bTLK is not None:
-                recorded_nK = routes_bTLK[:, :, layer].reshape(-1, self.top_k)[mask_t].long()
-                has_n = recorded_nK[:, 0] >= 0
-                same_n = (own_nK.sort(1).values == recorded_nK.sort(1).values).all(1)
-                self.sums_4[2] += (same_n & has_n).sum()
-                self.sums_4[3] += has_n.sum()
+                recorded_tK = routes_bTLK[:, :, layer].reshape(-1, self.top_k).long()
+                has_t = (recorded_tK[:, 0] >= 0) & real_t
+                same_t = (own_tK.sort(1).values == recorded_tK.sort(1).values).all(1)
+                self.sums_4[2] += (same_t & has_t).sum()
+                self.sums_4[3] += has_t.sum()
                 if replayed:
-                    routed_nK = torch.where(has_n.unsqueeze(1), recorded_nK, own_nK)
-            self.load_LE[layer] += torch.bincount(routed_nK.reshape(-1), minlength=self.load_LE.shape[1])
-            log_p_nE = F.log_softmax(logits_nE, dim=-1)
-            self.sums_4[0] += -(log_p_nE.exp() * log_p_nE).sum()
-        self.sums_4[1] += mask_t.sum()
+                    routed_tK = torch.where(has_t.unsqueeze(1), recorded_tK, own_tK)
+            routed_weight_tK = weight_t.unsqueeze(1).expand(-1, self.top_k)
+            self.load_LE[layer].index_add_(0, routed_tK.reshape(-1), routed_weight_tK.reshape(-1))
+            log_p_tE = F.log_softmax(logits_tE, dim=-1)
+            self.sums_4[0] += -((log_p_tE.exp() * log_p_tE).sum(1) * weight_t).sum()
+        self.sums_4[1] += weight_t.sum()
 
     def report(self, group: dist.ProcessGroup | None = None, distributed: bool = False) -> dict[str, float]:
         summed = torch.cat([self.load_LE.reshape(-1), self.sums_4])

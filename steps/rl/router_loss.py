@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from steps.model.kernels import fused_on_cuda
 from steps.rl.parallel import Parallel
 
 
@@ -34,15 +35,24 @@ def load_balancing_loss(
     assigned_E = mask_t.new_zeros(num_experts)
     probability_sum_E = mask_t.new_zeros(num_experts)
     for logits_tE in router_logits_L:
-        probabilities_tE = F.softmax(logits_tE.float(), dim=-1)
-        chosen_tK = torch.topk(probabilities_tE, top_k, dim=-1).indices
-        assigned_E = assigned_E.index_add(0, chosen_tK.reshape(-1), mask_t.repeat_interleave(top_k))
-        probability_sum_E = probability_sum_E + (probabilities_tE * mask_t.unsqueeze(1)).sum(0)
+        assigned_layer_E, probability_sum_layer_E = layer_routing(logits_tE, mask_t, top_k)
+        assigned_E, probability_sum_E = assigned_E + assigned_layer_E, probability_sum_E + probability_sum_layer_E
     counts = torch.cat([assigned_E, (mask_t.sum() * len(router_logits_L)).reshape(1)])
     if parallel.world_size > 1:
         dist.all_reduce(counts)
     assigned_E, rows = counts[:-1], counts[-1].clamp(min=1)
     return num_experts * ((assigned_E / rows) * (probability_sum_E / (minibatch_tokens * len(router_logits_L)))).sum()
+
+
+@fused_on_cuda
+def layer_routing(logits_tE: torch.Tensor, mask_t: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (top-k assignments per expert, router probabilities summed per expert) over the mask's tokens;
+    the first without gradient, as HF's f."""
+    probabilities_tE = F.softmax(logits_tE.float(), dim=-1)
+    chosen_tK = torch.topk(probabilities_tE, top_k, dim=-1).indices
+    assigned_E = mask_t.new_zeros(logits_tE.shape[1])
+    assigned_E = assigned_E.index_add(0, chosen_tK.reshape(-1), mask_t.repeat_interleave(top_k))
+    return assigned_E, (probabilities_tE * mask_t.unsqueeze(1)).sum(0)
 
 
 def router_aux_loss(
