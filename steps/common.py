@@ -8,16 +8,14 @@ import json
 import time
 from typing import Any
 
-import yaml
-
-from steps.config import MoeloopConfig, parse_config
-from steps.errors import MoeloopError
+from steps.config import MoeloopConfig, parse_config_text
+from steps.errors import ArgumentParser, MoeloopError
 from steps.outputs import write_outputs
 from steps.storage.run import RunStorage
 
 
 def step_parser(description: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    parser = ArgumentParser(description=description)
     parser.add_argument("--run", required=True, help="the run's folder URI (local path or s3://...)")
     parser.add_argument("--iteration", required=True, type=int)
     return parser
@@ -26,7 +24,7 @@ def step_parser(description: str | None) -> argparse.ArgumentParser:
 def open_run(run_uri: str) -> tuple[RunStorage, MoeloopConfig]:
     storage = RunStorage(run_uri)
     storage.require_run()
-    config = parse_config(yaml.safe_load(storage.read_bytes(RunStorage.CONFIG)), storage.display(RunStorage.CONFIG))
+    config = parse_config_text(storage.read_bytes(RunStorage.CONFIG), storage.display(RunStorage.CONFIG))
     return storage, config
 
 

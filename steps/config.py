@@ -6,17 +6,22 @@ Loaded from YAML; unknown keys and wrong types are rejected with the key's dotte
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from steps.config_cluster import ClusterConfig, Strict
 from steps.errors import MoeloopError
+from steps.inputs import check_location, load_yaml, read_limited
 
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# A config is a few KB; a file much larger is not one (a checkpoint, a log, /dev/zero), and is not read whole.
+MAX_CONFIG_BYTES = 1 << 20
+# Iteration folders are iter-NNNNNN: six digits, which `moeloop report` and the sorted listings rely on.
+MAX_ITERATIONS = 999_999
+RUN_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+MAX_RUN_NAME = 42  # Argo names <run_name>-xxxxx and moeloop-run-<run_name> stay under Kubernetes' 63
 
 
 class TinyModelConfig(Strict):
@@ -34,6 +39,19 @@ class TinyModelConfig(Strict):
     max_position_embeddings: int = Field(64, gt=0)
     router_aux_loss_coef: float = Field(0.001, ge=0)
 
+    @model_validator(mode="after")
+    def _shape(self) -> TinyModelConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads"
+                f" {self.num_key_value_heads}"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} is more than num_experts {self.num_experts}"
+            )
+        return self
+
 
 class SFTConfig(Strict):
     """Supervised fine-tuning that turns the random model into the RL starting policy."""
@@ -49,6 +67,11 @@ class ModelConfig(Strict):
     tiny: TinyModelConfig = TinyModelConfig()
     sft: SFTConfig = SFTConfig()
 
+    @field_validator("checkpoint")
+    @classmethod
+    def _location(cls, value: str | None) -> str | None:
+        return None if value is None else check_location(value, "model.checkpoint")
+
 
 class TaskConfig(Strict):
     """Prompts are JSON lines with at least `prompt`; the verifier reads the other fields."""
@@ -61,7 +84,7 @@ class TaskConfig(Strict):
     def _not_empty(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must name a prompt file")
-        return value
+        return check_location(value, "a prompt file")
 
 
 class VLLMConfig(Strict):
@@ -125,7 +148,7 @@ class RewardModel(Strict):
     def _not_empty(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must name a reward model folder or URI")
-        return value
+        return check_location(value, "a reward model")
 
 
 class RewardConfig(Strict):
@@ -233,6 +256,8 @@ class TrainerConfig(Strict):
 
     @model_validator(mode="after")
     def _mesh(self) -> TrainerConfig:
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"betas {list(self.betas)}: each must be in [0, 1)")
         if self.world_size % self.expert_parallel:
             raise ValueError(
                 f"world_size {self.world_size} is not a multiple of expert_parallel {self.expert_parallel}"
@@ -244,77 +269,8 @@ class EvalConfig(Strict):
     max_prompts: int = Field(128, gt=0)
 
 
-class Resources(Strict):
-    requests: dict[str, str] = {}
-    limits: dict[str, str] = {}
-
-
-class Toleration(Strict):
-    key: str
-    operator: Literal["Equal", "Exists"] = "Equal"
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-
-
-ROLES = ("rollout", "reward", "train", "cpu", "memory")
-
-
-class RolePlacement(Strict):
-    """Where a role's pods run and as what. None takes the role's default (workflows/render.py:role_defaults),
-    which matches manifests/: nodes labelled and tainted `moeloop.dev/role=<role>`, service account
-    `moeloop-<role>`, the role's image."""
-
-    image: str | None = None
-    service_account: str | None = None
-    node_selector: dict[str, str] | None = None
-    tolerations: list[Toleration] | None = None
-    resources: Resources | None = None
-    env: dict[str, str] | None = None
-    shm_size: str | None = None  # a memory-backed /dev/shm of this size; "" for none
-    priority_class: str | None = None  # a PriorityClass of manifests/ (moeloop-<role>): who is preempted first
-
-
-class SpotRetry(Strict):
-    """Argo retries of a rollout shard whose Spot node was reclaimed (pod error, SIGTERM or SIGKILL)."""
-
-    limit: int = Field(10, ge=0)
-    backoff_seconds: int = Field(30, gt=0)
-    backoff_factor: int = Field(2, ge=1)
-    max_backoff_seconds: int = Field(1800, gt=0)
-
-
-class Schedule(Strict):
-    """The CronWorkflow's schedules: each tick runs one chunk from LATEST, nothing once the target is reached."""
-
-    schedules: list[str] = Field(["0 * * * *"], min_length=1)
-    timezone: str = "UTC"
-
-
-class ClusterConfig(Strict):
-    namespace: str = "moeloop"
-    # Images are <image_registry>/moeloop-{rollout,trainer,cpu}:<image_tag> unless a role names its own.
-    image_registry: str = "ghcr.io/moeloop"
-    image_tag: str = "0.1.0"
-    # The workflow's own service account, also used by resource templates (next chunk, JobSet, labels).
-    orchestrator_service_account: str = "moeloop-orchestrator"
-    # Iterations per Workflow: a run of any length is a chain of Workflows of this many iterations.
-    # None: 20, or fewer where rollout shards are many (workflows/render.py:chunk_size).
-    chunk_iterations: int | None = Field(None, gt=0)
-    # Pods of the multi-node trainer (a JobSet when > 1); trainer.world_size processes are split over them.
-    train_nodes: int = Field(1, gt=0)
-    schedule: Schedule = Schedule()
-    # Where each role's pods go: rollout (Spot GPU), reward (GPU reward models), train (on-demand GPU, EFA),
-    # cpu (start, plan, rule rewards, evaluate), memory (publish: checkpoint caching).
-    rollout: RolePlacement = RolePlacement()
-    reward: RolePlacement = RolePlacement()
-    train: RolePlacement = RolePlacement()
-    cpu: RolePlacement = RolePlacement()
-    memory: RolePlacement = RolePlacement()
-    spot_retry: SpotRetry = SpotRetry()
-
-
 class LocalConfig(Strict):
-    parallelism: int = Field(2, gt=0)  # steps the local runner runs at once
+    parallelism: int = Field(2, gt=0, le=256)  # steps the local runner runs at once (a core group each)
     # Run steps in long-lived worker processes (one per rollout shard, one per other step), as long-lived pods
     # would: no step pays its imports again, and a shard's engine loads new weights in place.
     workers: bool = True
@@ -352,9 +308,9 @@ VLLM_ROUTES = (
 
 
 class MoeloopConfig(Strict):
-    run_name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
-    iterations: int = Field(gt=0)
-    seed: int = 0
+    run_name: str
+    iterations: int = Field(gt=0, le=MAX_ITERATIONS)
+    seed: int = Field(0, ge=-(2**63), lt=2**63)  # torch's generator takes 64 bits
     storage_root: str = "runs"
     model: ModelConfig = ModelConfig()
     task: TaskConfig
@@ -366,6 +322,39 @@ class MoeloopConfig(Strict):
     cluster: ClusterConfig = ClusterConfig()
     local: LocalConfig = LocalConfig()
     observe: ObserveConfig = ObserveConfig()
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name(cls, value: str) -> str:
+        if len(value) > MAX_RUN_NAME:
+            raise ValueError(f"{value!r} is {len(value)} characters long, over the limit of {MAX_RUN_NAME}")
+        if not RUN_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not a DNS label: lowercase letters, digits and '-', starting and ending with a"
+                " letter or digit"
+            )
+        return value
+
+    @field_validator("storage_root")
+    @classmethod
+    def _storage_root(cls, value: str) -> str:
+        return check_location(value, "storage_root")
+
+    @model_validator(mode="after")
+    def _sizes_agree(self) -> MoeloopConfig:
+        """What only the whole config can tell, checked before anything runs (else a step fails later)."""
+        rollout, experts = self.rollout, self.model.tiny.num_experts
+        if rollout.num_shards > rollout.prompts_per_iteration:
+            raise ValueError(
+                f"rollout.num_shards {rollout.num_shards} is more than rollout.prompts_per_iteration"
+                f" {rollout.prompts_per_iteration}: some shards would have no prompts"
+            )
+        if self.algorithm.name == "grpo" and rollout.samples_per_prompt < 2:
+            raise ValueError("GRPO compares the samples of a prompt: rollout.samples_per_prompt must be at least 2")
+        # A model.checkpoint brings its own expert count: start checks it (check_expert_split) when it loads.
+        if self.model.checkpoint is None:
+            check_expert_split(experts, self.trainer.expert_parallel, "model.tiny.num_experts")
+        return self
 
     @model_validator(mode="after")
     def _minibatches_split_over_ranks(self) -> MoeloopConfig:
@@ -402,14 +391,27 @@ class MoeloopConfig(Strict):
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
 
+def check_expert_split(num_experts: int, expert_parallel: int, where: str) -> None:
+    if num_experts % expert_parallel:
+        raise ValueError(
+            f"{where} {num_experts} does not split over trainer.expert_parallel {expert_parallel} ranks"
+            " (each EP rank holds num_experts / expert_parallel experts)"
+        )
+
+
 def _describe(error: ValidationError) -> str:
     first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "<root>"
-    message = first["msg"]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = "unknown key"
     more = len(error.errors()) - 1
-    return f"{where}: {message}" + (f" (and {more} more)" if more else "")
+    return (f"{where}: {message}" if where else message) + (f" (and {more} more)" if more else "")
+
+
+def parse_config_text(data: bytes, source: str) -> MoeloopConfig:
+    """A config from YAML (or JSON) bytes; every way it can be wrong is one line naming source."""
+    return parse_config(load_yaml(data, f"config {source}"), source)
 
 
 def parse_config(data: object, source: str) -> MoeloopConfig:
@@ -424,13 +426,7 @@ def parse_config(data: object, source: str) -> MoeloopConfig:
 def load_config(path: str | Path) -> MoeloopConfig:
     """Read a YAML config; relative prompt paths are resolved against the config's folder."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise MoeloopError(f"config file not found: {path}") from None
-    except yaml.YAMLError as error:
-        raise MoeloopError(f"config {path}: not valid YAML ({str(error).splitlines()[0]})") from None
-    config = parse_config(data, str(path))
+    config = parse_config_text(read_limited(path, "config file", MAX_CONFIG_BYTES), str(path))
     task = config.task.model_copy(
         update={
             "train_prompts": _resolve(config.task.train_prompts, path.parent),

@@ -6,10 +6,11 @@ A prompt record is {"prompt": "abcd=", "answer": "dcba"}; the policy should answ
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
+
+from steps.errors import ArgumentParser, run_cli
 
 ALPHABET = "abcdefgh"
 SEPARATOR = "="
@@ -42,7 +43,7 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--train", type=int, default=20000)
     parser.add_argument("--eval", type=int, default=256)
@@ -56,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

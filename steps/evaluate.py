@@ -26,7 +26,11 @@ def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max
     sampling = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
     completions = engine.generate(prompts, sampling)
     responses = [engine.tokenizer.decode(c[0].token_ids, skip_special_tokens=True) for c in completions]
-    return sum(score(functions, r, text) for r, text in zip(records, responses, strict=False)) / len(records)
+    scores = [
+        score(functions, record, text, f"eval prompt {number}")
+        for number, (record, text) in enumerate(zip(records, responses, strict=False), start=1)
+    ]
+    return sum(scores) / len(records)
 
 
 def router_health(train: dict[str, Any]) -> dict[str, float] | None:

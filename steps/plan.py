@@ -8,17 +8,18 @@ retry or resubmit, the CronWorkflow's next tick) therefore continues where the r
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from steps.common import open_run, print_json
-from steps.errors import MoeloopError, run_cli
+from steps.errors import ArgumentParser, MoeloopError, run_cli
+from steps.storage.lease import check_free
 
 
 def plan(run_uri: str, chunk: int) -> dict[str, Any]:
     if chunk < 1:
         raise MoeloopError(f"--chunk must be at least 1, not {chunk}")
     storage, config = open_run(run_uri)
+    check_free(storage)  # a `moeloop run` drives this run: a chunk beside it would do every step twice
     latest = storage.latest()
     if latest is None:
         raise MoeloopError(f"run {storage.uri} has no LATEST: its start has not finished")
@@ -36,7 +37,7 @@ def plan(run_uri: str, chunk: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--run", required=True, help="the run's folder URI (local path or s3://...)")
     parser.add_argument("--chunk", required=True, type=int, help="iterations per chunk (cluster.chunk_iterations)")
     args = parser.parse_args()

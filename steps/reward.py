@@ -7,16 +7,19 @@ start step committed into the run (`steps/rewards/models.py`). The reward is the
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import pyarrow as pa
 
 from steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
-from steps.errors import run_cli
+from steps.errors import MoeloopError, run_cli
 from steps.rewards.functions import reward_functions, score
 from steps.storage.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
 from steps.storage.prompts import train_prompts
+
+FLOAT32_MAX = 3.4028234663852886e38  # rewards.parquet's column: a larger weighted sum would be stored as inf
 
 
 def reward(run_uri: str, iteration: int) -> dict[str, Any]:
@@ -29,7 +32,11 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
     records = train_prompts(storage)
     prompt_ids = rollouts["prompt_id"].to_pylist()
     responses = rollouts["response_text"].to_pylist()
-    rewards = [score(functions, records[p], response) for p, response in zip(prompt_ids, responses, strict=True)]
+    sample_ids = rollouts["sample_id"].to_pylist()
+    rewards = [
+        score(functions, records[p], response, f"sample {sample_id}")
+        for p, response, sample_id in zip(prompt_ids, responses, sample_ids, strict=True)
+    ]
     report: dict[str, Any] = {}
     if config.reward.models:
         from steps.rewards.models import load_reward_models  # torch and transformers: only when a model is configured
@@ -40,9 +47,16 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
         ]
         for index, (scorer, weight) in enumerate(load_reward_models(storage, config.reward.models)):
             scores = scorer.score(texts)
+            if (bad := next((i for i, s in enumerate(scores) if not math.isfinite(s)), None)) is not None:
+                raise MoeloopError(
+                    f"reward.models.{index} ({config.reward.models[index].path}) scored {scores[bad]} on sample"
+                    f" {sample_ids[bad]}: a reward must be a finite number"
+                )
             report[f"reward_model_{index}_mean"] = sum(scores) / len(scores)
             rewards = [reward + weight * model_score for reward, model_score in zip(rewards, scores, strict=True)]
         report["reward_model_seconds"] = round(time.perf_counter() - model_started, 3)
+    if (bad := next((i for i, r in enumerate(rewards) if abs(r) > FLOAT32_MAX), None)) is not None:
+        raise MoeloopError(f"the reward of sample {sample_ids[bad]}, {rewards[bad]}, overflows the float32 rewards")
     table = pa.table(
         {"sample_id": rollouts["sample_id"], "prompt_id": rollouts["prompt_id"], "reward": rewards},
         schema=REWARD_SCHEMA,

@@ -13,7 +13,7 @@ from transformers import Qwen3MoeForSequenceClassification
 
 from steps.common import quiet_libraries
 from steps.config import MoeloopConfig, load_config
-from steps.errors import run_cli
+from steps.errors import ArgumentParser, run_cli
 from steps.model.policy import build_tokenizer, save_policy, tiny_model_config
 from steps.storage.prompts import read_prompt_file
 
@@ -29,7 +29,7 @@ def build_tiny_reward_model(config: MoeloopConfig, directory: Path, seed: int = 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--like", required=True, help="the config whose tiny shape and prompts to use")
     parser.add_argument("--out", required=True, help="the folder to write the reward model to")
     parser.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,7 @@ starts from an SFT checkpoint as in real post-training.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -22,7 +23,14 @@ from safetensors import SafetensorError
 
 from steps.capacity.memory import refuse_unfit_trainer
 from steps.common import print_json, quiet_libraries, step_parser, write_report
-from steps.config import MoeloopConfig, SFTConfig, load_config, parse_config
+from steps.config import (
+    MoeloopConfig,
+    SFTConfig,
+    check_expert_split,
+    load_config,
+    parse_config,
+    parse_config_text,
+)
 from steps.errors import MoeloopError, run_cli
 from steps.model.policy import (
     build_tiny_model,
@@ -37,37 +45,61 @@ from steps.observe.trackers import begin_trackers, check_trackers
 from steps.rewards.models import adopt_reward_models, check_reward_models
 from steps.storage.cache import cache_root, fetch_verified, local_scratch
 from steps.storage.manifest import json_bytes, manifest_of, parse_manifest
-from steps.storage.prompts import read_prompt_file
+from steps.storage.prompts import check_prompts, read_prompt_file
 from steps.storage.run import RunStorage
 
-# Settings that may change between submissions of one run without changing its results.
+# Settings that may change between submissions of one run without changing its results. The trainer's process
+# layout is one of them: its update equals one process's on the whole minibatch, and its state is stored whole.
 RESTARTABLE_FIELDS = {"iterations", "cluster", "local", "storage_root", "observe"}
+RESTARTABLE_TRAINER = {"world_size", "expert_parallel", "dispatcher", "experts_impl"}
 
 
 def load_config_argument(value: str) -> MoeloopConfig:
     """--config is a YAML file, or the config itself: YAML text (how the Argo workflow passes it) or JSON (the
     local runner's), told from a path by its lines or braces."""
     if "\n" in value or value.lstrip().startswith("{"):
-        try:
-            return parse_config(yaml.safe_load(value), "--config")
-        except yaml.YAMLError:
-            raise MoeloopError("--config: not valid YAML or JSON") from None
+        return parse_config_text(value.encode(), "--config")
+    if not value.strip():
+        raise MoeloopError("--config is empty: give a YAML file or the config as YAML or JSON text")
     return load_config(value)
 
 
 def adopt_run(storage: RunStorage, config: MoeloopConfig, train: list[dict], evaluation: list[dict]) -> None:
-    """Write the run's config and prompts, or check that an existing run holds the same ones."""
-    if storage.exists(RunStorage.CONFIG):
-        stored = parse_config(yaml.safe_load(storage.read_bytes(RunStorage.CONFIG)), storage.display(RunStorage.CONFIG))
-        changed = differing_keys(
-            stored.model_dump(exclude=RESTARTABLE_FIELDS), config.model_dump(exclude=RESTARTABLE_FIELDS)
-        )
+    """Write the run's config and prompts, or check that an existing run holds the same ones.
+
+    Once checkpoint 0 is committed, the run's data depends on the stored config: only RESTARTABLE_FIELDS may
+    change. Before that (a start that failed, e.g. on a model that does not load), nothing does: the submitted
+    config replaces the stored one, and the prompts are copied again from it."""
+    started = storage.is_committed(storage.checkpoint(0))
+    if started:
+        changed = differing_keys(results_part(stored_config(storage)), results_part(config.model_dump(mode="json")))
         if changed:
             raise MoeloopError(f"run {storage.uri} already holds a different config (differs in: {', '.join(changed)})")
     for relative, records in ((RunStorage.TRAIN_PROMPTS, train), (RunStorage.EVAL_PROMPTS, evaluation)):
-        if not storage.exists(relative):
+        if not started or not storage.exists(relative):
             storage.write_bytes(relative, "".join(_json_line(r) for r in records).encode())
     storage.write_bytes(RunStorage.CONFIG, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
+
+
+def results_part(dump: dict[str, Any]) -> dict[str, Any]:
+    """A config dump without the fields that may change between submissions."""
+    kept = {key: value for key, value in dump.items() if key not in RESTARTABLE_FIELDS}
+    if isinstance(kept.get("trainer"), dict):
+        kept["trainer"] = {key: value for key, value in kept["trainer"].items() if key not in RESTARTABLE_TRAINER}
+    return kept
+
+
+def stored_config(storage: RunStorage) -> dict[str, Any]:
+    """The run's stored config as a JSON-mode dump. One that this moeloop no longer accepts (a check added
+    since, e.g. experts over EP ranks) is compared as it was written, so that a fix of it can be adopted."""
+    data, shown = storage.read_bytes(RunStorage.CONFIG), storage.display(RunStorage.CONFIG)
+    try:
+        return parse_config_text(data, shown).model_dump(mode="json")
+    except MoeloopError:
+        raw = yaml.safe_load(data)
+        if not isinstance(raw, dict):
+            raise
+        return raw
 
 
 def differing_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -172,22 +204,34 @@ def recorded_source(storage: RunStorage, uri: str) -> dict[str, Any]:
 
 def starting_policy(
     storage: RunStorage, config: MoeloopConfig, train: list[dict], evaluation: list[dict]
-) -> tuple[Any, Any, dict]:
+) -> tuple[Any, Any, dict, dict[str, Any] | None]:
+    """(model, tokenizer, report, model.checkpoint's files at their first fetch, for record_model_source).
+    Writes nothing into the run: it is part of reading the inputs."""
     uri = config.model.checkpoint
     if uri is not None:
         local, first_found = fetch_model_source(storage, uri)
         try:
             model, tokenizer = load_policy(local)
         except (MoeloopError, SafetensorError) as error:  # a truncated weights file is a SafetensorError
-            raise MoeloopError(f"model.checkpoint {uri} does not load: {str(error).splitlines()[0]}") from None
-        if first_found is not None:
-            record_model_source(storage, uri, first_found)
-        return model, tokenizer, {"source": uri}
+            reason = str(error).splitlines()[0].replace(str(local), uri)  # the user's folder, not the cache's copy
+            raise MoeloopError(f"model.checkpoint {uri} does not load: {reason}") from None
+        try:
+            where = f"model.checkpoint {uri}'s num_experts"
+            check_expert_split(model.config.num_experts, config.trainer.expert_parallel, where)
+        except ValueError as error:
+            raise MoeloopError(str(error)) from None
+        return model, tokenizer, {"source": uri}, first_found
     tokenizer = demo_tokenizer(train, evaluation)
     model = build_tiny_model(config.model.tiny, tokenizer, seed=config.seed)
     losses = sft(model, tokenizer, train, config.model.sft, seed=config.seed)
-    tail = losses[-20:] or [float("nan")]
-    return model, tokenizer, {"source": "tiny+sft", "sft_steps": len(losses), "sft_loss": sum(tail) / len(tail)}
+    diverged = next((step for step, loss in enumerate(losses, start=1) if not math.isfinite(loss)), None)
+    if diverged is not None:
+        raise MoeloopError(
+            f"model.sft diverged: loss {losses[diverged - 1]} at step {diverged}; lower model.sft.learning_rate"
+        )
+    tail = losses[-20:]
+    sft_loss = sum(tail) / len(tail) if tail else None
+    return model, tokenizer, {"source": "tiny+sft", "sft_steps": len(losses), "sft_loss": sft_loss}, None
 
 
 def demo_tokenizer(train: list[dict], evaluation: list[dict]) -> Any:
@@ -210,25 +254,34 @@ def refuse_unfit_trainer_of(config: MoeloopConfig, train: list[dict], evaluation
     refuse_unfit_trainer(config.trainer, hf_config, "model")
 
 
+def adopt_inputs(storage: RunStorage, config: MoeloopConfig, train: list[dict], evaluation: list[dict]) -> None:
+    """The run's config, prompts, trackers and reward models, written (or checked) once every input has been read."""
+    adopt_run(storage, config, train, evaluation)
+    begin_trackers(storage, config)
+    adopt_reward_models(storage, config.reward.models)
+
+
 def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
-    # Read every input before writing anything, so bad input leaves nothing behind.
+    # Read every input (the starting model too) before writing anything, so bad input leaves nothing behind.
     train = read_prompt_file(config.task.train_prompts)
     evaluation = read_prompt_file(config.task.eval_prompts)
+    check_prompts(config, train, config.task.train_prompts)
     refuse_unfit_trainer_of(config, train, evaluation)
     check_reward_models(config.reward.models)
     check_trackers(config)
     storage = RunStorage(run_uri)
-    adopt_run(storage, config, train, evaluation)
-    begin_trackers(storage, config)
-    adopt_reward_models(storage, config.reward.models)
     checkpoint = storage.checkpoint(0)
     if storage.is_committed(checkpoint):
+        adopt_inputs(storage, config, train, evaluation)
         storage.move_latest(0)
         return {"skipped": "checkpoint 0 already committed"}
 
     started = time.perf_counter()
     with local_scratch() as scratch:
-        model, tokenizer, report = starting_policy(storage, config, train, evaluation)
+        model, tokenizer, report, first_found = starting_policy(storage, config, train, evaluation)
+        adopt_inputs(storage, config, train, evaluation)
+        if first_found is not None:
+            record_model_source(storage, config.model.checkpoint, first_found)
         save_policy(model, tokenizer, scratch / "checkpoint")
         report["seconds"] = round(time.perf_counter() - started, 3)
         write_report(storage, 0, "start", report)

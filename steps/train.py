@@ -40,7 +40,7 @@ from steps.model.policy import read_config
 from steps.rl.batch import experience_batch, recorded_routes
 from steps.rl.parallel import Parallel, init_parallel
 from steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state
-from steps.rl.update import Critic, policy_update
+from steps.rl.update import Critic, policy_update, require_finite
 from steps.storage.cache import fetch_checkpoint, local_scratch
 from steps.storage.experience import read_rewards, read_rollouts
 from steps.storage.run import CRITIC_DIR, RunStorage
@@ -68,6 +68,8 @@ def update_policy(
         )
     rewards = read_rewards(storage, iteration).to_pydict()
     rewards_by_sample = dict(zip(rewards["sample_id"], rewards["reward"], strict=False))
+    for sample, value in rewards_by_sample.items():  # the reward step refuses these: this is foreign data
+        require_finite(value, f"{storage.display(storage.rewards(iteration))}: the reward of sample {sample}")
     seed = derive_seed(config.run_name, config.seed, "train", iteration)
     torch.manual_seed(seed)
     settings = config.trainer

@@ -10,11 +10,13 @@ names the server and the object, and never shows the token.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC
 from http import HTTPStatus
 from typing import Self, TypeVar
+from urllib.parse import urlsplit
 
 import requests
 from hera.workflows import CronWorkflow, Workflow, WorkflowTemplate
@@ -25,6 +27,8 @@ from pydantic import BaseModel, ValidationError
 from steps.errors import MoeloopError
 
 SERVER_MESSAGE_CHARS = 300
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 RUN_LABEL = "moeloop.dev/run"
 FAILED_PHASES = frozenset({"Failed", "Error"})
 # A run's listing leaves out the per-node status, the bulk of a finished Workflow (Argo's `fields` filter:
@@ -47,6 +51,22 @@ class ArgoServer:
     def __post_init__(self) -> None:
         if not self.host.startswith(("http://", "https://")):
             raise MoeloopError(f"Argo server {self.host}: the host must start with http:// or https://")
+        try:
+            valid = bool(urlsplit(self.host).hostname)
+        except ValueError:
+            valid = False
+        if not valid:
+            raise MoeloopError(f"Argo server {self.host}: not a valid URL")
+        check_object_name(self.namespace, "namespace", DNS_LABEL)
+
+
+def check_object_name(name: str, what: str, pattern: re.Pattern[str] | None = None) -> str:
+    """A Kubernetes name (RFC 1123: a DNS subdomain; a namespace is a DNS label): it goes into the request's URL
+    path, so anything else would address another object or none."""
+    pattern = pattern or DNS_SUBDOMAIN
+    if not pattern.fullmatch(name) or len(name) > (63 if pattern is DNS_LABEL else 253):
+        raise MoeloopError(f"{what} {name!r} is not a Kubernetes name (lowercase letters, digits, '-')")
+    return name
 
 
 def argo_server(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from steps.capacity.schedule import GraphTask
 from steps.config import MoeloopConfig, load_config
-from steps.errors import MoeloopError, run_cli
+from steps.errors import ArgumentParser, MoeloopError, run_cli
+from steps.inputs import check_location
 from workflows.dag import ROLLOUT, loop_tasks, run_uri
 
 if TYPE_CHECKING:
@@ -24,6 +26,11 @@ EXIT_WORKFLOW_FAILED = 1  # status: the server answered, and the workflow failed
 
 
 def _config(args: argparse.Namespace) -> MoeloopConfig:
+    if getattr(args, "root", None) is not None:
+        try:
+            check_location(args.root, "--root")
+        except ValueError as error:
+            raise MoeloopError(f"--root: {error}") from None
     config = load_config(args.config)
     if getattr(args, "iterations", None) is not None:
         if args.iterations < 1:
@@ -35,6 +42,8 @@ def _config(args: argparse.Namespace) -> MoeloopConfig:
 def command_run(args: argparse.Namespace) -> None:
     from workflows.local import run_local
 
+    # A stop (kill, the end of a CI job) unwinds like Ctrl-C: the steps are stopped and the run's lease freed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     config = _config(args)
     uri = run_uri(config, args.root)
     log_dir = Path(".moeloop") / "logs" / config.run_name
@@ -108,10 +117,11 @@ def command_schedule(args: argparse.Namespace) -> None:
 
 
 def command_status(args: argparse.Namespace) -> None:
-    from workflows.argo import RUN_LABEL, ArgoSession, has_failed, run_table, status_lines
+    from workflows.argo import RUN_LABEL, ArgoSession, check_object_name, has_failed, run_table, status_lines
 
     if (args.name is None) == (args.run is None):
         raise MoeloopError("give either a workflow NAME or --run RUN_NAME")
+    check_object_name(args.name or args.run, "workflow" if args.name is not None else "--run")
     server = _server(args)
     with ArgoSession(server) as argo:
         if args.name is not None:
@@ -131,8 +141,9 @@ def command_status(args: argparse.Namespace) -> None:
 
 
 def command_resubmit(args: argparse.Namespace) -> None:
-    from workflows.argo import ArgoSession
+    from workflows.argo import ArgoSession, check_object_name
 
+    check_object_name(args.name, "workflow")
     with ArgoSession(_server(args)) as argo:
         print(argo.resubmit(args.name, memoized=args.memoized))
 
@@ -180,7 +191,7 @@ def command_plan(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="moeloop", description=__doc__)
+    root = ArgumentParser(prog="moeloop", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
 
     def with_config(name: str, help_text: str) -> argparse.ArgumentParser:

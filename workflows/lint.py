@@ -156,9 +156,12 @@ def _expand_paths(paths: Iterable[str | Path]) -> Iterator[Path | LintError]:
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            yield from sorted(file for file in path.rglob("*") if file.suffix in (".yaml", ".yml") and file.is_file())
+            files = sorted(file for file in path.rglob("*") if file.suffix in (".yaml", ".yml") and file.is_file())
+            yield from files or [LintError(str(path), "", "", "no *.yaml or *.yml files in this folder")]
         elif path.exists():
             yield path
+        elif path.is_symlink():
+            yield LintError(str(path), "", "", "a symbolic link to nothing readable (missing, or a loop)")
         else:
             yield LintError(str(path), "", "", "path does not exist")
 

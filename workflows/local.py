@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,11 +24,13 @@ from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
 from steps.observe.trackers import check_trackers
 from steps.rewards.functions import reward_functions
-from steps.storage.prompts import read_prompt_file
+from steps.storage.lease import RunLease
+from steps.storage.prompts import check_prompts, read_prompt_file
 from steps.storage.run import RunStorage
 from workflows.dag import EVALUATE, ROLLOUT, START, Task, loop_tasks, run_values
 
 POLL_SECONDS = 0.05
+EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt): ")
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ def local_argv(task: Task, run_values: dict[str, str]) -> list[str]:
 
 def preflight(config: MoeloopConfig) -> None:
     """Check the inputs every step will need before anything is written or spent."""
-    read_prompt_file(config.task.train_prompts)
+    check_prompts(config, read_prompt_file(config.task.train_prompts), config.task.train_prompts)
     read_prompt_file(config.task.eval_prompts)
     reward_functions(config.reward)
     check_trackers(config)
@@ -74,12 +78,24 @@ def pending_tasks(tasks: list[Task], latest_iteration: int | None) -> list[Task]
 
 
 def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool = True) -> list[ExecutedTask]:
+    """Check the inputs, take the run's lease (steps/storage/lease.py: one driver at a time), and drive the run."""
     preflight(config)
+    with RunLease(run_uri) as lease:
+        return drive(config, run_uri, log_dir, progress, lease.renew_if_due)
+
+
+def drive(
+    config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool, heartbeat: Callable[[], None]
+) -> list[ExecutedTask]:
+    """Run the pending tasks; heartbeat() is called as the runner polls (it renews the lease)."""
     storage = RunStorage(run_uri)
     latest = storage.latest() if storage.exists(RunStorage.CONFIG) else None
     tasks = pending_tasks(loop_tasks(config), latest["iteration"] if latest else None)
     values = run_values(config, run_uri)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise MoeloopError(f"cannot create the log folder {log_dir}: {error.strerror or error}") from None
     groups = core_groups(config.local.parallelism)
     pin_cores = config.local.pin_cores and hasattr(os, "sched_setaffinity")  # Linux only
     environment = step_environment(len(groups[0]), pin_cores)
@@ -125,13 +141,14 @@ def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool
                 description = ", ".join(running)
                 bar.set_description(description)
             time.sleep(POLL_SECONDS)
+            heartbeat()
             for name, (task, process, started, _) in list(running.items()):
                 if process.poll() is None:
                     continue
                 del running[name]
                 if process.poll() != 0:
                     raise MoeloopError(
-                        f"step {name} failed: {last_line(log_dir / f'{name}.log')} (log: {log_dir / f'{name}.log'})"
+                        f"step {name} failed: {failure_line(log_dir / f'{name}.log')} (log: {log_dir / f'{name}.log'})"
                     )
                 finished.add(name)
                 executed.append(
@@ -260,9 +277,14 @@ class StepWorker:
             self.process.kill()
 
 
-def last_line(log: Path) -> str:
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
+def failure_line(log: Path) -> str:
+    """Why a step failed, from its log: its own last `error: ...` line (without the prefix, which the runner's
+    line has already), else a crash's exception line, else the last line. Under torchrun each rank prints its
+    line (`[rank0]:` before a traceback's), and torchrun a summary block after them that says nothing."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    crashes = [line for line in lines if EXCEPTION_LINE.match(line)]
+    return (errors or crashes or lines or ["no output"])[-1]
 
 
 def describe_metrics(metrics: dict) -> str:

@@ -34,7 +34,8 @@ from hera.workflows import DAG, Container, CronWorkflow, Parameter, Resource, Wo
 from hera.workflows import Task as HeraTask
 from hera.workflows import models as m
 
-from steps.config import MoeloopConfig, Resources, RolePlacement, Toleration
+from steps.config import MoeloopConfig
+from steps.config_cluster import Resources, RolePlacement, Toleration
 from steps.errors import MoeloopError
 from steps.outputs import OUTPUTS_ENV
 from workflows.dag import EVALUATE, PLAN, START, STEPS, TRAIN, Step, Task, iteration_tasks, run_values, step_role

@@ -74,7 +74,13 @@ def adopt_reward_models(storage: RunStorage, models: list[RewardModel]) -> None:
     A local folder is committed as it is; a URI is downloaded first."""
     for index, settings in enumerate(models):
         folder = storage.reward_model(index)
-        if storage.is_committed(folder):
+        committed = storage.manifest(folder)
+        if committed is not None:
+            if committed.get("source") != settings.path:
+                raise MoeloopError(
+                    f"{storage.display(folder)} was committed from {committed.get('source')!r}, not from"
+                    f" reward.models.{index}.path {settings.path!r}: this run's reward models are fixed"
+                )
             continue
         with local_scratch() as scratch:
             source = Path(settings.path)

@@ -8,6 +8,7 @@ are one process's on the whole minibatch.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,14 @@ class Critic:
     optimizer: torch.optim.Optimizer
 
 
+def require_finite(value: float, what: str) -> float:
+    """Stop the step at a NaN or an infinity, so that nothing non-finite is committed. Every value checked is the
+    same on all ranks, so they all stop together."""
+    if not math.isfinite(value):
+        raise MoeloopError(f"{what} is {value}: stopping the update before it commits non-finite weights")
+    return value
+
+
 def minibatch_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -54,14 +63,18 @@ def minibatch_step(
     parallel: Parallel,
     replay: bool = False,
     health: RouterHealth | None = None,
+    what: str = "the model",
 ) -> tuple[float, list[float]]:
     """One optimizer step over a minibatch. For each of this rank's packed microbatches of it, loss_of(micro) gives
-    (that microbatch's part of the minibatch's loss, its router logits, figures to report, as tensors); its loss
+    (that microbatch's part of the minibatch's loss, its router logits, figures to report with that loss first, as
+    tensors); its loss
     and the routers' aux loss are backpropagated. Then the gradients (summed over the ranks in FSDP2's
     reduce-scatters) are clipped and the optimizer steps. Returns the gradient norm before clipping and the figures
     summed over the microbatches and ranks, read once the step is queued (nothing before waits for the GPU).
     replay: each microbatch routes as the engine did (`algorithm.routing_replay`), in its backward too (activation
-    checkpointing recomputes the forward there); health: given each forward's router logits."""
+    checkpointing recomputes the forward there); health: given each forward's router logits. A non-finite gradient
+    norm or loss stops the step, naming `what` (checked once the step is queued: the weights it changed in memory
+    are never committed)."""
     settings = config.trainer
     microbatches = rank_microbatches(batch, minibatch_rows, settings.max_tokens_per_microbatch, parallel)
     minibatch_tokens = int(batch.attention_mask_BT[minibatch_rows].sum())
@@ -77,7 +90,9 @@ def minibatch_step(
         sums = [a + b.detach() for a, b in zip(sums, figures, strict=True)] if sums else [f.detach() for f in figures]
     grad_norm = clip_grad_norm(model.parameters(), settings.max_grad_norm, parallel)
     optimizer.step()
-    return float(grad_norm), all_reduce_sum([float(value) for value in sums], parallel)
+    figures = all_reduce_sum([float(value) for value in sums], parallel)
+    require_finite(figures[0], f"the loss of {what}")  # loss_of's first figure is its loss
+    return require_finite(float(grad_norm), f"the gradient norm of {what}"), figures
 
 
 def ppo_advantages(
@@ -178,6 +193,7 @@ def policy_update(
         )
         report["value_mean"] = masked_mean(old_values_BT, mask_BT)
         report["return_mean"] = masked_mean(returns_BT, mask_BT)
+    require_finite(float(advantages.abs().max()), "the largest advantage")  # inf or nan if any one is
     # GRPO puts the KL in the loss (k3); PPO has it in the token rewards (k1).
     kl_reference_BT = ref_logprobs_BT if critic is None and algorithm.kl_coef > 0 else None
 
@@ -221,7 +237,7 @@ def actor_steps(
     health = RouterHealth(model.config.num_experts, model.config.num_experts_per_tok, parallel.device)
     measured: dict[str, Any] = defaultdict(list)
     model.train()
-    for minibatch_rows in schedule:
+    for number, minibatch_rows in enumerate(schedule, start=1):
         num_tokens = max(int(loss_mask_BT[minibatch_rows].sum()), 1)
         num_sequences = max(int(loss_mask_BT[minibatch_rows].any(1).sum()), 1)  # masked-out sequences drop out
 
@@ -248,8 +264,9 @@ def actor_steps(
             return terms.loss, router_logits_L, [terms.loss, terms.clip_fraction * loss_mask_BT[rows].sum()]
 
         grad_norm, (loss, clipped) = minibatch_step(
-            model, optimizer, batch, minibatch_rows, loss_of, config, parallel, replay, health
-        )
+            model, optimizer, batch, minibatch_rows, loss_of, config, parallel, replay, health,
+            f"the policy at minibatch {number} of {len(schedule)}",
+        )  # fmt: skip
         measured["grad_norm"].append(grad_norm)
         measured["loss"].append(loss)
         measured["clip_fraction"].append(clipped / num_tokens)
@@ -272,7 +289,7 @@ def critic_steps(
     mask_BT = batch.response_mask_BT
     measured: dict[str, list[float]] = defaultdict(list)
     critic.model.train()
-    for minibatch_rows in schedule:
+    for number, minibatch_rows in enumerate(schedule, start=1):
         num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
 
         def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
@@ -285,8 +302,9 @@ def critic_steps(
             return loss, router_logits_L, [loss, value_clipped * mask_BT[rows].sum()]
 
         grad_norm, (loss, clipped) = minibatch_step(
-            critic.model, critic.optimizer, batch, minibatch_rows, loss_of, config, parallel
-        )
+            critic.model, critic.optimizer, batch, minibatch_rows, loss_of, config, parallel,
+            what=f"the critic at minibatch {number} of {len(schedule)}",
+        )  # fmt: skip
         measured["critic_grad_norm"].append(grad_norm)
         measured["value_loss"].append(loss)
         measured["value_clip_fraction"].append(clipped / num_tokens)

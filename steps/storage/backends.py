@@ -61,6 +61,8 @@ class Backend(Protocol):
 
     def compare_and_swap(self, relative: str, decide: Callable[[bytes | None], bytes | None]) -> None: ...
 
+    def delete_if(self, relative: str, decide: Callable[[bytes], bool]) -> None: ...
+
 
 class LocalBackend:
     """A run in a local folder."""
@@ -129,6 +131,12 @@ class LocalBackend:
                 with local_temporary(path, replacement) as temporary:
                     os.replace(temporary, path)
                 crash_point()
+
+    def delete_if(self, relative: str, decide: Callable[[bytes], bool]) -> None:
+        path = self.storage.full(relative)
+        with self.storage.errors(relative), self._lock():
+            if os.path.exists(path) and decide(Path(path).read_bytes()):
+                os.unlink(path)
 
     @contextmanager
     def _lock(self) -> Iterator[None]:
@@ -206,6 +214,18 @@ class S3Backend:
                 if not s3.is_precondition_failure(error) and s3.error_code(error) != "ConditionalRequestConflict":
                     raise s3.translated(error, shown) from None
         raise MoeloopError(f"{shown} kept changing: gave up after {LATEST_ATTEMPTS} attempts")
+
+    def delete_if(self, relative: str, decide: Callable[[bytes], bool]) -> None:
+        """DeleteObject with If-Match: the ETag of the object decide was shown (a changed one stays)."""
+        client, bucket, key, shown = s3.client(), self.run_location.bucket, self._key(relative), self.storage.display(relative)
+        try:
+            response = client.get_object(Bucket=bucket, Key=key)
+            if decide(response["Body"].read()):
+                client.delete_object(Bucket=bucket, Key=key, IfMatch=response["ETag"])
+        except s3.S3_ERRORS as error:
+            if s3.error_code(error) not in ("NoSuchKey", "404", "ConditionalRequestConflict"):
+                if not s3.is_precondition_failure(error):
+                    raise s3.translated(error, shown) from None
 
     def location(self, folder: str) -> s3.S3Location:
         path = self.storage.full(folder) if folder else self.storage.root

@@ -8,6 +8,7 @@ the parts are also the multipart upload's, so each part is hashed by the thread 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import uuid
@@ -90,8 +91,24 @@ def copy_hashed(source: Path, target: Path) -> dict[str, Any]:
     return object_entry(size, step, digests)
 
 
-def json_bytes(value: Any) -> bytes:
-    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+def json_bytes(value: Any, source: str = "JSON") -> bytes:
+    """Strict JSON: a NaN or an infinity (which json.dumps would write as a literal no JSON parser reads) is an
+    error naming its key, and nothing is written."""
+    try:
+        return (json.dumps(value, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    except ValueError:
+        raise MoeloopError(f"refusing to write {source}: {non_finite_key(value)} is not a finite number") from None
+
+
+def non_finite_key(value: Any, path: str = "") -> str | None:
+    """The dotted key of the first NaN or infinity in a JSON-like value (None if there is none)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path or 'the value'} ({value})"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for key, item in items:
+        if (found := non_finite_key(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
 
 
 def manifest_of(files: dict[str, dict[str, Any]], extra: dict[str, Any] | None) -> dict[str, Any]:

@@ -8,9 +8,13 @@ from typing import Any
 
 import fsspec
 
+from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
+from steps.inputs import decode_text, read_limited
 from steps.storage import s3
 from steps.storage.run import RunStorage
+
+MAX_PROMPT_FILE_BYTES = 2 << 30  # read whole by start and by every rollout: past this, a file is not prompts
 
 
 def read_jsonl(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
@@ -31,21 +35,26 @@ def read_jsonl(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
 
 
 def read_prompt_file(location: str) -> list[dict[str, Any]]:
-    """Prompts from a local path or any fsspec URI; a missing file is a one-line error."""
+    """Prompts from a local path or an s3:// URI; a missing, unreadable or non-UTF-8 file is a one-line error."""
     if location.startswith("s3://"):
         s3.parse_s3_uri(location)
-    try:
-        with fsspec.open(location, "rt") as file:
-            return read_jsonl(file.read().splitlines(), location)
-    except FileNotFoundError:
-        raise MoeloopError(f"prompt file not found: {location}") from None
-    except MoeloopError:
-        raise
-    except Exception as error:
-        described = s3.describe(error, location)
-        if described is None:
-            raise
-        raise described from None
+    data = read_limited(location, "prompt file", MAX_PROMPT_FILE_BYTES, fsspec.open, s3.describe)
+    return read_jsonl(decode_text(data, f"prompt file {location}").splitlines(), location)
+
+
+def check_prompts(config: MoeloopConfig, train: list[dict[str, Any]], source: str) -> None:
+    """What the config asks of the train prompts, checked before start writes anything."""
+    wanted = config.rollout.prompts_per_iteration
+    if len(train) < wanted:
+        raise MoeloopError(
+            f"{source} has {len(train)} prompts, fewer than rollout.prompts_per_iteration {wanted}"
+        )
+    if config.model.checkpoint is None and config.model.sft.steps:
+        for number, record in enumerate(train, start=1):
+            if not isinstance(record.get("answer"), str):
+                raise MoeloopError(
+                    f"{source}: prompt {number} has no string 'answer', which model.sft trains the tiny model on"
+                )
 
 
 def train_prompts(storage: RunStorage) -> list[dict[str, Any]]:

@@ -172,7 +172,7 @@ class RunStorage:
         return True
 
     def write_json(self, relative: str, value: Any) -> None:
-        self.write_bytes(relative, json_bytes(value))
+        self.write_bytes(relative, json_bytes(value, self.display(relative)))
 
     def list(self, folder: str) -> list[str]:
         """Names of the objects directly in folder (a local write in progress is not one)."""
@@ -404,4 +404,6 @@ class RunStorage:
                 raise MoeloopError(f"missing object: {self.display(relative)}") from None
             if isinstance(error, PermissionError):
                 raise MoeloopError(f"permission denied: {self.display(relative)}") from None
+            if isinstance(error, OSError) and error.strerror:  # no space left, read-only, not a directory, ...
+                raise MoeloopError(f"{error.strerror}: {self.display(relative)}") from None
             raise
