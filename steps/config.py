@@ -284,12 +284,16 @@ class MLflowConfig(Strict):
     experiment: str | None = None  # None: the run's name
 
 
-class ObserveConfig(Strict):
-    """Where each committed iteration's figures go besides metrics/ (steps/observe/trackers.py). Each tracker's
-    package is imported only when selected; tensorboard needs none to write."""
+class WandbConfig(Strict):
+    project: str | None = None  # None: the run's name
+    entity: str | None = None  # None: $WANDB_ENTITY, else the API key's default entity (files go to $WANDB_DIR)
+    mode: Literal["online", "offline"] = "online"  # $WANDB_MODE wins where set (an offline node, a laptop)
 
-    trackers: list[Literal["tensorboard", "mlflow"]] = ["tensorboard"]
+
+class ObserveConfig(Strict):  # where each committed iteration's figures go besides metrics/ (observe/trackers.py)
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = ["tensorboard"]
     mlflow: MLflowConfig = MLflowConfig()
+    wandb: WandbConfig = WandbConfig()
 
     @field_validator("trackers")
     @classmethod

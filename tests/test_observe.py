@@ -1,5 +1,5 @@
-"""Seeing a run: TensorBoard event files and MLflow runs rebuilt from the committed metrics, read back with
-TensorBoard's and MLflow's own readers."""
+"""Seeing a run: TensorBoard event files, MLflow runs and W&B offline runs rebuilt from the committed metrics, read
+back with TensorBoard's and MLflow's own readers and W&B's own records."""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ from steps.config import MoeloopConfig
 from steps.errors import MoeloopError
 from steps.observe.events import masked_crc32c
 from steps.observe.scalars import flatten, iteration_scalars
-from steps.observe.trackers import TensorBoardFiles, check_trackers, record_iteration, sync_tensorboard
+from steps.observe.trackers import (
+    TensorBoardFiles,
+    WandbRun,
+    begin_trackers,
+    check_trackers,
+    record_iteration,
+    sync_tensorboard,
+)
 from steps.publish import publish
 from steps.reward import reward
 from steps.rollout import rollout
@@ -75,11 +82,12 @@ def test_crc32c_and_flatten() -> None:
 def test_a_missing_tracker_package_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    config = small_config(iterations=1, observe={"trackers": ["tensorboard", "mlflow"]})
+    config = small_config(iterations=1, observe={"trackers": ["tensorboard", "mlflow", "wandb"]})
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "mlflow" else find_spec(name))
-    with pytest.raises(MoeloopError, match=r"^observe.trackers selects mlflow, but its package 'mlflow' is not"):
-        check_trackers(config)
+    for missing in ("mlflow", "wandb"):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == missing else find_spec(name))
+        with pytest.raises(MoeloopError, match=rf"^observe.trackers selects {missing}, but its package '{missing}'"):
+            check_trackers(config)
     with pytest.raises(ValueError, match="more than once"):
         MoeloopConfig.model_validate({**config.model_dump(), "observe": {"trackers": ["mlflow", "mlflow"]}})
 
@@ -152,6 +160,74 @@ def test_s3_event_files_sync_for_tensorboard(s3_run_root: str, run_root: Path, t
     ]
     assert sync_tensorboard(uri, local) == []  # nothing new
     assert_one_point_each(tensorboard_points(local), expected_scalars(storage, 1))
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a .wandb file: W&B's header, then a LevelDB log (32 KiB blocks of chunks, each with a 7-byte
+    header: CRC, length, type) of wandb_internal_pb2.Record messages. wandb 0.31 ships no Python reader."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, position, message = [], 7, b""
+    while position + 7 <= len(data):
+        if 32768 - position % 32768 < 7:  # a block's tail too short for a header is padding
+            position += 32768 - position % 32768
+            continue
+        length, kind = int.from_bytes(data[position + 4 : position + 6], "little"), data[position + 6]
+        message += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # FULL, or the LAST chunk of a message split over blocks
+            records.append(Record.FromString(message))
+            message = b""
+    return records
+
+
+def wandb_offline_rows(folder: Path, run_id: str) -> list[dict[str, float]]:
+    """Every history row of every offline session of the W&B run (one folder each), in the order they were logged.
+    W&B's own keys (_step, _timestamp, _runtime) are left out: offline, each session counts _step from 0."""
+    rows = []
+    for session in folder.glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb"):
+        for record in wandb_records(session):
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    rows.sort(key=lambda row: row["_timestamp"])
+    return [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
+
+
+def test_wandb_offline_run_has_one_row_per_iteration(run_root: Path, tmp_path: Path, monkeypatch) -> None:
+    """Offline, with no network: the W&B run of a committed run, recorded out of order and again, holds each
+    iteration's figures once, at iteration = its x-axis."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-files"))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    (tmp_path / "wandb-files").mkdir()
+    config = small_config(iterations=2, observe={"trackers": ["wandb"], "wandb": {"mode": "offline"}})
+    uri = run_uri(config, str(run_root))
+    storage = RunStorage(uri)
+    storage.write_bytes(RunStorage.CONFIG, b"run_name: x\n")
+    begin_trackers(storage, config)
+    for iteration in (0, 2, 1):  # iteration 2's evaluation finishes before iteration 1's
+        report = {"seconds": 2.5 + iteration, "started_at": 100.0 + iteration, "ended_at": 102.5 + iteration}
+        storage.write_json(storage.report(iteration, "evaluate"), report)
+        storage.write_json(storage.metrics(iteration), {"iteration": iteration, "eval_reward_mean": 0.25 * iteration})
+        record_iteration(storage, config, iteration)
+    for iteration in (1, 2):  # retries of recorded iterations: no new session, no new row
+        record_iteration(storage, config, iteration)
+    assert len(list((tmp_path / "wandb-files").glob("wandb/offline-run-*"))) == 4  # the start's, and 3 iterations'
+
+    run_id = WandbRun(storage, config).id
+    rows = wandb_offline_rows(tmp_path / "wandb-files", run_id)
+    assert [row["iteration"] for row in rows] == [0, 2, 1]
+    expected = expected_scalars(storage, 2)
+    assert {row["iteration"]: {k: v for k, v in row.items() if k != "iteration"} for row in rows} == expected
+    assert expected[2] == {"eval_reward_mean": 0.5, "step/evaluate/seconds": 4.5}
+    assert storage.read_json(WandbRun.marker(1)) == {"wandb_run": run_id, "mode": "offline"}
+    # The run's config is the moeloop config, given by the start step's session.
+    sessions = (tmp_path / "wandb-files").glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb")
+    updates = [r.run.config.update for s in sessions for r in wandb_records(s) if r.WhichOneof("record_type") == "run"]
+    given = [{i.key: json.loads(i.value_json) for i in u if i.key != "_wandb"} for u in updates]
+    assert config.model_dump(mode="json") in given
 
 
 def rendered_metric_names(config: MoeloopConfig) -> set[str]:

@@ -5,13 +5,18 @@
   adds no point. Needs no package (steps/observe/events.py); reading it takes TensorBoard.
 - mlflow: one MLflow run per moeloop run (tagged moeloop.run=<run URI>), created by the start step; a point
   is logged only where that metric has none at the iteration yet.
-- wandb: one W&B run per moeloop run, its id derived from the run URI; offline mode needs no network.
+- wandb: one W&B run per moeloop run, its id a hash of the run URI, resumed by each step that records (offline
+  mode needs no network: `wandb sync` uploads its files later). Each iteration is one row whose x-axis is its
+  `iteration` figure, not W&B's own step: evaluations of consecutive iterations may finish out of order, and W&B
+  drops a row whose step is below the run's. A committed marker per iteration, written once W&B has the row,
+  makes a retry skip it.
 
 Each tracker's package is imported only when it is selected; `check_trackers` tells a missing one up front.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -122,7 +127,51 @@ class MLflowRun:
             self.client.log_batch(run_id, metrics=missing[first : first + 1000])
 
 
-TRACKERS = {"tensorboard": TensorBoardFiles, "mlflow": MLflowRun}
+class WandbRun:
+    FOLDER = "wandb"  # the markers of the iterations W&B has
+
+    def __init__(self, storage: RunStorage, config: MoeloopConfig):
+        self.storage = storage
+        self.config = config
+        self.id = hashlib.sha256(storage.uri.encode()).hexdigest()[:16]
+        self.mode = os.environ.get("WANDB_MODE") or config.observe.wandb.mode
+
+    @classmethod
+    def marker(cls, iteration: int) -> str:
+        return f"{cls.FOLDER}/iter-{iteration:06d}.json"
+
+    def resume(self, **arguments):
+        import wandb
+
+        settings = self.config.observe.wandb
+        run = wandb.init(
+            id=self.id,
+            resume="allow",
+            project=settings.project or self.config.run_name,
+            entity=settings.entity,
+            name=os.path.basename(self.storage.uri.rstrip("/")),
+            mode=self.mode,
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+            **arguments,
+        )
+        run.define_metric("iteration")
+        run.define_metric("*", step_metric="iteration")
+        return run
+
+    def begin(self) -> None:
+        self.resume(config=self.config.model_dump(mode="json")).finish()
+
+    def record(self, scalars: IterationScalars) -> None:
+        marker = self.marker(scalars.iteration)
+        if self.storage.exists(marker):
+            return
+        run = self.resume()
+        run.log({"iteration": scalars.iteration, **scalars.values})
+        run.finish()  # returns once the row is in the offline file, or on the server
+        self.storage.write_json(marker, {"wandb_run": self.id, "mode": self.mode})
+
+
+TRACKERS = {"tensorboard": TensorBoardFiles, "mlflow": MLflowRun, "wandb": WandbRun}
 
 
 def open_trackers(storage: RunStorage, config: MoeloopConfig) -> list:
