@@ -19,6 +19,7 @@ all of it, and the reference pass's alone.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def trainer_config(args: argparse.Namespace) -> MoeloopConfig:
         activation_checkpointing=args.checkpointing, max_tokens_per_microbatch=args.max_tokens,
         offload_optimizer=args.offload,
     )  # fmt: skip
-    data["rollout"].update(max_new_tokens=args.seq, prompts_per_iteration=1, samples_per_prompt=args.samples)
+    data["rollout"].update(max_new_tokens=args.seq, prompts_per_iteration=1, samples_per_prompt=args.samples, num_shards=1)
     return MoeloopConfig.model_validate(data)
 
 
@@ -98,10 +99,13 @@ def measure(args: argparse.Namespace) -> dict:
     reference = random_model(shape(args.layers[0]), settings, parallel)
     ref_logprobs_BT = frozen_logprobs(reference, experience, temperature, budget, parallel)
     del reference
+    gc.collect()  # as steps.rl.state.reference_logprobs frees it
     reference_peak = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.empty_cache()
+    left_by_reference = torch.cuda.memory_allocated() / 2**30
     model = random_model(shape(args.layers[0]), settings, parallel)
     optimizer = make_optimizer(model, settings)
+    loaded = torch.cuda.memory_allocated() / 2**30
     old_logprobs_BT = frozen_logprobs(model, experience, temperature, budget, parallel)
     advantages_B = torch.linspace(-1, 1, args.samples, device=parallel.device)
     rows_B = torch.arange(args.samples)
@@ -116,6 +120,8 @@ def measure(args: argparse.Namespace) -> dict:
         "parameters": sum(p.numel() for p in model.parameters()),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "reference_pass_peak_gib": round(reference_peak, 2),
+        "allocated_after_reference_gib": round(left_by_reference, 2),  # the batch, and anything the reference left
+        "allocated_after_policy_load_gib": round(loaded, 2),
         "step_seconds": round(time.perf_counter() - step_started, 2),
         "seconds": round(time.perf_counter() - started, 1),
         "tokens_per_second": round(args.samples * args.seq / (time.perf_counter() - step_started), 1),

@@ -75,7 +75,7 @@ def update_policy(
     settings = config.trainer
     top_k = read_config(fetch_checkpoint(storage, 0))[0].num_experts_per_tok if recorded else None
     batch = experience_batch(rollouts, rewards_by_sample, top_k).to(parallel.device)
-    ref_logprobs_BT = reference_logprobs(storage, batch, config, parallel)
+    ref_logprobs_BT = reference_logprobs(fetch_checkpoint(storage, 0), batch, config, parallel)
     model, tokenizer, optimizer, critic = load_trainer_start(storage, iteration, scratch, config, parallel)
     started = time.perf_counter()
     report = policy_update(model, ref_logprobs_BT, optimizer, batch, config, seed, parallel, critic)

@@ -13,9 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from steps.model.attention import VARLEN, varlen_attention
+from steps.config import MoeloopConfig, load_config
 from steps.model.logprobs import ChunkedTokenLogprobs
+from steps.model.policy import build_tokenizer, save_policy
+from steps.rl.batch import ExperienceBatch
+from steps.rl.parallel import init_parallel
+from steps.rl.state import reference_logprobs
 from steps.rl.router_loss import layer_routing
 from tests.conftest import REPO
 
@@ -69,6 +75,34 @@ def test_fused_passes_equal_their_eager_selves() -> None:
     for name, got, want in zip(("logprobs", "d hidden", "d weight", "assigned", "d router logits"),
                                results["cuda"], results["cpu"], strict=True):  # fmt: skip
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_reference_policy_leaves_nothing_on_the_gpu(tmp_path: Path) -> None:
+    """`reference_logprobs` loads checkpoint 0 as the trainer holds it (FSDP2 bf16 over fp32 masters, compiled
+    layers), runs its pass and frees it: the GPU holds no more than before but the logprobs (memory model: the
+    reference adds nothing to the update's peak)."""
+    tokenizer = build_tokenizer(["abcdefgh"])
+    hf_config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=16,
+        num_experts_per_tok=4, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    save_policy(Qwen3MoeForCausalLM(hf_config).to(torch.bfloat16), tokenizer, tmp_path / "checkpoint")
+    data = load_config(REPO / "configs" / "tiny.yaml").model_dump()
+    data["trainer"].update(precision="bf16", max_tokens_per_microbatch=512)
+    config = MoeloopConfig.model_validate(data)
+    parallel = init_parallel(config.trainer)
+    rows, width = 4, 200
+    batch = ExperienceBatch(
+        torch.randint(2, len(tokenizer), (rows, width)), torch.ones(rows, width, dtype=torch.long),
+        torch.ones(rows, width, dtype=torch.bool), torch.zeros(rows, width), torch.rand(rows),
+        torch.zeros(rows, dtype=torch.long),
+    ).to(parallel.device)  # fmt: skip
+    before = torch.cuda.memory_allocated()
+    logprobs_BT = reference_logprobs(tmp_path / "checkpoint", batch, config, parallel)
+    left = torch.cuda.memory_allocated() - before - logprobs_BT.nbytes
+    weights = 4 * sum(p.numel() for p in Qwen3MoeForCausalLM(hf_config).parameters())  # fp32 masters
+    assert torch.isfinite(logprobs_BT).all() and left < 0.01 * weights, (left, weights)
 
 
 def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -10,6 +10,7 @@ update smaller than the checkpoint dtype's resolution is lost between iterations
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +78,18 @@ def load_trainer_model(
 
 
 def reference_logprobs(
-    storage: RunStorage, batch: ExperienceBatch, config: MoeloopConfig, parallel: Parallel
+    directory: Path, batch: ExperienceBatch, config: MoeloopConfig, parallel: Parallel
 ) -> torch.Tensor:
-    """The reference policy's (checkpoint 0's) token logprobs of the batch, computed once per update, sharded as
-    the trainer's policy; the reference is freed before the policy is loaded, so it adds nothing to the update's
-    peak memory."""
+    """The reference policy's token logprobs of the batch (directory: checkpoint 0's HF folder), computed once per
+    update, sharded as the trainer's policy; the reference is freed before the policy is loaded, so it adds nothing
+    to the update's peak memory (tests/test_cuda.py checks that on a GPU)."""
     settings = config.trainer
-    reference, _, _ = load_trainer_model(fetch_checkpoint(storage, 0), settings, parallel)
+    reference = load_trainer_model(directory, settings, parallel)[0]  # its optimizer, which holds it, dropped here
     logprobs_BT = frozen_logprobs(
         reference, batch, config.rollout.temperature, settings.max_tokens_per_microbatch, parallel
     )
     del reference
+    gc.collect()  # the model's reference cycles (hooks, FSDP state): freed now, not at the next collection
     if parallel.device.type == "cuda":
         torch.cuda.empty_cache()
     return logprobs_BT
