@@ -78,17 +78,12 @@ class VLLMConfig(Strict):
     sleep_after_rollout: bool = False  # release weights and KV cache after generating (sleep mode level 1)
 
 
-class TransformersEngineConfig(Strict):
-    """The transformers engine's precision; the evaluation's greedy decoding keeps auto whatever this says."""
-
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-
-
 class RolloutConfig(Strict):
     # auto: vLLM where it imports, transformers `generate` elsewhere.
     engine: Literal["auto", "vllm", "transformers"] = "auto"
     vllm: VLLMConfig = VLLMConfig()
-    transformers: TransformersEngineConfig = TransformersEngineConfig()
+    # The transformers engine's precision, auto as vLLM's (the evaluation's greedy decoding keeps auto).
+    transformers_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     prompts_per_iteration: int = Field(64, gt=0)
     samples_per_prompt: int = Field(8, gt=0)
     num_shards: int = Field(2, gt=0)

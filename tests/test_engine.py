@@ -39,10 +39,10 @@ def test_kept_transformers_engine_loads_the_next_checkpoint(tmp_path: Path) -> N
 
 
 def test_transformers_engine_in_bf16_is_a_new_engine_that_stays_bf16_across_checkpoints(tmp_path: Path) -> None:
-    """rollout.transformers.dtype: bfloat16 samples in bf16 on the CPU too (a bf16 engine against the fp32 trainer,
+    """rollout.transformers_dtype: bfloat16 samples in bf16 on the CPU too (a bf16 engine against the fp32 trainer,
     benchmarks/replay_mismatch.md); an engine of another dtype is not reused for it."""
     rollout = small_config().rollout.model_copy(update={"engine": "transformers"})
-    bf16 = rollout.model_copy(update={"transformers": rollout.transformers.model_copy(update={"dtype": "bfloat16"})})
+    bf16 = rollout.model_copy(update={"transformers_dtype": "bfloat16"})
     first, second = checkpoint(tmp_path / "first", seed=1), checkpoint(tmp_path / "second", seed=2)
     try:
         fp32_engine, _ = engine_for(first, rollout)

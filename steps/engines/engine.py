@@ -268,7 +268,7 @@ def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig) -> Eng
     name = resolve_engine(name)
     if name == "vllm":
         return VLLMEngine(checkpoint_dir, settings.vllm)
-    return TransformersEngine(checkpoint_dir, settings.transformers.dtype)
+    return TransformersEngine(checkpoint_dir, settings.transformers_dtype)
 
 
 # The engine this process keeps between steps (see workflows.worker): its key and the engine.
@@ -284,7 +284,7 @@ def engine_for(checkpoint_dir: Path, settings: RolloutConfig) -> tuple[Engine, b
     global _kept
     architecture = json.loads((checkpoint_dir / "config.json").read_text())
     key = json.dumps(
-        [resolve_engine(settings.engine), settings.vllm.model_dump(), settings.transformers.model_dump(), architecture],
+        [resolve_engine(settings.engine), settings.vllm.model_dump(), settings.transformers_dtype, architecture],
         sort_keys=True,
     )
     if _kept is not None and _kept[0] == key:
