@@ -2,7 +2,7 @@
 
     python benchmarks/replay_mismatch.py [--prompts 16] [--samples 4] [--seed 0]
 
-The engine is transformers `generate` in bf16 (`rollout.transformers.dtype`) on a random tiny Qwen3-MoE (vLLM
+The engine is transformers `generate` in bf16 (`rollout.transformers_dtype`) on a random tiny Qwen3-MoE (vLLM
 records no routes here, steps/rl/README.md), recording each response token's experts; the trainer holds the fp32
 policy. Prints, per setting, the train report's logprob_mismatch, behavior_kl, routing_agreement, mismatch_masked
 (token masking in [0.8, 1.25]) and the router's load imbalance and entropy.
