@@ -2,16 +2,15 @@
 
     python benchmarks/replay_mismatch.py [--prompts 16] [--samples 4] [--seed 0]
 
-The engine is transformers `generate` on a bf16 copy of a random tiny Qwen3-MoE (vLLM records no routes here,
-steps/rl/README.md), recording each response token's experts; the trainer holds the fp32 policy. Prints, per
-setting, the train report's logprob_mismatch, behavior_kl, routing_agreement, mismatch_masked (token masking in
-[0.8, 1.25]) and the router's load imbalance and entropy.
+The engine is transformers `generate` in bf16 (`rollout.transformers_dtype`) on a random tiny Qwen3-MoE (vLLM
+records no routes here, steps/rl/README.md), recording each response token's experts; the trainer holds the fp32
+policy. Prints, per setting, the train report's logprob_mismatch, behavior_kl, routing_agreement, mismatch_masked
+(token masking in [0.8, 1.25]) and the router's load imbalance and entropy.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import random
 import tempfile
 from pathlib import Path
@@ -21,9 +20,10 @@ from transformers import Qwen3MoeForCausalLM
 
 from steps.config import load_config
 from steps.engines.engine import Sampling, TransformersEngine
-from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, tiny_model_config
-from steps.rl.batch import experience_batch
-from steps.rl.state import make_optimizer
+from steps.model.policy import build_tokenizer, save_policy, tiny_model_config
+from steps.rl.batch import experience_batch, frozen_logprobs
+from steps.rl.parallel import Parallel
+from steps.rl.state import load_trainer_model
 from steps.rl.update import policy_update
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,8 +42,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         policy = Path(folder) / "policy"
         save_policy(Qwen3MoeForCausalLM(tiny_model_config(base.model.tiny, tokenizer)), tokenizer, policy)
-        engine = TransformersEngine(policy)
-        engine.model.to(torch.bfloat16)
+        engine = TransformersEngine(policy, "bfloat16")
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(2, len(tokenizer)) for _ in range(rng.randrange(3, 8))] for _ in range(args.prompts)]
         sampling = Sampling(args.samples, 1.0, 1.0, base.rollout.max_new_tokens, args.seed, record_routing=True)
@@ -57,17 +56,20 @@ def main() -> None:
             "prompt_id": [i // args.samples for i in range(len(samples))],
         }
         rewards = {str(i): float(rng.random() < 0.5) for i in range(len(samples))}
-        batch = experience_batch(rollouts, rewards, tokenizer.pad_token_id, base.model.tiny.num_experts_per_tok)
+        batch = experience_batch(rollouts, rewards, base.model.tiny.num_experts_per_tok)
         print("| replay | " + " | ".join(SHOWN) + " |\n|" + "---|" * (len(SHOWN) + 1))
         for replay in ("off", "rollout"):
             data = base.model_dump()
             data["algorithm"].update(routing_replay=replay, mismatch={"level": "token", "low": 0.8, "high": 1.25})
             data["rollout"]["engine"] = "transformers"
-            data["trainer"]["minibatch_size"] = len(samples)
+            data["trainer"].update(minibatch_size=len(samples), precision="fp32")
             config = type(base).model_validate(data)
-            model = load_policy_shard(policy, "auto", "grouped_mm", None, torch.device("cpu"))[0]
-            optimizer = make_optimizer(model, config.trainer)
-            report = policy_update(model, copy.deepcopy(model), optimizer, batch, config, seed=args.seed)
+            model, _, optimizer = load_trainer_model(policy, config.trainer, Parallel())
+            # The reference is the policy itself (kl_coef is 0 in the demo: it only has to be there).
+            ref_logprobs_BT = frozen_logprobs(
+                model, batch, config.rollout.temperature, config.trainer.max_tokens_per_microbatch, Parallel()
+            )
+            report = policy_update(model, ref_logprobs_BT, optimizer, batch, config, seed=args.seed)
             print(f"| {replay} | " + " | ".join(f"{report[key]:.4f}" for key in SHOWN) + " |")
 
 

@@ -105,6 +105,8 @@ class RolloutConfig(Strict):
     # auto: vLLM where it imports, transformers `generate` elsewhere.
     engine: Literal["auto", "vllm", "transformers"] = "auto"
     vllm: VLLMConfig = VLLMConfig()
+    # The transformers engine's precision, auto as vLLM's (the evaluation's greedy decoding keeps auto).
+    transformers_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     prompts_per_iteration: int = Field(64, gt=0)
     samples_per_prompt: int = Field(8, gt=0)
     num_shards: int = Field(2, gt=0)

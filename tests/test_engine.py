@@ -36,3 +36,20 @@ def test_kept_transformers_engine_loads_the_next_checkpoint(tmp_path: Path) -> N
             torch.testing.assert_close(engine.model(probe).logits, TransformersEngine(second).model(probe).logits)
     finally:
         release_engine()
+
+
+def test_transformers_engine_in_bf16_is_a_new_engine_that_stays_bf16_across_checkpoints(tmp_path: Path) -> None:
+    """rollout.transformers_dtype: bfloat16 samples in bf16 on the CPU too (a bf16 engine against the fp32 trainer,
+    benchmarks/replay_mismatch.md); an engine of another dtype is not reused for it."""
+    rollout = small_config().rollout.model_copy(update={"engine": "transformers"})
+    bf16 = rollout.model_copy(update={"transformers_dtype": "bfloat16"})
+    first, second = checkpoint(tmp_path / "first", seed=1), checkpoint(tmp_path / "second", seed=2)
+    try:
+        fp32_engine, _ = engine_for(first, rollout)
+        assert fp32_engine.model.dtype == torch.float32
+        engine, reused = engine_for(first, bf16)
+        assert not reused and engine is not fp32_engine and engine.model.dtype == torch.bfloat16
+        again, reused = engine_for(second, bf16)
+        assert again is engine and reused and engine.model.dtype == torch.bfloat16
+    finally:
+        release_engine()

@@ -62,18 +62,20 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, checkpoint_dir: Path):
+    def __init__(self, checkpoint_dir: Path, dtype: str = "auto"):
+        self.dtype = dtype
         self.load_weights(checkpoint_dir)
 
     def load_weights(self, checkpoint_dir: Path) -> None:
         """The checkpoint's model in place of the current one (through from_pretrained: the files hold each expert
-        apart, the in-memory model fuses them), on the GPU in bf16 where there is one, else in fp32 on the CPU, as
-        vLLM's `dtype: auto`."""
+        apart, the in-memory model fuses them), on the GPU where there is one, else on the CPU; dtype auto is bf16 on
+        the GPU and fp32 on the CPU, as vLLM's `dtype: auto`."""
         from steps.model.policy import load_policy
 
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.model, self.tokenizer = load_policy(checkpoint_dir, torch.bfloat16 if cuda else torch.float32, device)
+        dtype = getattr(torch, self.dtype) if self.dtype != "auto" else (torch.bfloat16 if cuda else torch.float32)
+        self.model, self.tokenizer = load_policy(checkpoint_dir, dtype, device)
         self.model.eval()
         self.checkpoint_dir = checkpoint_dir
 
@@ -266,7 +268,7 @@ def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig) -> Eng
     name = resolve_engine(name)
     if name == "vllm":
         return VLLMEngine(checkpoint_dir, settings.vllm)
-    return TransformersEngine(checkpoint_dir)
+    return TransformersEngine(checkpoint_dir, settings.transformers_dtype)
 
 
 # The engine this process keeps between steps (see workflows.worker): its key and the engine.
@@ -281,7 +283,10 @@ def engine_for(checkpoint_dir: Path, settings: RolloutConfig) -> tuple[Engine, b
     """
     global _kept
     architecture = json.loads((checkpoint_dir / "config.json").read_text())
-    key = json.dumps([resolve_engine(settings.engine), settings.vllm.model_dump(), architecture], sort_keys=True)
+    key = json.dumps(
+        [resolve_engine(settings.engine), settings.vllm.model_dump(), settings.transformers_dtype, architecture],
+        sort_keys=True,
+    )
     if _kept is not None and _kept[0] == key:
         engine = _kept[1]
         if engine.checkpoint_dir != checkpoint_dir:
