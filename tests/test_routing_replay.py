@@ -231,11 +231,44 @@ def test_a_replayed_gspo_run_records_stores_and_replays_the_routes(run_root: Pat
     [{"algorithm": {"routing_replay": "rollout"}}, {"rollout": {"record_routing": True, "engine": "vllm"}}],
     ids=["replay", "record"],
 )
-def test_recording_routes_with_the_vllm_engine_is_refused_in_one_line(sections: dict) -> None:
+def test_recording_routes_with_vllm_on_cpu_is_refused_before_anything_runs(
+    sections: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM returns routed experts from its Model Runner V2 only, on a GPU: here (no CUDA) the local runner refuses
+    the run in one line before it writes anything, and the engine refuses to build (the rollout pod's check)."""
     from steps.config import parse_config
+    from steps.engines.engine import VLLMEngine
     from tests.test_importance import BASE
+    from workflows.local import preflight
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     data = {**BASE, **sections, "rollout": {"engine": "vllm", **sections.get("rollout", {})}}
-    with pytest.raises(MoeloopError, match="need the transformers engine") as error:
-        parse_config(data, "c.yaml")
+    config = parse_config(data, "c.yaml")  # a cluster's rollout pods have GPUs: the config itself is valid
+    with pytest.raises(MoeloopError, match="need vLLM on a GPU") as error:
+        preflight(config)
     assert "\n" not in str(error.value)
+    with pytest.raises(MoeloopError, match="need vLLM on a GPU"):
+        VLLMEngine(tmp_path, config.rollout.vllm, record_routing=True)
+    assert not any(tmp_path.iterdir())
+
+
+def test_vllm_routed_experts_become_the_completions_routes() -> None:
+    """vLLM's `CompletionOutput.routed_experts` ([tokens, layers, k], from the prompt's last position) flattened as
+    the transformers engine records routes; a count that does not match the response is refused. The output is a
+    stand-in object with the attributes vLLM 0.32's has (GPU vLLM, which makes real ones, does not run here)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from steps.engines.engine import VLLMEngine
+
+    routed_TLK = np.arange(3 * 2 * 4).reshape(3, 2, 4)
+    sample = SimpleNamespace(
+        token_ids=[5, 6, 1], logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in (5, 6, 1)], finish_reason="stop",
+        routed_experts=routed_TLK,
+    )  # fmt: skip
+    completion = VLLMEngine._completion(sample, record_routing=True)
+    assert completion.routed_experts == list(range(24)) and completion.finish_reason == "stop"
+    assert VLLMEngine._completion(sample, record_routing=False).routed_experts is None
+    with pytest.raises(MoeloopError, match="routed experts for 2 positions of a 3-token response"):
+        VLLMEngine._completion(SimpleNamespace(**{**vars(sample), "routed_experts": routed_TLK[:2]}), True)

