@@ -1,21 +1,22 @@
 """publish: turn the iteration's trainer state into the HF checkpoint the next rollouts load.
 
-Copies the HF files (config, safetensors, tokenizer) out of the committed trainer state, verified against
-its COMMIT, into checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST. With PPO the
+Fetches the committed trainer state's fp32 weights (its DCP shards, `steps.rl.checkpoint`), config and tokenizer,
+verified against its COMMIT (not the optimizer state), writes them as an HF checkpoint in the config's dtype,
+commits that to checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST. With PPO the
 trainer state holds the critic in critic/: it is committed first, to critics/iter-N/ (an HF token-classification
 checkpoint), so a committed policy checkpoint always has its critic beside it.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from typing import Any
 
 from steps.common import already_committed, open_iteration, print_json, step_parser, write_report
 from steps.errors import MoeloopError, run_cli
+from steps.rl.checkpoint import OPTIMIZER_DIR, write_hf_checkpoint
 from steps.storage.cache import local_scratch
-from steps.storage.run import CRITIC_DIR, OPTIMIZER_FILE
+from steps.storage.run import CRITIC_DIR
 
 
 def publish(run_uri: str, iteration: int) -> dict[str, Any]:
@@ -29,13 +30,17 @@ def publish(run_uri: str, iteration: int) -> dict[str, Any]:
     if not storage.is_committed(state):
         raise MoeloopError(f"iteration {iteration} has no committed trainer state: {storage.display(state)}")
     with local_scratch() as scratch:
-        storage.fetch_folder(state, scratch / "state", exclude={OPTIMIZER_FILE, f"{CRITIC_DIR}/{OPTIMIZER_FILE}"})
+        files = storage.manifest(state)["files"]
+        optimizer = (f"{OPTIMIZER_DIR}/", f"{CRITIC_DIR}/{OPTIMIZER_DIR}/")
+        weights = {name: entry for name, entry in files.items() if not name.startswith(optimizer)}
+        storage.fetch_files(state, weights, scratch / "state")
+        write_hf_checkpoint(scratch / "state", scratch / "policy")
         report = {"seconds": round(time.perf_counter() - started, 3)}
         write_report(storage, iteration, "publish", report)
         if (scratch / "state" / CRITIC_DIR).is_dir():
-            shutil.move(scratch / "state" / CRITIC_DIR, scratch / CRITIC_DIR)
+            write_hf_checkpoint(scratch / "state" / CRITIC_DIR, scratch / CRITIC_DIR)
             storage.commit_folder(storage.critic(iteration), scratch / CRITIC_DIR, extra={"iteration": iteration})
-        storage.commit_folder(checkpoint, scratch / "state", extra={"iteration": iteration})
+        storage.commit_folder(checkpoint, scratch / "policy", extra={"iteration": iteration})
     storage.move_latest(iteration)
     return report
 

@@ -9,8 +9,8 @@ its losses and advantages in steps/rl/grpo.py and steps/rl/ppo.py (steps/rl/READ
 One process per GPU where there is CUDA: under torchrun when `trainer.world_size` > 1, over a (dp, ep) device
 mesh; each rank holds its models under FSDP2 (steps/model/sharding.py) at `trainer.precision`, and takes its
 packed microbatches of every minibatch. The update equals one process's on the whole minibatch
-(tests/test_train_ep.py, tests/test_fsdp.py). Rank 0 alone writes: the report, and the trainer state unsharded with
-the experts gathered, so the storage layout and publish are unchanged.
+(tests/test_train_ep.py, tests/test_fsdp.py). Every rank writes its shards of the trainer state and uploads them
+(`steps.rl.checkpoint`); rank 0 writes the report, and the state's COMMIT once every rank's files are up.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from steps.config import MoeloopConfig
 from steps.errors import MoeloopError, run_cli
 from steps.model.policy import read_config
 from steps.rl.batch import experience_batch, recorded_routes
+from steps.rl.checkpoint import commit_trainer_state
 from steps.rl.parallel import Parallel, init_parallel
 from steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state
 from steps.rl.update import Critic, policy_update, require_finite
@@ -106,12 +107,12 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
             if updated.critic is not None:  # the critic's state goes in the same commit, in critic/
                 critic = updated.critic
                 save_trainer_state(critic.model, updated.tokenizer, critic.optimizer, parallel, state / CRITIC_DIR)
-            if not save_trainer_state(updated.model, updated.tokenizer, updated.optimizer, parallel, state):
-                return None
+            save_trainer_state(updated.model, updated.tokenizer, updated.optimizer, parallel, state)
             report = {**updated.report, "seconds": round(time.perf_counter() - started, 3)}
-            write_report(storage, iteration, "train", report)
-            storage.commit_folder(output, state, extra={"iteration": iteration})
-        return report
+            if parallel.rank == 0:
+                write_report(storage, iteration, "train", report)
+            commit_trainer_state(storage, output, state, parallel, extra={"iteration": iteration})
+        return report if parallel.rank == 0 else None
     finally:
         dist.destroy_process_group()
 

@@ -23,9 +23,9 @@ from steps.model.policy import build_tokenizer, pack_sequences, save_policy, tok
 from steps.rl.offload import OffloadedAdamW
 from steps.rl.packing import pack_rows, plan_microbatches
 from steps.rl.parallel import Parallel, clip_grad_norm, expert_parameters
-from steps.rl.state import load_trainer_model, whole
+from steps.rl.state import load_trainer_model
 from tests.test_moe import tiny_config
-from tests.test_train_ep import free_port
+from tests.test_train_ep import free_port, whole
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 MAX_NORM = 0.05  # below the gradient's norm: clipping acts
@@ -82,7 +82,7 @@ def check_mesh(rank: int, expert_parallel: int, checkpointing: bool, offload: bo
     mesh = init_device_mesh("cpu", (world_size // expert_parallel, expert_parallel), mesh_dim_names=("dp", "ep"))
     world_mesh = init_device_mesh("cpu", (world_size,))
     ep_group = mesh["ep"].get_group()
-    parallel = Parallel(rank, world_size, ep_group, world_mesh, mesh["dp"], torch.device("cpu"))
+    parallel = Parallel(rank, world_size, ep_group, world_mesh, mesh["dp"])
     settings = TrainerConfig(precision="fp32", activation_checkpointing=checkpointing, offload_optimizer=offload)
     model, _, optimizer = load_trainer_model(ref.checkpoint, settings, parallel)
     assert isinstance(optimizer, OffloadedAdamW) == offload

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from steps.storage.run import OPTIMIZER_FILE, RunStorage
+from steps.rl.checkpoint import METADATA, OPTIMIZER_DIR
+from steps.storage.run import RunStorage
 from tests.conftest import REPO
 
 POLICIES = REPO / "manifests" / "iam"
@@ -21,7 +22,7 @@ READ, WRITE, LIST = "s3:GetObject", "s3:PutObject", "s3:ListBucket"
 SHARD = RunStorage.rollout_shard(1, 0, 2)
 CHECKPOINT_1 = f"{RunStorage.checkpoint(1)}/model.safetensors"
 CHECKPOINT_0 = f"{RunStorage.checkpoint(0)}/model.safetensors"
-TRAINER_1 = f"{RunStorage.trainer_state(1)}/{OPTIMIZER_FILE}"
+TRAINER_1 = f"{RunStorage.trainer_state(1)}/{OPTIMIZER_DIR}/{METADATA}"
 EXPERIENCE_COMMIT = f"{RunStorage.experience(1)}/COMMIT"
 
 

@@ -20,7 +20,8 @@ from steps.rl.batch import frozen_logprobs
 from steps.rl.parallel import Parallel
 from steps.rl.state import load_trainer_model, make_optimizer, prepare_trainer_model
 from steps.rl.update import Critic, policy_update
-from steps.storage.run import CRITIC_DIR, OPTIMIZER_FILE, RunStorage
+from steps.rl.checkpoint import METADATA, OPTIMIZER_DIR, WEIGHTS_DIR, read_whole
+from steps.storage.run import CRITIC_DIR, RunStorage
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
 from tests.test_moe import tiny_config
 from tests.test_train_ep import experience
@@ -264,22 +265,22 @@ def test_ppo_loop_commits_publishes_and_resumes_the_critic(run_root: Path, tmp_p
     steps_per_iteration = config.trainer.epochs * -(-32 // config.trainer.minibatch_size)
     for iteration in (1, 2):
         state = storage.manifest(storage.trainer_state(iteration))["files"]
-        assert f"{CRITIC_DIR}/{OPTIMIZER_FILE}" in state and f"{CRITIC_DIR}/model.safetensors" in state
+        assert {f"{CRITIC_DIR}/{OPTIMIZER_DIR}/{METADATA}", f"{CRITIC_DIR}/{WEIGHTS_DIR}/{METADATA}"} <= state.keys()
         published = storage.manifest(storage.critic(iteration))["files"]
-        assert OPTIMIZER_FILE not in published and "model.safetensors" in published
+        assert not any(name.startswith(OPTIMIZER_DIR) for name in published) and "model.safetensors" in published
         assert not any(name.startswith(CRITIC_DIR) for name in storage.manifest(storage.checkpoint(iteration))["files"])
         train_report = storage.read_json(storage.report(iteration, "train"))
         assert math.isfinite(train_report["value_loss"]) and train_report["optimizer_steps"] == steps_per_iteration
         assert "reward_model_0_mean" in storage.read_json(storage.report(iteration, "reward"))
     # Iteration 2 resumed the critic's optimizer: its moments count both iterations' steps.
-    critic_moments = torch.load(Path(uri) / storage.trainer_state(2) / CRITIC_DIR / OPTIMIZER_FILE, weights_only=True)
-    assert float(critic_moments["score.weight"]["step"]) == 2 * steps_per_iteration
+    critic_state = Path(uri) / storage.trainer_state(2) / CRITIC_DIR
+    critic_moments = read_whole(critic_state / OPTIMIZER_DIR, torch.float32)
+    assert float(critic_moments["score.weight.step"]) == 2 * steps_per_iteration
     # The published critic loads in transformers and gives the trainer state's values.
     critic_dir = Path(uri) / storage.critic(2)
     loaded = AutoModelForTokenClassification.from_pretrained(critic_dir, dtype=torch.float32).eval()
-    trained, _ = load_critic_shard(
-        Path(uri) / storage.trainer_state(2) / CRITIC_DIR, "auto", "grouped_mm", None, CPU, from_policy=False
-    )
+    trained = AutoModelForTokenClassification.from_config(loaded.config, dtype=torch.float32)
+    trained.load_state_dict(read_whole(critic_state / WEIGHTS_DIR, torch.float32), strict=True)
     batch = experience()
     with torch.no_grad():
         logits_BT = loaded(input_ids=batch.input_ids_BT % 10, attention_mask=batch.attention_mask_BT).logits

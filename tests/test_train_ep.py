@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
@@ -22,19 +23,41 @@ from steps.config import MoeloopConfig, TrainerConfig
 from steps.model.attention import VARLEN
 from steps.model.dispatch import make_dispatcher
 from steps.model.logprobs import body_forward, use_logprob_head
-from steps.model.moe import hf_state_dict, replace_moe_blocks
+from steps.model.moe import gather_over, hf_state_dict, replace_moe_blocks
 from steps.model.policy import build_tokenizer, save_policy, token_logprobs
 from steps.model.sharding import reshard
 from steps.rl.batch import ExperienceBatch, experience_batch, frozen_logprobs, rank_microbatches
 from steps.rl.parallel import Parallel, expert_parameters, init_parallel, mesh_parallel
 from steps.rl.router_loss import load_balancing_loss
-from steps.rl.state import load_trainer_model, make_optimizer, optimizer_state_by_name, save_trainer_state, whole
+from steps.rl.checkpoint import OPTIMIZER_DIR, read_whole, write_hf_checkpoint
+from steps.rl.state import load_trainer_model, make_optimizer, save_trainer_state
 from steps.rl.update import policy_update
 from tests.conftest import small_config
 from tests.test_moe import NUM_EXPERTS, tiny_config
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 SEED = 7
+
+
+def whole(value: torch.Tensor, parameter: torch.nn.Parameter, experts: set, parallel: Parallel) -> torch.Tensor:
+    """A parameter's (or its state's or gradient's) whole tensor: its DTensor made full (or the local shard of one,
+    as `OffloadedAdamW` keeps it), the experts gathered over EP. Collective."""
+    if isinstance(parameter, DTensor):
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(value.to(parameter.device), parameter.device_mesh, parameter.placements,
+                                       shape=parameter.shape, stride=parameter.stride())  # fmt: skip
+        value = value.full_tensor()
+    value = value.detach().clone()
+    return gather_over(value, parallel.ep_group) if parameter in experts else value
+
+
+def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel) -> dict:
+    """AdamW's state by HF parameter name, whole. Collective."""
+    experts = expert_parameters(model)
+    return {
+        name: {key: whole(v, p, experts, parallel) if v.dim() else v.clone() for key, v in optimizer.state[p].items()}
+        for name, p in model.named_parameters()
+    }
 
 
 def experience() -> ExperienceBatch:
@@ -155,7 +178,7 @@ def check_mesh(parallel: Parallel, ref: Reference, checkpointing: bool, save_to:
         for key, value in moments.items():
             torch.testing.assert_close(state[name][key], value, **TOLERANCE)
     if save_to is not None:
-        assert save_trainer_state(model, tokenizer, optimizer, parallel, save_to) == (parallel.rank == 0)
+        save_trainer_state(model, tokenizer, optimizer, parallel, save_to)
 
 
 def free_port() -> int:
@@ -230,7 +253,8 @@ def test_ep4_dp2_x_ep2_and_dp4_updates_equal_one_process_and_ep4_checkpoint_load
     checkpointing, then (4, 1)."""
     ref = reference(tmp_path)
     spawn(4, [(4, False), (2, True), (1, False)], ref, save_to=tmp_path / "state")
-    published = AutoModelForCausalLM.from_pretrained(tmp_path / "state", dtype=torch.float32)
+    write_hf_checkpoint(tmp_path / "state", tmp_path / "published")
+    published = AutoModelForCausalLM.from_pretrained(tmp_path / "published", dtype=torch.float32)
     expected = Qwen3MoeForCausalLM(published.config)
     expected.load_state_dict(ref.params, strict=True)
     batch = experience()
@@ -238,5 +262,7 @@ def test_ep4_dp2_x_ep2_and_dp4_updates_equal_one_process_and_ep4_checkpoint_load
         got = published(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
         want = expected(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
     torch.testing.assert_close(got, want, **TOLERANCE)
-    saved_state = torch.load(tmp_path / "state" / "optimizer.pt", weights_only=True)
-    assert saved_state.keys() == ref.optimizer_state.keys()
+    saved_state = read_whole(tmp_path / "state" / OPTIMIZER_DIR, torch.float32)
+    for name, moments in ref.optimizer_state.items():
+        for key, value in moments.items():
+            torch.testing.assert_close(saved_state[f"{name}.{key}"], value, **TOLERANCE)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from steps.model.moe import MoeBlock
@@ -76,29 +76,6 @@ def shard_trainer_model(model: nn.Module, world_mesh: DeviceMesh, dp_mesh: Devic
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; a plain tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def full_value(value: torch.Tensor, parameter: nn.Parameter) -> torch.Tensor:
-    """A parameter's value or optimizer state (a DTensor, or the local shard of one kept on the CPU by
-    `steps.rl.offload`) as the whole tensor of this rank's EP slice. Collective over the parameter's mesh."""
-    if not isinstance(parameter, DTensor):
-        return value.detach().clone()
-    if not isinstance(value, DTensor):
-        value = DTensor.from_local(
-            value.to(parameter.device), parameter.device_mesh, parameter.placements,
-            shape=parameter.shape, stride=parameter.stride(),
-        )  # fmt: skip
-    return value.full_tensor()
-
-
-def shard_like(full: torch.Tensor, parameter: nn.Parameter) -> torch.Tensor:
-    """The inverse of `full_value`: this rank's shard of full (its EP slice's whole tensor), a DTensor laid out as
-    parameter is. Every rank holds full, so each takes its shard locally, with no communication."""
-    if not isinstance(parameter, DTensor):
-        return full.to(parameter.device)
-    return distribute_tensor(
-        full.to(parameter.device), parameter.device_mesh, parameter.placements, src_data_rank=None
-    )
 
 
 def reshard(model: nn.Module) -> None:

@@ -34,6 +34,7 @@ class Parallel:
     ep_group: dist.ProcessGroup | None = None  # the ranks that share one copy of the experts
     world_mesh: DeviceMesh | None = None  # all ranks: dense weights and routers are sharded over it
     dp_mesh: DeviceMesh | None = None  # the ranks holding the same experts: their EP slice is sharded over it
+    expert_mesh: DeviceMesh | None = None  # (ep, dp): the experts' global layout (`steps.rl.checkpoint`)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
@@ -64,12 +65,15 @@ def init_parallel(settings: TrainerConfig) -> Parallel:
 
 
 def mesh_parallel(expert_parallel: int, device_type: str) -> Parallel:
-    """The (dp, ep) mesh over the initialised default process group; EP ranks are neighbours (ep varies fastest)."""
+    """The (dp, ep) mesh over the initialised default process group; EP ranks are neighbours (ep varies fastest).
+    Also its transpose, (ep, dp), over which an expert tensor's EP slices, each sharded over dp, are one DTensor."""
     world_size = dist.get_world_size()
-    mesh = init_device_mesh(device_type, (world_size // expert_parallel, expert_parallel), mesh_dim_names=("dp", "ep"))
+    shape = (world_size // expert_parallel, expert_parallel)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "ep"))
+    expert_mesh = DeviceMesh(device_type, torch.arange(world_size).reshape(shape).T, mesh_dim_names=("ep", "dp"))
     world_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    return Parallel(dist.get_rank(), world_size, mesh["ep"].get_group(), world_mesh, mesh["dp"], device)
+    return Parallel(dist.get_rank(), world_size, mesh["ep"].get_group(), world_mesh, mesh["dp"], expert_mesh, device)
 
 
 def all_reduce_sum(values: list[float], parallel: Parallel) -> list[float]:

@@ -2,10 +2,10 @@
 
 The policy (and PPO's critic) are this rank's EP shard (`steps.model.policy`), held as `prepare_trainer_model`
 makes them: FSDP2 over the mesh at `trainer.precision`, packed forwards. The optimizer is AdamW (its moments in
-host memory with `trainer.offload_optimizer`). Weights and moments are saved and loaded by HF parameter name,
-unsharded and with the experts gathered over EP, so the state is one process's whatever the mesh. The HF weights
-keep the checkpoint's dtype; where that is not fp32, the fp32 master weights are saved beside the moments, so no
-update smaller than the checkpoint dtype's resolution is lost between iterations.
+host memory with `trainer.offload_optimizer`). Between iterations the trainer state holds the fp32 weights (the
+optimizer's master weights, so no update smaller than the checkpoint dtype's resolution is lost) and the moments,
+by HF parameter name, each rank writing and reading its own shards (`steps.rl.checkpoint`), so a state written at
+one mesh resumes at another. Publish makes the HF checkpoint, in the checkpoint's dtype, from it.
 """
 
 from __future__ import annotations
@@ -16,23 +16,23 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from steps.config import MoeloopConfig, TrainerConfig
 from steps.errors import MoeloopError
 from steps.model.attention import VARLEN
 from steps.model.logprobs import use_logprob_head
-from steps.model.moe import compile_decoder_layers, gather_over, hf_state_dict
-from steps.model.policy import load_critic_shard, load_policy_shard, save_hf_state_dict, stored_dtype
-from steps.model.sharding import checkpoint_decoder_layers, full_value, shard_like, shard_trainer_model
+from steps.model.moe import compile_decoder_layers
+from steps.model.policy import load_critic_shard, load_policy_shard, read_config, shard_model
+from steps.model.sharding import checkpoint_decoder_layers, shard_trainer_model
 from steps.rl.batch import ExperienceBatch, frozen_logprobs
 from steps.rl.offload import OffloadedAdamW
-from steps.rl.parallel import Parallel, expert_parameters
+from steps.rl.checkpoint import METADATA, WEIGHTS_DIR, load_sharded, save_sharded
+from steps.rl.parallel import Parallel
 from steps.rl.router_loss import freeze_routers
 from steps.rl.update import Critic
 from steps.storage.cache import fetch_checkpoint
-from steps.storage.run import CRITIC_DIR, OPTIMIZER_FILE, RunStorage
-
-MASTER = "master_weight"  # the optimizer state's key for a parameter's fp32 master weight
+from steps.storage.run import CRITIC_DIR, RunStorage
 
 
 def prepare_trainer_model(model: nn.Module, settings: TrainerConfig, parallel: Parallel) -> nn.Module:
@@ -95,97 +95,67 @@ def reference_logprobs(
     return logprobs_BT
 
 
-def whole(value: torch.Tensor, parameter: nn.Parameter, experts: set[nn.Parameter], parallel: Parallel) -> torch.Tensor:
-    """A parameter's (or its state's) whole tensor, as one process holds it. Collective."""
-    full = full_value(value, parameter)
-    return gather_over(full, parallel.ep_group) if parameter in experts else full
-
-
-def optimizer_state_by_name(
-    model: nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel
-) -> dict[str, dict[str, torch.Tensor]]:
-    """AdamW's state by HF parameter name, unsharded, the experts' moments gathered over the EP group: one
-    process's state whatever the mesh; with each fp32 master weight where the checkpoint holds another dtype.
-    Collective: every rank calls it."""
-    experts = expert_parameters(model)
-    stored_in_fp32 = stored_dtype(model.config) == torch.float32
-    state = {}
-    for name, parameter in model.named_parameters():
-        moments = optimizer.state[parameter]
-        state[name] = {
-            key: whole(value, parameter, experts, parallel) if value.dim() else value.clone()
-            for key, value in sorted(moments.items())
-        }
-        if not stored_in_fp32:
-            state[name][MASTER] = whole(parameter.detach(), parameter, experts, parallel)
-    return state
-
-
-def load_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, dict[str, torch.Tensor]], parallel: Parallel
-) -> None:
-    """The inverse of `optimizer_state_by_name`: each rank takes its shard of its experts' slice (host memory for
-    an `OffloadedAdamW`), and the fp32 master weights replace the checkpoint's rounded ones."""
-    experts = expert_parameters(model)
-    ep_size, ep_rank = (parallel.ep_group.size(), parallel.ep_group.rank()) if parallel.ep_group else (1, 0)
-    offloaded = isinstance(optimizer, OffloadedAdamW)
-    for name, parameter in model.named_parameters():
-        state = {}
-        for key, value in saved[name].items():
-            if not value.dim():  # AdamW keeps `step` on the CPU
-                state[key] = value
-                continue
-            shard = shard_like(value.chunk(ep_size)[ep_rank] if parameter in experts else value, parameter)
-            if key == MASTER:
-                with torch.no_grad():
-                    parameter.copy_(shard)
-            elif offloaded:
-                local = shard.to_local() if hasattr(shard, "to_local") else shard
-                state[key] = local.to("cpu").pin_memory() if local.is_cuda else local.clone()
-            else:
-                state[key] = shard
-        optimizer.state[parameter] = state
-
-
 def load_trainer_start(
     storage: RunStorage, iteration: int, scratch: Path, config: MoeloopConfig, parallel: Parallel
 ) -> tuple[Any, Any, torch.optim.Optimizer, Critic | None]:
-    """This rank's share of the previous trainer state if there is one, else of the checkpoint the rollouts used:
-    (policy, tokenizer, its optimizer, the critic with its optimizer for PPO)."""
+    """This rank's share of the previous trainer state if there is one (`steps.rl.checkpoint`: DCP resharded to
+    this mesh), else of the checkpoint the rollouts used: (policy, tokenizer, its optimizer, the critic with its
+    optimizer for PPO)."""
     settings = config.trainer
     previous = storage.trainer_state(iteration - 1)
     resumed = storage.is_committed(previous)
-    if resumed:
-        storage.fetch_folder(previous, scratch / "previous")
-        directory = scratch / "previous"
+    directory = fetch_trainer_state(storage, previous, scratch / "previous") if resumed else None
+    if directory is not None:
+        model, tokenizer, optimizer = resume_model(directory, AutoModelForCausalLM, config, None, parallel)
     else:
         directory = fetch_checkpoint(storage, iteration - 1)
-    model, tokenizer, optimizer = load_trainer_model(directory, settings, parallel)
-    if resumed:
-        load_optimizer_state(model, optimizer, torch.load(directory / OPTIMIZER_FILE, weights_only=True), parallel)
+        model, tokenizer, optimizer = load_trainer_model(directory, settings, parallel)
     if config.algorithm.name != "ppo":
         return model, tokenizer, optimizer, None
     # The critic resumes from its state beside the policy's; the first one starts from the policy (zero head).
-    critic_state = directory / CRITIC_DIR
-    shard = (settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device)
-    critic_model, _ = load_critic_shard(critic_state if resumed else directory, *shard, from_policy=not resumed)
-    critic_model = prepare_trainer_model(critic_model, settings, parallel)
-    critic = Critic(critic_model, make_optimizer(critic_model, settings, config.algorithm.critic_learning_rate))
+    rate = config.algorithm.critic_learning_rate
     if resumed:
-        saved = torch.load(critic_state / OPTIMIZER_FILE, weights_only=True)
-        load_optimizer_state(critic.model, critic.optimizer, saved, parallel)
-    return model, tokenizer, optimizer, critic
+        critic_model, _, critic_optimizer = resume_model(
+            directory / CRITIC_DIR, AutoModelForTokenClassification, config, rate, parallel
+        )
+        return model, tokenizer, optimizer, Critic(critic_model, critic_optimizer)
+    shard = (settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device)
+    critic_model, _ = load_critic_shard(directory, *shard, from_policy=True)
+    critic_model = prepare_trainer_model(critic_model, settings, parallel)
+    return model, tokenizer, optimizer, Critic(critic_model, make_optimizer(critic_model, settings, rate))
+
+
+def fetch_trainer_state(storage: RunStorage, folder: str, local_dir: Path) -> Path:
+    """A committed trainer state, verified, into local_dir; one in the format before DCP is refused."""
+    manifest = storage.manifest(folder)
+    if f"{WEIGHTS_DIR}/{METADATA}" not in manifest["files"]:
+        raise MoeloopError(
+            f"trainer state {storage.display(folder)} is in the format before sharded (DCP) trainer states"
+            " (HF files + optimizer.pt), which this moeloop does not resume from: start a new run"
+        )
+    storage.fetch_files(folder, manifest["files"], local_dir)
+    return local_dir
+
+
+def resume_model(
+    directory: Path, auto_class: Any, config: MoeloopConfig, learning_rate: float | None, parallel: Parallel
+) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+    """A model (of auto_class) and its optimizer as the trainer holds them, from a trainer-state folder."""
+    settings = config.trainer
+    model_config, tokenizer = read_config(directory)
+    shard = (settings.dispatcher, settings.experts_impl, parallel.ep_group, parallel.device)
+    model = prepare_trainer_model(shard_model(auto_class, model_config, *shard), settings, parallel)
+    optimizer = make_optimizer(model, settings, learning_rate)
+    load_sharded(model, optimizer, parallel, directory, str(directory))
+    return model, tokenizer, optimizer
 
 
 def save_trainer_state(
     model: nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer, parallel: Parallel, directory: Path
-) -> bool:
-    """Rank 0 writes the HF files (in the checkpoint's dtype) and optimizer.pt, unsharded and the experts gathered;
-    returns whether this rank wrote. Collective: every rank calls it."""
-    weights = hf_state_dict(model)
-    moments = optimizer_state_by_name(model, optimizer, parallel)
-    if parallel.rank != 0:
-        return False
-    save_hf_state_dict(weights, model.config, tokenizer, directory)
-    torch.save(moments, directory / OPTIMIZER_FILE)
-    return True
+) -> None:
+    """This rank's shards of the weights (fp32) and the optimizer state into directory (`steps.rl.checkpoint`);
+    rank 0 also writes the HF config and tokenizer. Collective: every rank calls it."""
+    save_sharded(model, optimizer, parallel, directory)
+    if parallel.rank == 0:
+        model.config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)

@@ -51,8 +51,7 @@ from steps.storage.manifest import (
     part_offsets,
 )
 
-OPTIMIZER_FILE = "optimizer.pt"  # in trainer/iter-NNNNNN/, beside the HF files
-CRITIC_DIR = "critic"  # PPO: the critic's HF files and optimizer.pt in trainer/iter-NNNNNN/critic/
+CRITIC_DIR = "critic"  # PPO: the critic's trainer state in trainer/iter-NNNNNN/critic/ (steps/rl/checkpoint.py)
 
 
 def iteration_dir(iteration: int) -> str:

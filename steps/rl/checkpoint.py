@@ -1,0 +1,172 @@
+"""The trainer state as sharded `torch.distributed.checkpoint` (DCP) folders: each rank writes and reads only its own
+shards, and a state written at one (world size, EP) shape loads at any other.
+
+A trainer-state folder (committed with the storage's COMMIT protocol, steps/storage/README.md, by
+`commit_trainer_state`):
+
+    config.json, tokenizer files   rank 0: the model's HF config (its dtype is the checkpoint's) and tokenizer
+    weights/                       DCP: every parameter in fp32 (the optimizer's master weights), by HF name
+    optimizer/                     DCP: AdamW's step, exp_avg and exp_avg_sq, by HF parameter name
+    critic/                        PPO: the critic's, laid out as above
+
+DCP writes one `__<rank>_0.distcp` per rank into each DCP folder and `.metadata` (rank 0), which records every
+tensor's global shape and which file holds which chunk of it. Every tensor is declared in its global index
+space, so DCP reshards on load:
+- dense weights and routers: FSDP2's DTensors over the world mesh, as they are;
+- experts: FSDP2 shards this EP rank's slice [E / ep, ...] over the dp ranks that hold it, and the slice is rows
+  [r E / ep, (r + 1) E / ep) of the whole [E, ...] tensor. A DTensor over the (ep, dp) mesh placed
+  [Shard(0), Shard(0)] (ep outer, dp inner, torch.chunk's split as FSDP2's) says exactly that, over this rank's
+  local shard, with no copy and no communication.
+Publish turns weights/ into the HF checkpoint (`write_hf_checkpoint`), so no rank ever gathers the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from steps.errors import MoeloopError
+from steps.model.policy import read_config, save_hf_state_dict, stored_dtype
+from steps.model.sharding import local
+from steps.rl.offload import OffloadedAdamW
+from steps.rl.parallel import Parallel, expert_parameters
+from steps.storage.run import RunStorage
+
+WEIGHTS_DIR, OPTIMIZER_DIR = "weights", "optimizer"
+METADATA = ".metadata"  # DCP's index of a DCP folder, written last by rank 0
+READ_BUFFER_ELEMENTS = 1 << 28  # publish reads the weights in batches of at most 1 GiB of fp32 (or one tensor)
+
+
+def global_view(value: torch.Tensor, parameter: nn.Parameter, expert: bool, parallel: Parallel) -> torch.Tensor:
+    """value (a parameter's, or its optimizer state's, local shard or DTensor) as a DTensor in the parameter's
+    global index space, sharing value's storage: what DCP saves from and loads into. One process: value itself."""
+    if not isinstance(parameter, DTensor):
+        return value.detach()
+    shard = local(value.detach())
+    ep_size = parallel.ep_group.size() if parallel.ep_group is not None else 1
+    if expert and ep_size > 1:
+        mesh, placements = parallel.expert_mesh, (Shard(0), Shard(0))
+        shape = torch.Size((parameter.shape[0] * ep_size, *parameter.shape[1:]))
+    else:
+        mesh, placements, shape = parameter.device_mesh, parameter.placements, parameter.shape
+    # DTensor's constructor, not from_local: that one would copy host-offloaded moments onto a CUDA mesh's device.
+    meta = TensorMeta(shape, torch.empty(shape, device="meta").stride(), shard.dtype)
+    return DTensor(shard, DTensorSpec(mesh, tuple(placements), meta), requires_grad=False)
+
+
+def sharded_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """(weights, optimizer state) by HF parameter name, each a global view of this rank's shard."""
+    experts = expert_parameters(model)
+    weights, moments = {}, {}
+    for name, parameter in model.named_parameters():
+        expert = parameter in experts
+        weights[name] = global_view(parameter, parameter, expert, parallel)
+        moments[name] = {
+            key: global_view(value, parameter, expert, parallel) if value.dim() else value
+            for key, value in optimizer.state[parameter].items()
+        }
+    return weights, moments
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel, directory: Path) -> None:
+    """This rank's shards of the weights and the optimizer state into directory's DCP folders. Collective."""
+    weights, moments = sharded_tensors(model, optimizer, parallel)
+    dcp.save(weights, checkpoint_id=directory / WEIGHTS_DIR)
+    dcp.save(moments, checkpoint_id=directory / OPTIMIZER_DIR)
+
+
+def fresh_state(parameter: nn.Parameter, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Zeroed AdamW state for parameter, laid out as the optimizer keeps it, for DCP to load into."""
+    if isinstance(optimizer, OffloadedAdamW):
+        shard = local(parameter.detach())
+        pin = shard.is_cuda
+        moments = {key: torch.zeros(shard.shape, dtype=shard.dtype, pin_memory=pin) for key in ("exp_avg", "exp_avg_sq")}
+        return {"step": torch.tensor(0.0), **moments}
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    step = torch.zeros((), dtype=torch.float32, device=parameter.device if on_device else "cpu")
+    return {"step": step, "exp_avg": torch.zeros_like(parameter.detach()), "exp_avg_sq": torch.zeros_like(parameter.detach())}
+
+
+def load_sharded(
+    model: nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel, directory: Path, source: str
+) -> None:
+    """The inverse of `save_sharded`, at this rank's shape whatever the saving one's: the weights into the model's
+    parameters in place, the optimizer state into fresh tensors. Refuses a state whose tensors are not this
+    model's (source names it). Collective."""
+    stepped = saved_shapes(directory / OPTIMIZER_DIR)  # parameters never stepped (frozen routers) have no state
+    for name, parameter in model.named_parameters():
+        if f"{name}.step" in stepped:
+            optimizer.state[parameter] = fresh_state(parameter, optimizer)
+    weights, moments = sharded_tensors(model, optimizer, parallel)
+    require_same_tensors(directory / WEIGHTS_DIR, weights, source)
+    dcp.load(weights, checkpoint_id=directory / WEIGHTS_DIR)
+    dcp.load(moments, checkpoint_id=directory / OPTIMIZER_DIR)
+
+
+def saved_shapes(folder: Path) -> dict[str, TensorStorageMetadata]:
+    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {key: value for key, value in metadata.items() if isinstance(value, TensorStorageMetadata)}
+
+
+def require_same_tensors(folder: Path, weights: dict[str, torch.Tensor], source: str) -> None:
+    """A one-line error naming the first tensor whose name or global shape differs between the state and the model."""
+    saved = {key: tuple(value.size) for key, value in saved_shapes(folder).items()}
+    ours = {key: tuple(value.shape) for key, value in weights.items()}
+    for key in sorted(saved.keys() | ours.keys()):
+        if saved.get(key) != ours.get(key):
+            raise MoeloopError(
+                f"trainer state {source} is not of this model: {key} is {saved.get(key, 'absent')} there,"
+                f" {ours.get(key, 'absent')} in the model"
+            )
+
+
+def commit_trainer_state(
+    storage: RunStorage, folder: str, local_dir: Path, parallel: Parallel, extra: dict[str, Any]
+) -> None:
+    """Every rank uploads the files it wrote under local_dir (its shards; rank 0 also the config, tokenizer and DCP
+    indexes), in parallel on S3; rank 0 gathers their COMMIT entries and writes COMMIT, the folder's commit point,
+    once all have arrived. Collective."""
+    sources = {p.relative_to(local_dir).as_posix(): p for p in sorted(local_dir.rglob("*")) if p.is_file()}
+    files = storage.put_objects(folder, sources)
+    gathered: list[Any] | None = [None] * parallel.world_size if parallel.rank == 0 else None
+    if parallel.world_size > 1:
+        dist.gather_object(files, gathered, dst=0)
+    else:
+        gathered = [files]
+    if parallel.rank == 0:
+        storage.commit(folder, {name: entry for part in gathered for name, entry in part.items()}, extra)
+    if parallel.world_size > 1:
+        dist.barrier()  # no rank reports the state committed before it is
+
+
+def read_whole(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP folder, whole, in dtype: read a bounded batch at a time, in one process."""
+    state: dict[str, torch.Tensor] = {}
+    batch: dict[str, torch.Tensor] = {}
+    for key, value in sorted(saved_shapes(folder).items()):
+        batch[key] = torch.empty(value.size, dtype=value.properties.dtype)
+        if sum(t.numel() for t in batch.values()) >= READ_BUFFER_ELEMENTS:
+            dcp.load(batch, checkpoint_id=folder, no_dist=True)
+            state.update({k: t.to(dtype) for k, t in batch.items()})
+            batch = {}
+    if batch:
+        dcp.load(batch, checkpoint_id=folder, no_dist=True)
+        state.update({k: t.to(dtype) for k, t in batch.items()})
+    return state
+
+
+def write_hf_checkpoint(state_dir: Path, output: Path) -> None:
+    """The HF checkpoint (in its config's dtype) of a trainer-state folder (its weights/, config and tokenizer)."""
+    config, tokenizer = read_config(state_dir)
+    save_hf_state_dict(read_whole(state_dir / WEIGHTS_DIR, stored_dtype(config)), config, tokenizer, output)
