@@ -17,7 +17,8 @@ space, so DCP reshards on load:
   [r E / ep, (r + 1) E / ep) of the whole [E, ...] tensor. A DTensor over the (ep, dp) mesh placed
   [Shard(0), Shard(0)] (ep outer, dp inner, torch.chunk's split as FSDP2's) says exactly that, over this rank's
   local shard, with no copy and no communication.
-Publish turns weights/ into the HF checkpoint (`write_hf_checkpoint`), so no rank ever gathers the model.
+Publish turns weights/ into the HF checkpoint (`write_hf_checkpoint`), so no trainer rank gathers the model; the
+publish process still holds it whole, in the checkpoint's dtype, to write one safetensors file.
 """
 
 from __future__ import annotations
