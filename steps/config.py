@@ -391,7 +391,7 @@ def check_expert_split(num_experts: int, expert_parallel: int, where: str) -> No
         )
 
 
-def _describe(error: ValidationError) -> str:
+def describe_validation_error(error: ValidationError) -> str:
     first = error.errors()[0]
     where = ".".join(str(part) for part in first["loc"])
     message = first["msg"].removeprefix("Value error, ")
@@ -412,7 +412,7 @@ def parse_config(data: object, source: str) -> MoeloopConfig:
     try:
         return MoeloopConfig.model_validate(data)
     except ValidationError as error:
-        raise MoeloopError(f"config {source}: {_describe(error)}") from None
+        raise MoeloopError(f"config {source}: {describe_validation_error(error)}") from None
 
 
 def load_config(path: str | Path) -> MoeloopConfig:

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
 from steps.capacity.hardware import GPUS
-from steps.config import Strict, _describe
+from steps.config import Strict, describe_validation_error
 from steps.errors import MoeloopError
 
 LOCAL = "local"  # the local runner on this machine: steps share local.parallelism slots of its cores
@@ -120,7 +120,7 @@ def load_yaml(path: Path, model: type[Model], what: str) -> Model:
     except yaml.YAMLError as error:
         raise MoeloopError(f"{what} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
     except ValidationError as error:
-        raise MoeloopError(f"{what} {path}: {_describe(error)}") from None
+        raise MoeloopError(f"{what} {path}: {describe_validation_error(error)}") from None
 
 
 def _beside(location: str | None, base: Path) -> str | None:
