@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -80,11 +80,20 @@ def sharded_tensors(
     return weights, moments
 
 
+class ReproducibleWriter(FileSystemWriter):
+    """DCP's file writer, less the storage metadata it puts in `.metadata` (a fresh save id and the local folder's
+    path): the same state then writes the same bytes, so a retried or replayed train step commits the same digests.
+    Loading does not read it."""
+
+    def storage_meta(self) -> None:  # type: ignore[override]
+        return None
+
+
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel, directory: Path) -> None:
     """This rank's shards of the weights and the optimizer state into directory's DCP folders. Collective."""
     weights, moments = sharded_tensors(model, optimizer, parallel)
-    dcp.save(weights, checkpoint_id=directory / WEIGHTS_DIR)
-    dcp.save(moments, checkpoint_id=directory / OPTIMIZER_DIR)
+    dcp.save(weights, storage_writer=ReproducibleWriter(directory / WEIGHTS_DIR))
+    dcp.save(moments, storage_writer=ReproducibleWriter(directory / OPTIMIZER_DIR))
 
 
 def fresh_state(parameter: nn.Parameter, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
