@@ -250,6 +250,9 @@ class TrainerConfig(Strict):
     # The GPU memory of one trainer process: start and train refuse a config whose predicted peak exceeds it
     # (steps/capacity/memory.py), before loading any weight. None: no check.
     gpu_memory_bytes: int | None = Field(None, gt=0)
+    # The largest safetensors file of a published checkpoint (model-0000k-of-0000n.safetensors, HF's layout); a
+    # tensor larger than this is a file alone. Publish holds a block of the trainer state, not a file, whatever this is.
+    checkpoint_shard_bytes: int = Field(4 << 30, gt=0)
 
     def compute_precision(self, cuda: bool) -> Literal["bf16", "fp32"]:
         if self.precision == "auto":

@@ -1,7 +1,8 @@
 """publish: turn the iteration's trainer state into the HF checkpoint the next rollouts load.
 
 Fetches the committed trainer state's fp32 weights (its DCP shards, `steps.rl.checkpoint`), config and tokenizer,
-verified against its COMMIT (not the optimizer state), writes them as an HF checkpoint in the config's dtype,
+verified against its COMMIT (not the optimizer state), writes them as an HF checkpoint in the config's dtype (sharded
+safetensors of at most `trainer.checkpoint_shard_bytes`, streamed block by block: no process holds the model),
 commits that to checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST. With PPO the
 trainer state holds the critic in critic/: it is committed first, to critics/iter-N/ (an HF token-classification
 checkpoint), so a committed policy checkpoint always has its critic beside it.
@@ -21,7 +22,7 @@ from steps.storage.run import CRITIC_DIR
 
 def publish(run_uri: str, iteration: int) -> dict[str, Any]:
     started = time.perf_counter()
-    storage, _ = open_iteration(run_uri, iteration)
+    storage, config = open_iteration(run_uri, iteration)
     checkpoint = storage.checkpoint(iteration)
     if storage.is_committed(checkpoint):
         storage.move_latest(iteration)  # a crash may have come between the COMMIT and LATEST
@@ -34,11 +35,12 @@ def publish(run_uri: str, iteration: int) -> dict[str, Any]:
         optimizer = (f"{OPTIMIZER_DIR}/", f"{CRITIC_DIR}/{OPTIMIZER_DIR}/")
         weights = {name: entry for name, entry in files.items() if not name.startswith(optimizer)}
         storage.fetch_files(state, weights, scratch / "state")
-        write_hf_checkpoint(scratch / "state", scratch / "policy")
+        shard_bytes = config.trainer.checkpoint_shard_bytes
+        write_hf_checkpoint(scratch / "state", scratch / "policy", shard_bytes)
         report = {"seconds": round(time.perf_counter() - started, 3)}
         write_report(storage, iteration, "publish", report)
         if (scratch / "state" / CRITIC_DIR).is_dir():
-            write_hf_checkpoint(scratch / "state" / CRITIC_DIR, scratch / CRITIC_DIR)
+            write_hf_checkpoint(scratch / "state" / CRITIC_DIR, scratch / CRITIC_DIR, shard_bytes)
             storage.commit_folder(storage.critic(iteration), scratch / CRITIC_DIR, extra={"iteration": iteration})
         storage.commit_folder(checkpoint, scratch / "policy", extra={"iteration": iteration})
     storage.move_latest(iteration)

@@ -188,9 +188,11 @@ def test_critic_starts_from_the_policy_body_with_a_zero_head_and_loads_in_transf
         critic.score.weight.normal_()
         critic.score.bias.fill_(0.25)
     from steps.model.moe import hf_state_dict
-    from steps.model.policy import save_hf_state_dict
+    from steps.model.policy import hf_model_on_meta
 
-    save_hf_state_dict(hf_state_dict(critic), critic.config, tokenizer, tmp_path / "critic")
+    whole = hf_model_on_meta(critic.config)
+    whole.load_state_dict(hf_state_dict(critic), strict=True, assign=True)
+    save_policy(whole, tokenizer, tmp_path / "critic")
     loaded = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32).eval()
     critic.eval()
     with torch.no_grad():

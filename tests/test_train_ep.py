@@ -6,6 +6,7 @@ forward shares compiled decoder layers across layers."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -248,12 +249,20 @@ def test_ep2_update_equals_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_ep4_dp2_x_ep2_and_dp4_updates_equal_one_process_and_ep4_checkpoint_loads(tmp_path: Path) -> None:
+def test_ep4_dp2_x_ep2_and_dp4_updates_equal_one_process_and_ep4_checkpoint_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """4 processes under FSDP2: EP = 4 (which also writes its trainer state), then (dp, ep) = (2, 2) with activation
     checkpointing, then (4, 1)."""
     ref = reference(tmp_path)
     spawn(4, [(4, False), (2, True), (1, False)], ref, save_to=tmp_path / "state")
-    write_hf_checkpoint(tmp_path / "state", tmp_path / "published")
+    # Publish as HF shards of at most 32 KiB, reading every tensor of over 256 elements a saved chunk at a time.
+    monkeypatch.setattr("steps.rl.checkpoint.READ_BLOCK_ELEMENTS", 256)
+    write_hf_checkpoint(tmp_path / "state", tmp_path / "published", max_shard_bytes=32 << 10)
+    shards = sorted(path.name for path in (tmp_path / "published").glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    weight_map = json.loads((tmp_path / "published" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(weight_map.values())) == shards
     published = AutoModelForCausalLM.from_pretrained(tmp_path / "published", dtype=torch.float32)
     expected = Qwen3MoeForCausalLM(published.config)
     expected.load_state_dict(ref.params, strict=True)

@@ -1,7 +1,7 @@
 """The policy: a Qwen3-MoE causal LM in HF format, its character tokenizer, and token log-probabilities.
 
 The trainer holds it with expert parallelism (`steps.model.moe`): each EP rank reads only its experts from the HF
-safetensors (`load_policy_shard`), and the experts gathered back make the HF checkpoint (`save_hf_state_dict`).
+safetensors (`load_policy_shard`), and publish writes the HF checkpoint from the trainer state's shards (`steps.rl.checkpoint`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from transformers import (
 from steps.config import TinyModelConfig
 from steps.errors import MoeloopError
 from steps.model.dispatch import make_dispatcher
+from steps.model.hf_shards import StoredTensor
 from steps.model.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
 
 PAD, EOS = "<pad>", "<eos>"
@@ -182,11 +183,10 @@ def read_hf_shard(
     for name, module in model.named_modules():
         if isinstance(module, MoeBlock):
             first = module.dispatcher.ep_rank * module.dispatcher.num_local_experts
-            experts = [f"{name}.experts.{first + j}" for j in range(module.dispatcher.num_local_experts)]
-            expert_keys[f"{name}.experts.gate_up_proj"] = [
-                [f"{e}.gate_proj.weight", f"{e}.up_proj.weight"] for e in experts
-            ]
-            expert_keys[f"{name}.experts.down_proj"] = [[f"{e}.down_proj.weight"] for e in experts]
+            experts = range(first, first + module.dispatcher.num_local_experts)
+            for fused in ("gate_up_proj", "down_proj"):
+                key = f"{name}.experts.{fused}"
+                expert_keys[key] = per_expert_names(key, experts)  # type: ignore[assignment]
     wanted = [key for key in model.state_dict() if key not in expert_keys and key not in skip]
     wanted += [key for parts in expert_keys.values() for keys in parts for key in keys]
     missing = [key for key in wanted if key not in file_of]
@@ -205,25 +205,40 @@ def read_hf_shard(
     return state
 
 
+def per_expert_names(key: str, experts: range) -> list[list[str]] | None:
+    """The HF checkpoint's per-expert tensors that the fused experts tensor key holds (gate_up_proj [E, 2I, H]: each
+    expert's gate_proj and up_proj [I, H], in that order; down_proj [E, H, I]: its down_proj), expert by expert, for
+    the experts in range; None where key is no fused experts tensor (the checkpoint holds it as it is)."""
+    prefix, _, fused = key.rpartition(".experts.")
+    if fused == "gate_up_proj":
+        return [[f"{prefix}.experts.{e}.gate_proj.weight", f"{prefix}.experts.{e}.up_proj.weight"] for e in experts]
+    if fused == "down_proj":
+        return [[f"{prefix}.experts.{e}.down_proj.weight"] for e in experts]
+    return None
+
+
+def stored_tensors(key: str, shape: tuple[int, ...]) -> list[StoredTensor]:
+    """The HF checkpoint's tensors that the model's tensor key (of shape) is stored as, in the order of its bytes:
+    the experts [E, 2I, H] as E times gate_proj and up_proj [I, H] (each expert's rows are its gate's, then its
+    up's); anything else as it is."""
+    names = per_expert_names(key, range(shape[0])) if shape else None
+    if names is None:
+        return [StoredTensor(key, shape)]
+    return [StoredTensor(name, (shape[1] // len(parts), *shape[2:])) for parts in names for name in parts]
+
+
 def stored_dtype(config: Any) -> torch.dtype:
     """The dtype a checkpoint's config says its weights are stored in (fp32 where it says none)."""
     dtype = config.dtype
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
-def save_hf_state_dict(
-    state: dict[str, torch.Tensor], config: Qwen3MoeConfig, tokenizer: PreTrainedTokenizerFast, directory: Path
-) -> None:
-    """Write an HF checkpoint from a full state dict (all experts, as `steps.model.moe.hf_state_dict` gathers them):
-    the policy's, or the critic's (its config names `Qwen3MoeForTokenClassification`), in the config's dtype."""
+def hf_model_on_meta(config: Any) -> torch.nn.Module:
+    """The HF model of a checkpoint's config, on the meta device: the policy's, or the critic's (its config names
+    `Qwen3MoeForTokenClassification`). Its parameter names and shapes are what the checkpoint holds."""
     critic = Qwen3MoeForTokenClassification.__name__ in (config.architectures or [])
     with torch.device("meta"):
-        model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(
-            config, dtype=torch.float32
-        )
-    dtype = stored_dtype(config)
-    model.load_state_dict({key: value.to(dtype) for key, value in state.items()}, strict=True, assign=True)
-    save_policy(model, tokenizer, directory)
+        return (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
 
 
 def pack_sequences(

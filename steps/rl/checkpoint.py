@@ -23,6 +23,9 @@ publish process still holds it whole, in the checkpoint's dtype, to write one sa
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +33,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from steps.errors import MoeloopError
-from steps.model.policy import read_config, save_hf_state_dict, stored_dtype
+from steps.model.hf_shards import ShardedSafetensorsWriter, plan_shards
+from steps.model.policy import hf_model_on_meta, read_config, stored_dtype, stored_tensors
 from steps.model.sharding import local
 from steps.rl.offload import OffloadedAdamW
 from steps.rl.parallel import Parallel, expert_parameters
@@ -44,7 +50,7 @@ from steps.storage.run import RunStorage
 
 WEIGHTS_DIR, OPTIMIZER_DIR = "weights", "optimizer"
 METADATA = ".metadata"  # DCP's index of a DCP folder, written last by rank 0
-READ_BUFFER_ELEMENTS = 1 << 28  # publish reads the weights in batches of at most 1 GiB of fp32 (or one tensor)
+READ_BLOCK_ELEMENTS = 1 << 26  # publish reads a batch of small tensors of at most 256 MiB of fp32 at once
 
 
 def global_view(value: torch.Tensor, parameter: nn.Parameter, expert: bool, parallel: Parallel) -> torch.Tensor:
@@ -161,22 +167,101 @@ def commit_trainer_state(
 
 
 def read_whole(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP folder, whole, in dtype: read a bounded batch at a time, in one process."""
-    state: dict[str, torch.Tensor] = {}
-    batch: dict[str, torch.Tensor] = {}
-    for key, value in sorted(saved_shapes(folder).items()):
-        batch[key] = torch.empty(value.size, dtype=value.properties.dtype)
-        if sum(t.numel() for t in batch.values()) >= READ_BUFFER_ELEMENTS:
-            dcp.load(batch, checkpoint_id=folder, no_dist=True)
-            state.update({k: t.to(dtype) for k, t in batch.items()})
-            batch = {}
-    if batch:
-        dcp.load(batch, checkpoint_id=folder, no_dist=True)
-        state.update({k: t.to(dtype) for k, t in batch.items()})
-    return state
+    """Every tensor of a DCP folder, whole, in dtype, in one process (tests compare states with it)."""
+    state = {key: torch.empty(value.size, dtype=value.properties.dtype) for key, value in saved_shapes(folder).items()}
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    return {key: value.to(dtype) for key, value in state.items()}
 
 
-def write_hf_checkpoint(state_dir: Path, output: Path) -> None:
-    """The HF checkpoint (in its config's dtype) of a trainer-state folder (its weights/, config and tokenizer)."""
+class RowsPlanner(DefaultLoadPlanner):
+    """Loads rows [start, start + len(buffer)) of each saved tensor into its buffer (the state dict's values), from
+    whichever saved chunks hold them."""
+
+    def __init__(self, starts: dict[str, int]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.starts = starts
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        reads = []
+        for key, buffer in self.state_dict.items():
+            offsets = torch.Size((self.starts[key],) + (0,) * (buffer.dim() - 1))
+            chunk = ChunkStorageMetadata(offsets=offsets, sizes=buffer.size())
+            reads += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+        return LoadPlan(reads)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the buffer is the local chunk: read items' offsets are relative to it
+
+
+class IndexOnceReader(FileSystemReader):
+    """DCP's file reader, reading the folder's `.metadata` once however many loads it serves."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.metadata: Metadata | None = None
+
+    def read_metadata(self) -> Metadata:
+        if self.metadata is None:
+            self.metadata = super().read_metadata()
+        return self.metadata
+
+
+def row_blocks(value: TensorStorageMetadata) -> list[tuple[int, int]]:
+    """The [start, stop) row ranges to read a saved tensor in: whole if small, else one per saved chunk's rows (a
+    trainer rank's shard), so a read holds the chunk it loads and its block, not the tensor."""
+    rows = value.size[0] if len(value.size) else 1
+    if math.prod(value.size) <= READ_BLOCK_ELEMENTS or not len(value.size):
+        return [(0, rows)]
+    cuts = sorted({0, rows} | {c.offsets[0] for c in value.chunks} | {c.offsets[0] + c.sizes[0] for c in value.chunks})
+    return list(itertools.pairwise(cuts))
+
+
+def read_in_blocks(folder: Path, keys: list[str]) -> Iterator[torch.Tensor]:
+    """The tensors of a DCP folder named by keys, in that order, as row blocks in their saved dtype: small tensors
+    a batch of at most READ_BLOCK_ELEMENTS per load, large ones a saved chunk's rows at a time."""
+    reader = IndexOnceReader(folder)
+    saved = saved_shapes(folder)
+    pending: dict[str, torch.Tensor] = {}
+    starts: dict[str, int] = {}
+
+    def load() -> Iterator[torch.Tensor]:
+        dcp.load(pending, storage_reader=reader, planner=RowsPlanner(starts), no_dist=True)
+        yield from pending.values()
+        pending.clear()
+        starts.clear()
+
+    for key in keys:
+        value = saved[key]
+        for start, stop in row_blocks(value):
+            block = torch.empty((stop - start, *value.size[1:]), dtype=value.properties.dtype)
+            if pending and sum(t.numel() for t in pending.values()) + block.numel() > READ_BLOCK_ELEMENTS:
+                yield from load()
+            if key in pending:  # one block of a key per load
+                yield from load()
+            pending[key], starts[key] = block, start
+    if pending:
+        yield from load()
+
+
+def write_hf_checkpoint(state_dir: Path, output: Path, max_shard_bytes: int) -> None:
+    """The HF checkpoint of a trainer-state folder (its weights/, config and tokenizer): sharded safetensors in the
+    config's dtype, the experts per expert as HF stores them, each block cast and streamed to its file as it is read
+    (`read_in_blocks`), so this process holds a saved chunk and a block, never the model."""
     config, tokenizer = read_config(state_dir)
-    save_hf_state_dict(read_whole(state_dir / WEIGHTS_DIR, stored_dtype(config)), config, tokenizer, output)
+    dtype = stored_dtype(config)
+    folder = state_dir / WEIGHTS_DIR
+    shapes = {key: tuple(value.size) for key, value in saved_shapes(folder).items()}
+    model = hf_model_on_meta(config)
+    require_same_tensors(folder, dict(model.named_parameters()), str(state_dir))
+    keys = sorted(shapes)
+    stored = [tensor for key in keys for tensor in stored_tensors(key, shapes[key])]
+    with ShardedSafetensorsWriter(output, plan_shards(stored, dtype, max_shard_bytes), dtype) as writer:
+        for block in read_in_blocks(folder, keys):
+            writer.write(block.to(dtype))
+    model.config.dtype = str(dtype).removeprefix("torch.")
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(output)
+    if model.can_generate():
+        model.generation_config.save_pretrained(output)
+    tokenizer.save_pretrained(output)
