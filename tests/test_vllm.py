@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from steps.engines.engine import Sampling, TransformersEngine, VLLMEngine, engine_for, release_engine
+from steps.model.hf_shards import INDEX
 from steps.model.policy import load_policy, pack_sequences, save_policy, token_logprobs
+from steps.publish import publish
 from steps.reward import reward
 from steps.start import start
 from steps.storage.cache import fetch_checkpoint
@@ -82,7 +84,7 @@ def run_shard(uri: str, shard: int, num_shards: int) -> None:
 
 
 def test_vllm_rollouts_are_reproducible_and_agree_with_the_trainer(run_root: Path) -> None:
-    config = small_config(iterations=1)
+    config = small_config(iterations=1, trainer={"minibatch_size": 16, "checkpoint_shard_bytes": 20 << 10})
     uri = run_uri(config, str(run_root))
     start(uri, config)
     storage = RunStorage(uri)
@@ -103,3 +105,21 @@ def test_vllm_rollouts_are_reproducible_and_agree_with_the_trainer(run_root: Pat
     # The trainer recomputes the behaviour logprobs of the policy that generated them (fp32 on both sides).
     assert report["logprob_mismatch"] < 1e-4
     assert report["behavior_kl"] < 1e-6
+
+    # The published checkpoint, sharded safetensors with an index, loads in vLLM as it is, and its logprobs are
+    # from_pretrained's (test_hf_shards.py: from_pretrained gives the trainer state's logits).
+    publish(uri, 1)
+    published = fetch_checkpoint(storage, 1)
+    assert len(list(published.glob("model-*-of-*.safetensors"))) > 3 and (published / INDEX).is_file()
+    try:
+        engine, _ = engine_for(published, config.rollout)
+        assert isinstance(engine, VLLMEngine)
+        prompts = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
+        sampled = engine.generate(prompts, Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=5))
+        completions = [c for samples in sampled for c in samples]
+        flat_prompts = [p for p, samples in zip(prompts, sampled, strict=True) for _ in samples]
+        expected = trainer_logprobs(published, flat_prompts, [c.token_ids for c in completions])
+        for completion, logprobs in zip(completions, expected, strict=True):
+            torch.testing.assert_close(torch.tensor(completion.logprobs), logprobs, rtol=0, atol=1e-4)
+    finally:
+        release_engine()
