@@ -1,6 +1,6 @@
 """The policy's handoff through S3 at checkpoint scale: trainer state commit, publish, one rollout pod's fetch.
 
-    .venv/bin/python -m benchmarks.handoff [--layers 1 5] [--optimizer-up-to-gb 20] [--shard-gb 4]
+    .venv/bin/python -m benchmarks.handoff [--layers 1 5] [--optimizer-up-to-gb 20] [--shard-gb 4.29] [--s3torchconnector]
 
 Starts its own SeaweedFS on loopback (tests/seaweed.py). For each size, a model of Qwen3-30B-A3B's real shapes
 (hidden 2048, 128 experts of 768, 32 query and 4 KV heads of 128, vocabulary 151,936) with that many decoder
@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import boto3.s3.transfer
 import torch
@@ -91,25 +92,43 @@ def parameter_shapes(config: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
     return shapes | {"model.norm.weight": (h,), "lm_head.weight": (config.vocab_size, h)}
 
 
-def write_trainer_state(folder: Path, config: Qwen3MoeConfig, with_optimizer: bool) -> None:
-    """What one trainer process's `save_sharded` writes for this model, with random fp32 values."""
+def trainer_state_tensors(config: Qwen3MoeConfig, with_optimizer: bool) -> dict[str, dict[str, Any]]:
+    """What one trainer process's `save_sharded` saves for this model (DCP folder -> state dict), random fp32."""
     generator = torch.Generator().manual_seed(0)
     shapes = parameter_shapes(config)
-    weights = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
-    dcp.save(weights, storage_writer=ReproducibleWriter(folder / WEIGHTS_DIR), no_dist=True)
-    del weights
+    folders: dict[str, dict[str, Any]] = {WEIGHTS_DIR: {n: torch.randn(s, generator=generator) for n, s in shapes.items()}}
     if with_optimizer:
-        moments = {
-            name: {
-                "step": torch.tensor(1.0),
-                "exp_avg": torch.randn(shape, generator=generator),
-                "exp_avg_sq": torch.rand(shape, generator=generator),
-            }
+        folders[OPTIMIZER_DIR] = {
+            name: {"step": torch.tensor(1.0), "exp_avg": torch.randn(shape, generator=generator),
+                   "exp_avg_sq": torch.rand(shape, generator=generator)}
             for name, shape in shapes.items()
-        }
-        dcp.save(moments, storage_writer=ReproducibleWriter(folder / OPTIMIZER_DIR), no_dist=True)
+        }  # fmt: skip
+    return folders
+
+
+def save_locally(folders: dict[str, dict[str, Any]], folder: Path, config: Qwen3MoeConfig) -> None:
+    """The train step's save: each DCP folder as `save_sharded` writes it, then the config and tokenizer."""
+    for name, state in folders.items():
+        dcp.save(state, storage_writer=ReproducibleWriter(folder / name), no_dist=True)
     config.save_pretrained(folder)
     build_tokenizer(["0123456789abcdef"]).save_pretrained(folder)
+
+
+def save_with_s3torchconnector(folders: dict[str, dict[str, Any]], server: SeaweedS3, prefix: str) -> None:
+    """The same DCP folders written straight to S3 by AWS's s3torchconnector (its DCP storage writer, 8 threads):
+    the alternative issue 20 names. Benchmark-only: `pip install s3torchconnector`; the row is left out without it."""
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+    from s3torchconnector.dcp import S3StorageWriter
+    from s3torchconnector.dcp.s3_file_system import S3FileSystem
+
+    client_config = S3ClientConfig(force_path_style=True)
+    for name, state in folders.items():
+        writer = S3StorageWriter("us-east-1", f"s3://{server.bucket}/{prefix}/{name}", client_config, thread_count=8)
+        # Its writer takes no endpoint: give it a client that has SeaweedFS's.
+        client = S3Client("us-east-1", endpoint=server.endpoint, s3client_config=client_config)
+        writer.fs = S3FileSystem("us-east-1", s3_client=client)
+        dcp.save(state, storage_writer=writer, no_dist=True)
 
 
 def files_of(folder: Path) -> list[Path]:
@@ -125,7 +144,8 @@ class Row:
     stage: str
     size: int
     seconds: float
-    raw_seconds: float
+    baseline_seconds: float
+    baseline: str
     note: str = ""
 
 
@@ -166,19 +186,29 @@ def run_config(name: str, shard_bytes: int) -> bytes:
     return yaml.safe_dump(config, sort_keys=False).encode()
 
 
+# Runs its argv and prints the peak RSS of that child, in KiB. A child's ru_maxrss counts the image it was forked
+# from until it execs, so the step is forked from this small process, not from the benchmark's (which holds the
+# trainer state it wrote).
+PEAK_RSS_OF = (
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL);"
+    " print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
+
+
 def publish_in_child(uri: str, environment: dict[str, str]) -> tuple[float, int]:
     """`python -m steps.publish` as its pod runs it: (seconds, peak RSS in bytes)."""
-    command = [sys.executable, "-m", "steps.publish", "--run", uri, "--iteration", str(ITERATION)]
+    step = [sys.executable, "-m", "steps.publish", "--run", uri, "--iteration", str(ITERATION)]
     started = time.perf_counter()
-    child = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(child.pid, 0)
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS_OF, *step], cwd=REPO, env=environment, capture_output=True, text=True)
     seconds = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"publish failed: {child.stderr.read().decode()[-2000:] if child.stderr else ''}")
-    return seconds, usage.ru_maxrss * 1024  # Linux reports KiB
+    if done.returncode != 0:
+        raise RuntimeError(f"publish failed: {done.stderr[-2000:]}")
+    return seconds, int(done.stdout.split()[-1]) * 1024  # Linux reports KiB
 
 
-def measure(server: SeaweedS3, work: Path, layers: int, optimizer_up_to: float, shard_bytes: int) -> list[Row]:
+def measure(
+    server: SeaweedS3, work: Path, layers: int, optimizer_up_to: float, shard_bytes: int, compare_s3torchconnector: bool
+) -> list[Row]:
     config = qwen3_30b_a3b_shapes(layers)
     weights_bytes = sum(torch.Size(s).numel() for s in parameter_shapes(config).values()) * 4
     with_optimizer = 3 * weights_bytes <= optimizer_up_to
@@ -189,12 +219,19 @@ def measure(server: SeaweedS3, work: Path, layers: int, optimizer_up_to: float, 
     rows = []
 
     local_state = work / "state"
-    write_trainer_state(local_state, config, with_optimizer)
+    folders = trainer_state_tensors(config, with_optimizer)
+    save = timed(lambda: save_locally(folders, local_state, config))
     state_size = size_of(local_state)
     commit = timed(lambda: commit_trainer_state(run, run.trainer_state(ITERATION), local_state, Parallel(), {}))
     raw_commit = timed(lambda: raw.upload(local_state, f"raw-{name}/state"))
     what = "fp32 weights + AdamW moments" if with_optimizer else "fp32 weights only (the disk holds no more)"
-    rows.append(Row("trainer state commit", state_size, commit, raw_commit, what))
+    rows.append(Row("trainer state upload + COMMIT", state_size, commit, raw_commit, "boto3", what))
+    if compare_s3torchconnector:
+        direct = timed(lambda: save_with_s3torchconnector(folders, server, f"s3tc-{name}"))
+        raw.delete(f"s3tc-{name}/")
+        rows.append(Row("trainer state save (DCP) + upload + COMMIT", state_size, save + commit, direct,
+                        "s3torchconnector DCP writer", what))  # fmt: skip
+    del folders
     weight_names = [p.relative_to(local_state).as_posix() for p in files_of(local_state)]
     weight_names = [n for n in weight_names if not n.startswith(f"{OPTIMIZER_DIR}/")]
     shutil.rmtree(local_state)
@@ -220,7 +257,7 @@ def measure(server: SeaweedS3, work: Path, layers: int, optimizer_up_to: float, 
     moved = sum(entry["size"] for n, entry in run.manifest(run.trainer_state(ITERATION))["files"].items()
                 if not n.startswith(f"{OPTIMIZER_DIR}/")) + checkpoint_size
     rows.append(
-        Row("publish", moved, publish, raw_publish_seconds,
+        Row("publish", moved, publish, raw_publish_seconds, "boto3",
             f"{len(shards)} shards, largest {max(shards) / GB:.2f} GB; peak RSS {peak_rss / GB:.2f} GB"
             f" = {peak_rss / max(shards):.2f}x the largest shard")
     )
@@ -228,7 +265,7 @@ def measure(server: SeaweedS3, work: Path, layers: int, optimizer_up_to: float, 
     os.environ["MOELOOP_CACHE"] = str(work / "cache")
     fetch = timed(lambda: fetch_checkpoint(run, ITERATION))
     raw_fetch = timed(lambda: raw.download(f"raw-{name}/checkpoint", checkpoint_names, work / "raw-fetch"))
-    rows.append(Row("rollout pod fetch", checkpoint_size, fetch, raw_fetch, "verified into the cache"))
+    rows.append(Row("rollout pod fetch", checkpoint_size, fetch, raw_fetch, "boto3", "verified into the cache"))
     shutil.rmtree(work / "cache")
     shutil.rmtree(work / "raw-fetch")
     raw.delete(f"raw-{name}/")
@@ -241,35 +278,40 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 5])
     parser.add_argument("--optimizer-up-to-gb", type=float, default=20)
     parser.add_argument("--shard-gb", type=float, default=4 * 2**30 / GB)
+    parser.add_argument("--s3torchconnector", action="store_true", help="also time its DCP writer (pip install it)")
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]
-    work = Path(tempfile.mkdtemp(prefix="moeloop-handoff-"))
-    server = start_seaweed(work / "seaweedfs")
-    os.environ.update(server.environment())
     rows = []
-    try:
-        for layers in args.layers:
-            size = qwen3_30b_a3b_shapes(layers)
-            gb = sum(torch.Size(s).numel() for s in parameter_shapes(size).values()) * 2 / GB
-            print(f"{layers} layers: a {gb:.1f} GB bf16 checkpoint", file=sys.stderr, flush=True)
-            rows += [(layers, gb, row) for row in measure(server, work, layers, args.optimizer_up_to_gb * GB, int(args.shard_gb * GB))]
-    finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    for layers in args.layers:
+        shapes = parameter_shapes(qwen3_30b_a3b_shapes(layers))
+        gb = sum(torch.Size(shape).numel() for shape in shapes.values()) * 2 / GB
+        print(f"{layers} layers: a {gb:.1f} GB bf16 checkpoint", file=sys.stderr, flush=True)
+        # A server of its own per size: SeaweedFS reclaims deleted objects' space only when it vacuums.
+        work = Path(tempfile.mkdtemp(prefix="moeloop-handoff-"))
+        server = start_seaweed(work / "seaweedfs")
+        os.environ.update(server.environment())
+        try:
+            measured = measure(
+                server, work, layers, args.optimizer_up_to_gb * GB, int(args.shard_gb * GB), args.s3torchconnector
+            )
+            rows += [(layers, gb, row) for row in measured]
+        finally:
+            server.stop()
+            shutil.rmtree(work, ignore_errors=True)
 
     print(
         f"handoff on SeaweedFS over loopback, Qwen3-30B-A3B shapes, {os.cpu_count()} cores, peak host memory"
         f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB in the benchmark itself,"
         f" 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
-    print("| checkpoint (bf16) | stage | GB moved | moeloop s | moeloop GB/s | boto3 s | boto3 GB/s | moeloop / boto3 | notes |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| checkpoint (bf16) | stage | GB | moeloop s | moeloop GB/s | baseline | baseline s | baseline GB/s | moeloop speed / baseline | notes |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|---|")
     for layers, gb, row in rows:
         print(
             f"| {gb:.1f} GB ({layers} layers) | {row.stage} | {row.size / GB:.2f} | {row.seconds:.1f}"
-            f" | {row.size / GB / row.seconds:.2f} | {row.raw_seconds:.1f} | {row.size / GB / row.raw_seconds:.2f}"
-            f" | {row.raw_seconds / row.seconds:.0%} | {row.note} |"
+            f" | {row.size / GB / row.seconds:.2f} | {row.baseline} | {row.baseline_seconds:.1f}"
+            f" | {row.size / GB / row.baseline_seconds:.2f} | {row.baseline_seconds / row.seconds:.0%} | {row.note} |"
         )
 
 

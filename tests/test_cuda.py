@@ -124,3 +124,24 @@ def test_moeloop_run_trains_on_the_gpu(tmp_path: Path) -> None:
         train = json.loads(next(reports.glob(f"iter-*{iteration}/train.json")).read_text())
         assert train["device"].startswith("cuda") and train["precision"] == "bf16", train
         assert train["attention"] == VARLEN and train["optimizer_steps"] > 0, train
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpu_trainer_state_commits_resumes_and_publishes(tmp_path: Path) -> None:
+    """trainer.world_size 2 with EP 2 under torchrun on NCCL: each rank writes its DCP shards of the trainer state
+    (the experts as DTensors over the (ep, dp) mesh), iteration 2 loads them back, and publish writes the checkpoint
+    the rollouts load."""
+    config = tmp_path / "tiny.yaml"
+    text = (REPO / "configs" / "tiny.yaml").read_text().replace("data/", f"{REPO}/configs/data/")
+    config.write_text(text.replace("trainer:\n", "trainer:\n  world_size: 2\n  expert_parallel: 2\n", 1))
+    done = run_cli("-m", "workflows.cli", "run", str(config), "--iterations", "2", "--root", str(tmp_path / "runs"),
+                   "--no-progress", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    for iteration in (1, 2):
+        state = json.loads(next((run / "trainer").glob(f"iter-*{iteration}/COMMIT")).read_text())
+        shards = [name for name in state["files"] if name.endswith(".distcp")]
+        assert {"weights/__0_0.distcp", "weights/__1_0.distcp", "optimizer/__1_0.distcp"} <= set(shards), shards
+        train = json.loads(next((run / "reports").glob(f"iter-*{iteration}/train.json")).read_text())
+        assert train["device"].startswith("cuda") and train["optimizer_steps"] > 0, train
+    assert json.loads((run / "LATEST").read_text())["iteration"] == 2

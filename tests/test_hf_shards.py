@@ -103,6 +103,8 @@ def test_experts_are_stored_per_expert_in_the_fused_tensors_byte_order() -> None
 
 
 def test_shards_keep_the_order_and_a_tensor_over_the_limit_is_alone() -> None:
-    tensors = [StoredTensor(name, shape) for name, shape in [("a", (4,)), ("b", (4,)), ("big", (40,)), ("c", (2,))]]
-    shards = plan_shards(tensors, torch.float32, max_shard_bytes=32)
-    assert [[t.name for t in shard] for shard in shards] == [["a", "b"], ["big"], ["c"]]
+    sizes = {"a": (4,), "b": (4,), "big": (40,), "c": (2,)}
+    tensors = {name: [StoredTensor(name, shape)] for name, shape in sizes.items()}
+    assert plan_shards(tensors, torch.float32, max_shard_bytes=32) == [["a", "b"], ["big"], ["c"]]
+    experts = {"e": stored_tensors("m.experts.down_proj", (4, 2, 2)), "n": [StoredTensor("n", (2,))]}
+    assert plan_shards(experts, torch.float32, max_shard_bytes=40) == [["e"], ["n"]]  # a model tensor is not split

@@ -35,16 +35,19 @@ class StoredTensor:
         return math.prod(self.shape) * dtype.itemsize
 
 
-def plan_shards(tensors: list[StoredTensor], dtype: torch.dtype, max_shard_bytes: int) -> list[list[StoredTensor]]:
-    """tensors, in order, cut into shards of at most max_shard_bytes (a tensor larger than that is a shard alone)."""
-    shards: list[list[StoredTensor]] = [[]]
+def plan_shards(tensors: dict[str, list[StoredTensor]], dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
+    """The model's tensors (each stored as its list of HF tensors), in order, cut into shards of at most
+    max_shard_bytes, a model tensor never split (one larger than that is a shard alone): each shard is then
+    written from its own tensors, independently of the others."""
+    shards: list[list[str]] = [[]]
     size = 0
-    for tensor in tensors:
-        if shards[-1] and size + tensor.nbytes(dtype) > max_shard_bytes:
+    for key, stored in tensors.items():
+        nbytes = sum(tensor.nbytes(dtype) for tensor in stored)
+        if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(tensor)
-        size += tensor.nbytes(dtype)
+        shards[-1].append(key)
+        size += nbytes
     return shards
 
 
@@ -52,10 +55,10 @@ def shard_names(count: int) -> list[str]:
     return [SINGLE] if count == 1 else [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
 
 
-def header(shard: list[StoredTensor], dtype: torch.dtype) -> bytes:
+def header(tensors: list[StoredTensor], dtype: torch.dtype) -> bytes:
     entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
     begin = 0
-    for tensor in shard:
+    for tensor in tensors:
         end = begin + tensor.nbytes(dtype)
         entries[tensor.name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(tensor.shape), "data_offsets": [begin, end]}
         begin = end
@@ -64,54 +67,44 @@ def header(shard: list[StoredTensor], dtype: torch.dtype) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-class ShardedSafetensorsWriter:
-    """Writes the tensors of plan_shards' shards into output, in that order, from blocks of bytes: each `write` takes
-    the next rows of the stream (in dtype), which may end inside a tensor or span several, and several files."""
+class SafetensorsWriter:
+    """Writes one safetensors file of tensors (in that order) from blocks of bytes: each `write` takes the next rows
+    of the stream, in dtype, which may end inside a tensor or span several."""
 
-    def __init__(self, output: Path, shards: list[list[StoredTensor]], dtype: torch.dtype) -> None:
-        self.output, self.shards, self.dtype = output, shards, dtype
-        self.names = shard_names(len(shards))
-        self.shard = -1
-        self.left = 0  # bytes the open file still takes
+    def __init__(self, path: Path, tensors: list[StoredTensor], dtype: torch.dtype) -> None:
+        self.path, self.tensors, self.dtype = path, tensors, dtype
+        self.left = sum(tensor.nbytes(dtype) for tensor in tensors)
         self.file: BinaryIO | None = None
 
-    def __enter__(self) -> ShardedSafetensorsWriter:
-        self.output.mkdir(parents=True, exist_ok=True)
+    def __enter__(self) -> SafetensorsWriter:
+        self.file = open(self.path, "wb")  # noqa: SIM115 (closed on exit)
+        self.file.write(header(self.tensors, self.dtype))
         return self
-
-    def _next_file(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        self.shard += 1
-        shard = self.shards[self.shard]
-        self.file = open(self.output / self.names[self.shard], "wb")  # noqa: SIM115 (closed by the writer)
-        self.file.write(header(shard, self.dtype))
-        self.left = sum(tensor.nbytes(self.dtype) for tensor in shard)
 
     def write(self, block: torch.Tensor) -> None:
         if block.dtype != self.dtype:
             raise ValueError(f"a block of {block.dtype} for a checkpoint of {self.dtype}")
         data = memoryview(block.contiguous().view(-1).view(torch.uint8).numpy())
-        while len(data):
-            while self.left == 0:
-                self._next_file()
-            assert self.file is not None
-            taken = min(self.left, len(data))
-            self.file.write(data[:taken])
-            self.left -= taken
-            data = data[taken:]
+        if len(data) > self.left:
+            raise ValueError(f"{self.path.name} takes {self.left} more bytes, not {len(data)}")
+        assert self.file is not None
+        self.file.write(data)
+        self.left -= len(data)
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        if self.file is not None:
-            self.file.close()
-        if kind is not None:
-            return
-        if self.left or self.shard != len(self.shards) - 1:
-            raise RuntimeError(f"the stream ended {self.left} bytes short of shard {self.shard + 1} of {len(self.shards)}")
-        if len(self.shards) > 1:
-            weight_map = {tensor.name: name for name, shard in zip(self.names, self.shards) for tensor in shard}
-            total = sum(tensor.nbytes(self.dtype) for shard in self.shards for tensor in shard)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (self.output / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        assert self.file is not None
+        self.file.close()
+        if kind is None and self.left:
+            raise RuntimeError(f"{self.path.name} ended {self.left} bytes short")
+
+
+def write_index(output: Path, names: list[str], shards: list[list[StoredTensor]], dtype: torch.dtype) -> None:
+    """The index of a sharded checkpoint (none for one file): which file holds each tensor."""
+    if len(names) == 1:
+        return
+    weight_map = {tensor.name: name for name, shard in zip(names, shards, strict=True) for tensor in shard}
+    total = sum(tensor.nbytes(dtype) for shard in shards for tensor in shard)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (output / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -17,14 +17,17 @@ space, so DCP reshards on load:
   [r E / ep, (r + 1) E / ep) of the whole [E, ...] tensor. A DTensor over the (ep, dp) mesh placed
   [Shard(0), Shard(0)] (ep outer, dp inner, torch.chunk's split as FSDP2's) says exactly that, over this rank's
   local shard, with no copy and no communication.
-Publish turns weights/ into the HF checkpoint (`write_hf_checkpoint`), so no trainer rank gathers the model; the
-publish process still holds it whole, in the checkpoint's dtype, to write one safetensors file.
+Publish turns weights/ into the HF checkpoint (`write_hf_checkpoint`), so no trainer rank gathers the model, and
+neither does publish: it reads the weights a saved chunk (or a batch of small tensors) at a time and streams each
+block, cast to the checkpoint's dtype, into sharded safetensors (`steps.model.hf_shards`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from steps.errors import MoeloopError
-from steps.model.hf_shards import ShardedSafetensorsWriter, plan_shards
+from steps.model.hf_shards import SafetensorsWriter, plan_shards, shard_names, write_index
 from steps.model.policy import hf_model_on_meta, read_config, stored_dtype, stored_tensors
 from steps.model.sharding import local
 from steps.rl.offload import OffloadedAdamW
@@ -246,19 +249,28 @@ def read_in_blocks(folder: Path, keys: list[str]) -> Iterator[torch.Tensor]:
 
 def write_hf_checkpoint(state_dir: Path, output: Path, max_shard_bytes: int) -> None:
     """The HF checkpoint of a trainer-state folder (its weights/, config and tokenizer): sharded safetensors in the
-    config's dtype, the experts per expert as HF stores them, each block cast and streamed to its file as it is read
-    (`read_in_blocks`), so this process holds a saved chunk and a block, never the model."""
+    config's dtype, the experts per expert as HF stores them. Each block is cast and streamed to its file as it is
+    read (`read_in_blocks`), so a writer holds a saved chunk and a block, never the model; the files are written side
+    by side, one thread each, as many at once as this process has cores."""
     config, tokenizer = read_config(state_dir)
     dtype = stored_dtype(config)
     folder = state_dir / WEIGHTS_DIR
-    shapes = {key: tuple(value.size) for key, value in saved_shapes(folder).items()}
     model = hf_model_on_meta(config)
     require_same_tensors(folder, dict(model.named_parameters()), str(state_dir))
-    keys = sorted(shapes)
-    stored = [tensor for key in keys for tensor in stored_tensors(key, shapes[key])]
-    with ShardedSafetensorsWriter(output, plan_shards(stored, dtype, max_shard_bytes), dtype) as writer:
-        for block in read_in_blocks(folder, keys):
-            writer.write(block.to(dtype))
+    stored = {key: stored_tensors(key, tuple(value.size)) for key, value in sorted(saved_shapes(folder).items())}
+    shards = plan_shards(stored, dtype, max_shard_bytes)
+    names = shard_names(len(shards))
+    output.mkdir(parents=True, exist_ok=True)
+
+    def write_shard(name: str, keys: list[str]) -> None:
+        with SafetensorsWriter(output / name, [t for key in keys for t in stored[key]], dtype) as writer:
+            for block in read_in_blocks(folder, keys):
+                writer.write(block.to(dtype))
+
+    with ThreadPoolExecutor(min(len(shards), len(os.sched_getaffinity(0)))) as pool:
+        for done in [pool.submit(write_shard, name, keys) for name, keys in zip(names, shards, strict=True)]:
+            done.result()
+    write_index(output, names, [[t for key in keys for t in stored[key]] for keys in shards], dtype)
     model.config.dtype = str(dtype).removeprefix("torch.")
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(output)
