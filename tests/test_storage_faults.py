@@ -2,7 +2,9 @@
 random moment between its start and its normal end, then run again, 50 times, alternately on a local
 folder and on SeaweedFS. After every kill, whatever a reader can see is whole and verifies (committed
 folders against their COMMIT, shards by their rows, LATEST names a checkpoint that loads); after every
-re-run the iteration holds exactly the expected experience rows and LATEST names a loadable checkpoint."""
+re-run the iteration holds exactly the expected experience rows and LATEST names a loadable checkpoint. The same
+steps killed right after each of their writes, and one rank of a world-size-2 train step killed mid-save of its
+sharded trainer state."""
 
 from __future__ import annotations
 
@@ -23,13 +25,15 @@ import pytest
 
 from steps.config import MoeloopConfig
 from steps.model.policy import load_policy
+from steps.rl.checkpoint import OPTIMIZER_DIR, WEIGHTS_DIR
 from steps.rollout import iteration_prompt_ids, shard_prompt_ids
 from steps.start import start
-from steps.storage.backends import CRASH_AFTER_WRITES
+from steps.storage.backends import CRASH_AFTER_WRITES, CRASH_RANK
 from steps.storage.cache import fetch_checkpoint
 from steps.storage.experience import committed_experience, read_rewards, read_rollout_shard, read_rollouts
 from steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
+from workflows.dag import TRAIN
 from tests.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.slow
@@ -252,3 +256,108 @@ def test_steps_killed_between_any_two_writes_leave_whole_data_and_finish_on_reru
     print("\n" + "\n".join(f"  {o}" for o in sorted(outcomes)))
     states = {o.split(": ", 1)[1] for o in outcomes}
     assert {"uncommitted objects", "committed, LATEST not moved yet"} <= states
+
+
+# One rank of a sharded save killed: the train step at trainer.world_size 2 (EP 2) under torchrun, as the local
+# runner starts it, with one rank SIGKILLed right after its N-th write. Rank 0 writes the report, its objects
+# (config, tokenizer, DCP indexes, its shards) and COMMIT once it has gathered every rank's entries; rank 1 only
+# its shards, one DCP file per folder. S3 uploads a rank's objects in one parallel put_objects (one write), a
+# local folder one by one. Train never moves LATEST (publish does): every check below sees it at checkpoint 0.
+WORLD_SIZE = 2
+DCP_FOLDERS = (WEIGHTS_DIR, OPTIMIZER_DIR)
+
+
+def rank_files(rank: int) -> set[str]:
+    return {f"{folder}/__{rank}_0.distcp" for folder in DCP_FOLDERS}  # DCP's file of a rank's shards
+
+
+def writes_of(rank: int, backend: str, files: set[str]) -> int:
+    """How many writes a rank of an undisturbed save makes (files: the committed state's)."""
+    if rank == 1:
+        return 1 if backend == "s3" else len(rank_files(1))
+    objects = 1 if backend == "s3" else len(files - rank_files(1))
+    return objects + 2  # the report before its objects, COMMIT after them
+
+
+def resubmitted(uri: str, config: MoeloopConfig) -> MoeloopConfig:
+    """The run submitted again at trainer.world_size 2 (a field a resubmission may change): its stored config."""
+    trainer = config.trainer.model_copy(update={"world_size": WORLD_SIZE, "expert_parallel": WORLD_SIZE})
+    distributed = config.model_copy(update={"trainer": trainer})
+    assert start(uri, distributed) == {"skipped": "checkpoint 0 already committed"}
+    return distributed
+
+
+def run_torchrun_train(uri: str, **crash: str) -> subprocess.CompletedProcess[str]:
+    """The train step's own torchrun command; fails the test if a rank outlives its killed peer (a hang)."""
+    command = [sys.executable, *TRAIN.argv({"run": uri, "iteration": str(ITERATION)}, WORLD_SIZE)[1:]]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=step_environment(**crash),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=STEP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and its ranks
+        process.communicate()
+        pytest.fail(f"train at world size {WORLD_SIZE} with {crash} still running after {STEP_TIMEOUT}s")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def committed_files(storage: RunStorage) -> dict[str, dict]:
+    return storage.manifest(storage.trainer_state(ITERATION))["files"]
+
+
+def test_a_trainer_rank_killed_mid_save_leaves_no_partial_state_and_the_rerun_commits_it_whole(
+    baseline: Baseline, seaweed: SeaweedS3, tmp_path: Path
+) -> None:
+    def placed(backend: str) -> tuple[RunStorage, MoeloopConfig]:
+        uri = place_run(baseline.before["train"], backend, tmp_path, seaweed)
+        return RunStorage(uri), resubmitted(uri, baseline.config)
+
+    def finishes_past_last_write(backend: str, rank: int, writes: int) -> dict[str, dict]:
+        """The step with rank's crash one write past its last: it finishes undisturbed; its committed files."""
+        storage, _ = placed(backend)
+        run = run_torchrun_train(storage.uri, **{CRASH_AFTER_WRITES: str(writes + 1), CRASH_RANK: str(rank)})
+        assert run.returncode == 0, f"rank {rank} on {backend}, {writes + 1} writes: {run.stderr[-3000:]}"
+        return committed_files(storage)
+
+    # The reference: undisturbed, and so rank 1 makes exactly its writes_of; every rank's shards are committed.
+    whole = finishes_past_last_write("local", 1, writes_of(1, "local", set()))
+    assert rank_files(0) | rank_files(1) <= whole.keys()
+    assert finishes_past_last_write("s3", 1, writes_of(1, "s3", set())) == whole  # the same digests on S3
+    # Every write of rank 1; rank 0's around its COMMIT, and on S3 (its objects one write) all of them.
+    plan = []
+    for backend in ("local", "s3"):
+        plan += [(backend, 1, n) for n in range(1, writes_of(1, backend, set(whole)) + 1)]
+        last = writes_of(0, backend, set(whole))
+        plan += [(backend, 0, n) for n in range(1 if backend == "s3" else last - 1, last + 1)]
+    outcomes = []
+    for backend, rank, crash_after in plan:
+        storage, config = placed(backend)
+        crashed = run_torchrun_train(storage.uri, **{CRASH_AFTER_WRITES: str(crash_after), CRASH_RANK: str(rank)})
+        where = f"rank {rank} on {backend} killed after write {crash_after} of {writes_of(rank, backend, set(whole))}"
+        # torchrun's agent sees the rank die by SIGKILL, stops the others and fails with 1.
+        assert crashed.returncode == 1, f"{where}: {crashed.stderr[-3000:]}"
+        assert f"rank      : {rank} (local_rank: {rank})" in crashed.stderr, crashed.stderr[-3000:]
+        assert "Signal 9 (SIGKILL)" in crashed.stderr, crashed.stderr[-3000:]
+        outcome = state_after_kill("train", storage, config)
+        outcomes.append(f"{where}: {outcome}")
+        # COMMIT is rank 0's last write, made once every rank's entries are in: no earlier kill leaves one.
+        assert (outcome == "committed") == (rank == 0 and crash_after == writes_of(0, backend, set(whole))), where
+        if outcome == "committed":
+            assert committed_files(storage) == whole, where
+        assert not check_what_readers_see(storage, config, tmp_path / "scratch")["published"], where
+        rerun = run_torchrun_train(storage.uri)
+        assert rerun.returncode == 0, f"{where}, re-run: {rerun.stderr[-3000:]}"
+        report = json.loads(rerun.stdout.strip().splitlines()[-1])
+        assert ("skipped" in report) == (outcome == "committed"), (where, report)
+        assert committed_files(storage) == whole, where
+        after = check_what_readers_see(storage, config, tmp_path / "scratch")
+        assert after["trainer"] and not after["published"], where
+    print("\n" + "\n".join(f"  {o}" for o in outcomes))
+    assert {"uncommitted objects", "committed"} <= {o.split(": ", 1)[1] for o in outcomes}

@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 LATEST_ATTEMPTS = 20  # compare-and-swap rounds before giving up on a LATEST that keeps changing
 # Fault injection (tests/test_storage_faults.py): with MOELOOP_CRASH_AFTER_WRITES=N set, the process kills
 # itself with SIGKILL right after its N-th completed write, so that a crash lands between two given writes.
+# MOELOOP_CRASH_RANK=R limits that to the process whose torchrun RANK is R (no RANK: 0), so that one rank of the
+# train step dies mid-save while the others go on; unset, every process counts to N.
 CRASH_AFTER_WRITES = "MOELOOP_CRASH_AFTER_WRITES"
+CRASH_RANK = "MOELOOP_CRASH_RANK"
 _completed_writes = 0
 
 # read(name, offset, length, size): length bytes of folder/name at offset, checking the object is size bytes long.
@@ -40,7 +43,9 @@ PartReader = Callable[[str, int, int, int], bytes]
 def crash_point() -> None:
     global _completed_writes
     _completed_writes += 1
-    if os.environ.get(CRASH_AFTER_WRITES) == str(_completed_writes):
+    chosen_rank = os.environ.get(CRASH_RANK)
+    this_rank = chosen_rank is None or chosen_rank == os.environ.get("RANK", "0")
+    if this_rank and os.environ.get(CRASH_AFTER_WRITES) == str(_completed_writes):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
