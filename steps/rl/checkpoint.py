@@ -42,7 +42,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from steps.errors import MoeloopError
 from steps.model.hf_shards import ShardedSafetensorsWriter, plan_shards
-from steps.model.policy import hf_model_on_meta, read_config, stored_dtype, stored_tensors
+from steps.model.policy import hf_model_on_meta, read_config, sparse_blocks, stored_dtype, stored_tensors
 from steps.model.sharding import local
 from steps.rl.offload import OffloadedAdamW
 from steps.rl.parallel import Parallel, expert_parameters
@@ -246,8 +246,9 @@ def read_in_blocks(folder: Path, keys: list[str]) -> Iterator[torch.Tensor]:
 
 def write_hf_checkpoint(state_dir: Path, output: Path, max_shard_bytes: int) -> None:
     """The HF checkpoint of a trainer-state folder (its weights/, config and tokenizer): sharded safetensors in the
-    config's dtype, the experts per expert as HF stores them, each block cast and streamed to its file as it is read
-    (`read_in_blocks`), so this process holds a saved chunk and a block, never the model."""
+    config's dtype, the experts per expert and every tensor named as the model's family stores them, each block cast
+    and streamed to its file as it is read (`read_in_blocks`), so this process holds a saved chunk and a block,
+    never the model."""
     config, tokenizer = read_config(state_dir)
     dtype = stored_dtype(config)
     folder = state_dir / WEIGHTS_DIR
@@ -255,7 +256,8 @@ def write_hf_checkpoint(state_dir: Path, output: Path, max_shard_bytes: int) -> 
     model = hf_model_on_meta(config)
     require_same_tensors(folder, dict(model.named_parameters()), str(state_dir))
     keys = sorted(shapes)
-    stored = [tensor for key in keys for tensor in stored_tensors(key, shapes[key])]
+    blocks = sparse_blocks(model)
+    stored = [tensor for key in keys for tensor in stored_tensors(key, shapes[key], blocks)]
     with ShardedSafetensorsWriter(output, plan_shards(stored, dtype, max_shard_bytes), dtype) as writer:
         for block in read_in_blocks(folder, keys):
             writer.write(block.to(dtype))
