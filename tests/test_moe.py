@@ -128,6 +128,16 @@ def test_block_equals_hf_with_empty_experts(impl: str, family: str, norm_topk_pr
     assert ours[2]["experts.down_proj"][UNUSED_EXPERTS].abs().max() == 0
 
 
+def test_a_block_of_no_family_and_mixtral_jitter_are_refused() -> None:
+    with pytest.raises(MoeloopError, match="^Linear is no sparse MoE block of a known family$"):
+        MoeBlock.from_hf_block(torch.nn.Linear(2, 2), LocalDispatcher(NUM_EXPERTS, None))
+    config = tiny_config(family="mixtral")
+    config.router_jitter_noise = 0.1  # HF multiplies the block's input by noise in training
+    jittery = family_of_config(config).sparse_block(config)
+    with pytest.raises(MoeloopError, match="^router_jitter_noise 0.1 is not supported; set it to 0$"):
+        MoeBlock.from_hf_block(jittery, LocalDispatcher(NUM_EXPERTS, None))
+
+
 def test_grouped_mm_and_loop_agree_in_bf16() -> None:
     hf_block, x_BSH = skewed_block()
     hf_block, x_BSH = hf_block.to(torch.bfloat16), x_BSH.to(torch.bfloat16)
@@ -142,11 +152,12 @@ def test_grouped_mm_and_loop_agree_in_bf16() -> None:
     assert_same(grouped, loop, rtol=2e-2, atol=2e-2)
 
 
-def test_local_block_compiles_into_one_graph() -> None:
-    """With the local dispatcher, torch.compile takes the whole block as one graph (fullgraph: no host sync, no
-    graph break), and that graph computes what eager does to the last bit (aot_eager runs the traced ops as
-    they are; bf16, since grouped_mm's meta function accepts only bf16)."""
-    hf_block, x_BSH = skewed_block()
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_local_block_compiles_into_one_graph(family: str) -> None:
+    """With the local dispatcher, torch.compile takes the whole block (a shared expert too) as one graph
+    (fullgraph: no host sync, no graph break), and that graph computes what eager does to the last bit (aot_eager
+    runs the traced ops as they are; bf16, since grouped_mm's meta function accepts only bf16)."""
+    hf_block, x_BSH = skewed_block(family=family)
     hf_block, x_BSH = hf_block.to(torch.bfloat16), x_BSH.to(torch.bfloat16)
     grad_BSH = torch.randn(x_BSH.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     block = MoeBlock.from_hf_block(hf_block, LocalDispatcher(NUM_EXPERTS, None), "grouped_mm")

@@ -234,9 +234,10 @@ def test_trainer_forward_shares_compiled_layers() -> None:
     assert counters["stats"]["unique_graphs"] < config.num_hidden_layers, dict(counters["stats"])
 
 
-def test_load_balancing_loss_is_transformers_aux_loss() -> None:
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_load_balancing_loss_is_transformers_aux_loss(family: str) -> None:
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(tiny_config())
+    model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     batch = experience()
     output = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT, output_router_logits=True)
     mask_t = batch.attention_mask_BT.reshape(-1)

@@ -114,10 +114,6 @@ FAMILIES = (
 ROUTERS = tuple(family.router for family in FAMILIES)
 
 
-def supported() -> str:
-    return ", ".join(family.model_type for family in FAMILIES)
-
-
 def family_of_config(config: Any) -> MoeFamily:
     """The family of an HF config; a one-line error naming the supported ones for any other model."""
     return family_named(getattr(config, "model_type", None))
@@ -128,7 +124,8 @@ def family_named(model_type: str | None) -> MoeFamily:
     for family in FAMILIES:
         if family.model_type == model_type:
             return family
-    raise MoeloopError(f"model_type {model_type!r} is no MoE family moeloop trains (it trains {supported()})")
+    supported = ", ".join(family.model_type for family in FAMILIES)
+    raise MoeloopError(f"model_type {model_type!r} is no MoE family moeloop trains (it trains {supported})")
 
 
 def family_of_block(module: nn.Module) -> MoeFamily | None:
