@@ -32,6 +32,7 @@ from steps.config import (
     parse_config_text,
 )
 from steps.errors import MoeloopError, run_cli
+from steps.model.families import family_named
 from steps.model.policy import (
     build_tiny_model,
     build_tokenizer,
@@ -209,6 +210,7 @@ def starting_policy(
     Writes nothing into the run: it is part of reading the inputs."""
     uri = config.model.checkpoint
     if uri is not None:
+        refuse_unknown_family(uri)
         local, first_found = fetch_model_source(storage, uri)
         try:
             model, tokenizer = load_policy(local)
@@ -232,6 +234,22 @@ def starting_policy(
     tail = losses[-20:]
     sft_loss = sum(tail) / len(tail) if tail else None
     return model, tokenizer, {"source": "tiny+sft", "sft_steps": len(losses), "sft_loss": sft_loss}, None
+
+
+def refuse_unknown_family(uri: str) -> None:
+    """A one-line error naming the families the trainer runs where model.checkpoint's config.json names another
+    model_type (a dense model's, one transformers does not know), before any weight is fetched. A folder without a
+    readable config.json or model_type is left to the loader, which names what is wrong with it."""
+    source, folder = source_folder(uri)
+    try:
+        model_type = json.loads(source.read_bytes(f"{folder}/config.json")).get("model_type")
+    except (MoeloopError, json.JSONDecodeError, AttributeError):
+        return
+    if model_type is not None:
+        try:
+            family_named(model_type)
+        except MoeloopError as error:
+            raise MoeloopError(f"model.checkpoint {uri}: {error}") from None
 
 
 def demo_tokenizer(train: list[dict], evaluation: list[dict]) -> Any:

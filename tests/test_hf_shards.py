@@ -1,21 +1,25 @@
 """Publish's HF checkpoint from a trainer state's DCP weights: sharded safetensors streamed block by block, the same
-tensors, config and generation config as HF's own `save_pretrained`, and what `from_pretrained` loads."""
+tensors, config and generation config as HF's own `save_pretrained` (each family under its checkpoints' names),
+and what `from_pretrained` loads; and a trainer rank reading only its experts from such a checkpoint."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from steps.model.hf_shards import INDEX, SINGLE, StoredTensor, plan_shards
-from steps.model.policy import build_tokenizer, save_policy, stored_tensors
+from steps.model.families import FAMILIES
+from steps.model.policy import build_tokenizer, read_hf_shard, save_policy, shard_model, stored_tensors
 from steps.rl.checkpoint import WEIGHTS_DIR, ReproducibleWriter, read_in_blocks, read_whole, write_hf_checkpoint
-from tests.test_moe import tiny_config
+from tests.test_moe import FAMILY_NAMES, NUM_EXPERTS, tiny_config
 
 
 def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -27,11 +31,11 @@ def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture
-def trainer_state(tmp_path: Path) -> tuple[Qwen3MoeForCausalLM, Path]:
-    """A tiny policy stored in bf16, its fp32 weights as one process's DCP folder (what train commits at world 1)."""
+def trainer_state_of(tmp_path: Path, family: str) -> tuple[PreTrainedModel, Path]:
+    """A tiny policy of the family stored in bf16, its fp32 weights as one process's DCP folder (what train commits
+    at world 1)."""
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(tiny_config())
+    model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     model.config.dtype = "bfloat16"
     state = tmp_path / "state"
     dcp.save(
@@ -39,17 +43,23 @@ def trainer_state(tmp_path: Path) -> tuple[Qwen3MoeForCausalLM, Path]:
         storage_writer=ReproducibleWriter(state / WEIGHTS_DIR),
         no_dist=True,
     )
-    model.config.architectures = [Qwen3MoeForCausalLM.__name__]
+    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(state)
     build_tokenizer(["abc"]).save_pretrained(state)
     return model, state
 
 
-@pytest.mark.parametrize("max_shard_bytes", [4 << 30, 20 << 10])
-def test_publish_writes_what_hf_save_pretrained_writes(
-    trainer_state: tuple[Qwen3MoeForCausalLM, Path], tmp_path: Path, max_shard_bytes: int
-) -> None:
-    model, state = trainer_state
+@pytest.fixture
+def trainer_state(tmp_path: Path) -> tuple[PreTrainedModel, Path]:
+    return trainer_state_of(tmp_path, "qwen3_moe")
+
+
+@pytest.mark.parametrize(
+    ("family", "max_shard_bytes"),
+    [("qwen3_moe", 4 << 30), ("qwen3_moe", 20 << 10), *((family, 20 << 10) for family in FAMILY_NAMES[1:])],
+)
+def test_publish_writes_what_hf_save_pretrained_writes(tmp_path: Path, family: str, max_shard_bytes: int) -> None:
+    model, state = trainer_state_of(tmp_path, family)
     write_hf_checkpoint(state, tmp_path / "published", max_shard_bytes)
     hf_model = model.to(torch.bfloat16)
     save_policy(hf_model, build_tokenizer(["abc"]), tmp_path / "hf")  # HF's save_pretrained
@@ -79,7 +89,7 @@ def test_publish_writes_what_hf_save_pretrained_writes(
 
 
 def test_blocks_of_saved_chunks_are_the_tensors_rows(
-    trainer_state: tuple[Qwen3MoeForCausalLM, Path], monkeypatch: pytest.MonkeyPatch
+    trainer_state: tuple[PreTrainedModel, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, state = trainer_state
     whole = read_whole(state / WEIGHTS_DIR, torch.float32)
@@ -91,20 +101,75 @@ def test_blocks_of_saved_chunks_are_the_tensors_rows(
 
 
 def test_experts_are_stored_per_expert_in_the_fused_tensors_byte_order() -> None:
-    gate_up = stored_tensors("model.layers.3.mlp.experts.gate_up_proj", (2, 6, 4))
+    qwen3, _, mixtral = FAMILIES
+    blocks = {"model.layers.3.mlp": (qwen3, range(2))}
+    gate_up = stored_tensors("model.layers.3.mlp.experts.gate_up_proj", (2, 6, 4), blocks)
     assert gate_up == [
         StoredTensor("model.layers.3.mlp.experts.0.gate_proj.weight", (3, 4)),
         StoredTensor("model.layers.3.mlp.experts.0.up_proj.weight", (3, 4)),
         StoredTensor("model.layers.3.mlp.experts.1.gate_proj.weight", (3, 4)),
         StoredTensor("model.layers.3.mlp.experts.1.up_proj.weight", (3, 4)),
     ]
-    assert stored_tensors("model.layers.3.mlp.experts.down_proj", (2, 4, 3))[1].name.endswith("1.down_proj.weight")
-    assert stored_tensors("model.norm.weight", (4,)) == [StoredTensor("model.norm.weight", (4,))]
+    down = stored_tensors("model.layers.3.mlp.experts.down_proj", (2, 4, 3), blocks)
+    assert down[1] == StoredTensor("model.layers.3.mlp.experts.1.down_proj.weight", (4, 3))
+    assert stored_tensors("model.norm.weight", (4,), blocks) == [StoredTensor("model.norm.weight", (4,))]
+    # Mixtral's checkpoints name the block block_sparse_moe and its experts' gate, up and down w1, w3 and w2.
+    blocks = {"model.layers.3.mlp": (mixtral, range(2))}
+    assert [t.name for t in stored_tensors("model.layers.3.mlp.experts.gate_up_proj", (2, 6, 4), blocks)][:2] == [
+        "model.layers.3.block_sparse_moe.experts.0.w1.weight",
+        "model.layers.3.block_sparse_moe.experts.0.w3.weight",
+    ]
+    gate = stored_tensors("model.layers.3.mlp.gate.weight", (2, 4), blocks)
+    assert gate == [StoredTensor("model.layers.3.block_sparse_moe.gate.weight", (2, 4))]
 
 
 def test_shards_keep_the_order_and_a_tensor_over_the_limit_is_alone() -> None:
     sizes = {"a": (4,), "b": (4,), "big": (40,), "c": (2,)}
     tensors = {name: [StoredTensor(name, shape)] for name, shape in sizes.items()}
     assert plan_shards(tensors, torch.float32, max_shard_bytes=32) == [["a", "b"], ["big"], ["c"]]
-    experts = {"e": stored_tensors("m.experts.down_proj", (4, 2, 2)), "n": [StoredTensor("n", (2,))]}
+    down = stored_tensors("m.experts.down_proj", (4, 2, 2), {"m": (FAMILIES[0], range(4))})
+    experts = {"e": down, "n": [StoredTensor("n", (2,))]}
     assert plan_shards(experts, torch.float32, max_shard_bytes=40) == [["e"], ["n"]]  # a model tensor is not split
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_an_ep_rank_reads_only_its_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """EP rank 1 of 2 reads, from HF's own save_pretrained of the family, experts [E / 2, E) and every other
+    tensor, fused as its `MoeBlock`s hold them."""
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(tiny_config(family=family))
+    save_policy(hf_model, build_tokenizer(["abc"]), tmp_path / "hf")
+    read: list[str] = []
+
+    class RecordingFile:  # safetensors' safe_open, recording the tensors read
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self) -> RecordingFile:
+            self.opened = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.file.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return self.opened.keys()
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            read.append(name)
+            return self.opened.get_tensor(name)
+
+    monkeypatch.setattr("steps.model.policy.safe_open", RecordingFile)
+    rank1_of_2 = SimpleNamespace(size=lambda: 2, rank=lambda: 1)  # only its size and rank are read
+    cpu = torch.device("cpu")
+    model = shard_model(AutoModelForCausalLM, hf_model.config, "all_to_all", "grouped_mm", rank1_of_2, cpu)
+    state = read_hf_shard(tmp_path / "hf", model, cpu)
+
+    experts_read = {int(name.split(".experts.")[1].split(".")[0]) for name in read if ".experts." in name}
+    assert experts_read == set(range(NUM_EXPERTS // 2, NUM_EXPERTS))
+    assert len(read) == len(set(read))
+    model.load_state_dict(state, strict=True)
+    local = slice(NUM_EXPERTS // 2, NUM_EXPERTS)
+    for name, tensor in hf_model.state_dict().items():
+        expected = tensor[local] if ".experts." in name else tensor
+        assert torch.equal(state[name], expected), name

@@ -600,6 +600,33 @@ def test_a_checkpoint_whose_experts_do_not_split_over_ep_is_refused_by_start(tmp
     assert not run.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama", "made_up_moe"])  # a dense model; one transformers does not know
+def test_a_checkpoint_of_no_known_moe_family_is_refused_by_start_naming_the_families(
+    tmp_path: Path, model_type: str
+) -> None:
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "hf-model"
+    dense = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    dense.save_pretrained(folder)
+    if model_type != "llama":
+        hf_config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**hf_config, "model_type": model_type}))
+    changes = {"model.checkpoint": str(folder)}
+    config = write_config(tmp_path / "configs", tiny_config(run_name=unique_run_name(), **changes))
+    run = tmp_path / "root" / "run"
+
+    result = python(["-m", "steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
+
+    one_line_error(
+        result,
+        f"model.checkpoint {folder}: model_type '{model_type}' is no MoE family moeloop trains"
+        " (it trains qwen3_moe, qwen2_moe, mixtral)",
+    )
+    assert not run.exists()
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Path:
     """A 256 KiB tmpfs: too small for a checkpoint, large enough for a run's config and prompts."""

@@ -1,6 +1,6 @@
-"""steps.model.moe at EP = 1 (local dispatcher) against transformers' own Qwen3-MoE block and model, and the
-dispatcher selection. fp32 on CPU; gradients are taken against a random upstream gradient unless a test says
-otherwise."""
+"""steps.model.moe at EP = 1 (local dispatcher) against transformers' own blocks and models of every family
+(Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral), and the dispatcher selection. fp32 on CPU; gradients
+are taken against a random upstream gradient unless a test says otherwise."""
 
 from __future__ import annotations
 
@@ -18,45 +18,61 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from steps.errors import MoeloopError
 from steps.model import kernels
 from steps.model.dispatch import LocalDispatcher, make_dispatcher, sort_by_expert
+from steps.model.families import FAMILIES, family_of_config
 from steps.model.moe import GroupedExperts, MoeBlock, compile_decoder_layers, hf_state_dict, replace_moe_blocks
 
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 2, 32
 UNUSED_EXPERTS = [6, 7]  # the skewed router never picks them
 
 
-def tiny_config(norm_topk_prob: bool = True) -> Qwen3MoeConfig:
-    config = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=NUM_EXPERTS,
-        num_experts_per_tok=TOP_K,
-        norm_topk_prob=norm_topk_prob,
-        router_aux_loss_coef=0.01,
-    )
+FAMILY_NAMES = [family.model_type for family in FAMILIES]
+
+
+def tiny_config(norm_topk_prob: bool = True, family: str = "qwen3_moe") -> PretrainedConfig:
+    """A tiny HF config of the family (Mixtral always renormalises its top k: norm_topk_prob is Qwen's)."""
+    shape: dict[str, Any] = {
+        "vocab_size": 64, "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_experts_per_tok": TOP_K, "router_aux_loss_coef": 0.01,
+    }  # fmt: skip
+    if family == "mixtral":
+        config = MixtralConfig(**shape, intermediate_size=16, num_local_experts=NUM_EXPERTS, head_dim=8)
+    elif family == "qwen2_moe":
+        config = Qwen2MoeConfig(
+            **shape, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+            num_experts=NUM_EXPERTS, norm_topk_prob=norm_topk_prob,
+        )  # fmt: skip
+    else:
+        config = Qwen3MoeConfig(
+            **shape, intermediate_size=64, moe_intermediate_size=16, head_dim=8, num_experts=NUM_EXPERTS,
+            norm_topk_prob=norm_topk_prob,
+        )  # fmt: skip
     config._experts_implementation = "eager"  # HF's per-expert loop, the reference
     return config
 
 
-def skewed_block(norm_topk_prob: bool = True, seed: int = 0) -> tuple[Qwen3MoeSparseMoeBlock, torch.Tensor]:
-    """An HF block and inputs x_BSH whose tokens never route to UNUSED_EXPERTS.
+def skewed_block(
+    norm_topk_prob: bool = True, seed: int = 0, family: str = "qwen3_moe"
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """An HF sparse block of the family and inputs x_BSH whose tokens never route to UNUSED_EXPERTS.
 
     The inputs share a common offset (norm 4), and the router rows of the unused experts point against it (norm
     2), so their logits sit near -8, far below the others, for every token.
     """
     generator = torch.Generator().manual_seed(seed)
-    block = Qwen3MoeSparseMoeBlock(tiny_config(norm_topk_prob))
+    config = tiny_config(norm_topk_prob, family)
+    block = family_of_config(config).sparse_block(config)
     with torch.no_grad():
         for parameter in block.parameters():
             parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
@@ -93,10 +109,14 @@ def assert_same(
         torch.testing.assert_close(ours[2][name], grad, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize(
+    ("family", "norm_topk_prob"),
+    [("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", True), ("qwen2_moe", False), ("mixtral", True)],
+)
 @pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
-def test_block_equals_hf_with_empty_experts(impl: str, norm_topk_prob: bool) -> None:
-    hf_block, x_BSH = skewed_block(norm_topk_prob)
+def test_block_equals_hf_with_empty_experts(impl: str, family: str, norm_topk_prob: bool) -> None:
+    """Forward and backward (input and every parameter gradient: router, experts, a shared expert and its gate)."""
+    hf_block, x_BSH = skewed_block(norm_topk_prob, family=family)
     tokens_per_expert_E = torch.bincount(hf_block.gate(x_BSH)[2].flatten(), minlength=NUM_EXPERTS)
     assert tokens_per_expert_E[UNUSED_EXPERTS].tolist() == [0, 0] and tokens_per_expert_E.sum() == 3 * 40 * TOP_K
     block = MoeBlock.from_hf_block(copy.deepcopy(hf_block), LocalDispatcher(NUM_EXPERTS, None), impl)
@@ -106,6 +126,16 @@ def test_block_equals_hf_with_empty_experts(impl: str, norm_topk_prob: bool) -> 
     assert_same(ours, forward_backward(hf_block, x_BSH, grad_BSH))
     assert ours[2]["experts.gate_up_proj"][UNUSED_EXPERTS].abs().max() == 0
     assert ours[2]["experts.down_proj"][UNUSED_EXPERTS].abs().max() == 0
+
+
+def test_a_block_of_no_family_and_mixtral_jitter_are_refused() -> None:
+    with pytest.raises(MoeloopError, match="^Linear is no sparse MoE block of a known family$"):
+        MoeBlock.from_hf_block(torch.nn.Linear(2, 2), LocalDispatcher(NUM_EXPERTS, None))
+    config = tiny_config(family="mixtral")
+    config.router_jitter_noise = 0.1  # HF multiplies the block's input by noise in training
+    jittery = family_of_config(config).sparse_block(config)
+    with pytest.raises(MoeloopError, match="^router_jitter_noise 0.1 is not supported; set it to 0$"):
+        MoeBlock.from_hf_block(jittery, LocalDispatcher(NUM_EXPERTS, None))
 
 
 def test_grouped_mm_and_loop_agree_in_bf16() -> None:
@@ -122,11 +152,12 @@ def test_grouped_mm_and_loop_agree_in_bf16() -> None:
     assert_same(grouped, loop, rtol=2e-2, atol=2e-2)
 
 
-def test_local_block_compiles_into_one_graph() -> None:
-    """With the local dispatcher, torch.compile takes the whole block as one graph (fullgraph: no host sync, no
-    graph break), and that graph computes what eager does to the last bit (aot_eager runs the traced ops as
-    they are; bf16, since grouped_mm's meta function accepts only bf16)."""
-    hf_block, x_BSH = skewed_block()
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_local_block_compiles_into_one_graph(family: str) -> None:
+    """With the local dispatcher, torch.compile takes the whole block (a shared expert too) as one graph
+    (fullgraph: no host sync, no graph break), and that graph computes what eager does to the last bit (aot_eager
+    runs the traced ops as they are; bf16, since grouped_mm's meta function accepts only bf16)."""
+    hf_block, x_BSH = skewed_block(family=family)
     hf_block, x_BSH = hf_block.to(torch.bfloat16), x_BSH.to(torch.bfloat16)
     grad_BSH = torch.randn(x_BSH.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     block = MoeBlock.from_hf_block(hf_block, LocalDispatcher(NUM_EXPERTS, None), "grouped_mm")
@@ -181,14 +212,15 @@ def test_broadcast_upstream_gradient() -> None:
     )
 
 
-def test_model_with_swapped_blocks_equals_hf() -> None:
-    """Logits, router logits, aux loss, loss and every gradient of a tiny Qwen3MoeForCausalLM.
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_model_with_swapped_blocks_equals_hf(family: str) -> None:
+    """Logits, router logits, aux loss, loss and every gradient of a tiny causal LM of the family.
 
     HF hooks the routers the first time router logits are asked for; here that happens before the swap, so the
     swapped blocks must keep the hooked router modules.
     """
     torch.manual_seed(0)
-    hf_model = Qwen3MoeForCausalLM(tiny_config())
+    hf_model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     model = copy.deepcopy(hf_model)
     input_ids_BT = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -218,19 +250,20 @@ def test_model_with_swapped_blocks_equals_hf() -> None:
         torch.testing.assert_close(parameter.grad, reference_parameters[name].grad, msg=name)
 
 
-def test_expert_slices_and_hf_state_dict() -> None:
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_expert_slices_and_hf_state_dict(family: str) -> None:
     """EP rank r of 4 holds experts [2r, 2r + 2) as copies; at EP = 1 the state dict loads into HF as it was."""
-    hf_block, _ = skewed_block()
+    hf_block, _ = skewed_block(family=family)
     rank1_of_4 = GroupedExperts.from_hf(hf_block.experts, ep_rank=1, ep_size=4)
     assert torch.equal(rank1_of_4.gate_up_proj, hf_block.experts.gate_up_proj[2:4])
     assert torch.equal(rank1_of_4.down_proj, hf_block.experts.down_proj[2:4])
     assert rank1_of_4.gate_up_proj.data_ptr() != hf_block.experts.gate_up_proj.data_ptr()
 
     torch.manual_seed(0)
-    hf_model = Qwen3MoeForCausalLM(tiny_config())
+    hf_model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     model = copy.deepcopy(hf_model)
     replace_moe_blocks(model, make_dispatcher("local", NUM_EXPERTS))
-    published = Qwen3MoeForCausalLM(tiny_config())
+    published = AutoModelForCausalLM.from_config(tiny_config(family=family))
     published.load_state_dict(hf_state_dict(model), strict=True)
     for name, tensor in hf_model.state_dict().items():
         assert torch.equal(published.state_dict()[name], tensor), name

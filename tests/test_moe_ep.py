@@ -1,10 +1,13 @@
 """Expert parallelism on CPU (gloo, processes spawned here): every rank holds its slice of the experts and a
 different slice of the tokens, and the MoE block must give what one process gives on all tokens: outputs,
-input gradients, expert and router gradients (fp32), and the gathered HF state dict."""
+input gradients, expert, router and shared-expert gradients (fp32), and the gathered HF state dict; for every
+family."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,12 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
 from steps.model.deepep import DeepEPDispatcher
 from steps.model.dispatch import AllToAllDispatcher, make_dispatcher
 from steps.model.moe import MoeBlock, gather_over, hf_state_dict, replace_moe_blocks
-from tests.test_moe import NUM_EXPERTS, forward_backward, skewed_block, tiny_config
+from tests.test_moe import FAMILY_NAMES, NUM_EXPERTS, forward_backward, skewed_block, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -29,20 +32,46 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 class Reference:
     """One process's block on all tokens: what every rank's share must reproduce."""
 
+    family: str
     hf_block_state: dict[str, torch.Tensor]
     x_TH: torch.Tensor
     grad_TH: torch.Tensor
     out_TH: torch.Tensor
     grad_x_TH: torch.Tensor
-    grads: dict[str, torch.Tensor]  # gate.weight, experts.gate_up_proj, experts.down_proj: over all tokens
+    grads: dict[str, torch.Tensor]  # by parameter name (the router's, the experts', a shared expert's): all tokens
 
 
-def reference() -> Reference:
-    hf_block, x_BSH = skewed_block()
+def reference(family: str = "qwen3_moe") -> Reference:
+    hf_block, x_BSH = skewed_block(family=family)
     x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
     grad_TH = torch.randn(x_TH.shape, generator=torch.Generator().manual_seed(1))
     out_1TH, grad_x_1TH, grads = forward_backward(hf_block, x_TH[None], grad_TH[None])  # HF's block takes [B, S, H]
-    return Reference(hf_block.state_dict(), x_TH, grad_TH, out_1TH[0], grad_x_1TH[0], grads)
+    return Reference(family, hf_block.state_dict(), x_TH, grad_TH, out_1TH[0], grad_x_1TH[0], grads)
+
+
+def hf_block_of(ref: Reference) -> torch.nn.Module:
+    hf_block, _ = skewed_block(family=ref.family)
+    hf_block.load_state_dict(ref.hf_block_state)
+    return hf_block
+
+
+def assert_grads_close(
+    grads: dict[str, torch.Tensor],
+    ref: Reference,
+    ep_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup | None,
+    assert_close: Callable[[torch.Tensor, torch.Tensor], None] = partial(torch.testing.assert_close, **TOLERANCE),
+) -> None:
+    """This rank's gradients, summed over the ranks as the trainer sums them, against one process's."""
+    assert grads.keys() == ref.grads.keys()
+    for name, grad in grads.items():
+        if name.startswith("experts."):
+            if dp_group is not None:
+                dist.all_reduce(grad, group=dp_group)  # the DP replicas of an expert saw different tokens
+            assert_close(gather_over(grad, ep_group), ref.grads[name])
+        else:
+            dist.all_reduce(grad)  # replicated on every rank: the router, a shared expert and its gate
+            assert_close(grad, ref.grads[name])
 
 
 def run_ranks(worker, world_size: int, tmp_path: Path, *args: object, backend: str = "gloo") -> None:
@@ -67,8 +96,7 @@ def check_block(rank: int, world_size: int, ref: Reference, dp_size: int, dispat
     else:
         mesh = init_device_mesh("cpu", (dp_size, world_size // dp_size), mesh_dim_names=("dp", "ep"))
         ep_group, dp_group = mesh["ep"].get_group(), mesh["dp"].get_group()
-    hf_block, _ = skewed_block()
-    hf_block.load_state_dict(ref.hf_block_state)
+    hf_block = hf_block_of(ref)
     dispatcher = make_dispatcher(dispatcher_name, NUM_EXPERTS, ep_group)
     assert isinstance(dispatcher, AllToAllDispatcher)  # auto: EP > 1 on a gloo group
     block = MoeBlock.from_hf_block(hf_block, dispatcher)
@@ -78,22 +106,17 @@ def check_block(rank: int, world_size: int, ref: Reference, dp_size: int, dispat
     out_TH, grad_x_TH, grads = forward_backward(block, ref.x_TH[tokens], ref.grad_TH[tokens])
     torch.testing.assert_close(out_TH, ref.out_TH[tokens], **TOLERANCE)
     torch.testing.assert_close(grad_x_TH, ref.grad_x_TH[tokens], **TOLERANCE)
-    dist.all_reduce(grads["gate.weight"])  # the router is replicated on every rank
-    torch.testing.assert_close(grads["gate.weight"], ref.grads["gate.weight"], **TOLERANCE)
-    for name in ("experts.gate_up_proj", "experts.down_proj"):
-        if dp_group is not None:
-            dist.all_reduce(grads[name], group=dp_group)  # the DP replicas of an expert saw different tokens
-        torch.testing.assert_close(gather_over(grads[name], ep_group), ref.grads[name], **TOLERANCE)
+    assert_grads_close(grads, ref, ep_group, dp_group)
 
 
-def check_publish(rank: int, world_size: int) -> None:
+def check_publish(rank: int, world_size: int, family: str) -> None:
     """A whole tiny model with its experts sharded: hf_state_dict() loads into HF and equals the original."""
     torch.manual_seed(0)
-    hf_model = Qwen3MoeForCausalLM(tiny_config())
+    hf_model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     model = copy.deepcopy(hf_model)
     replace_moe_blocks(model, make_dispatcher("all_to_all", NUM_EXPERTS, dist.group.WORLD))
     assert model.model.layers[0].mlp.experts.down_proj.shape[0] == NUM_EXPERTS // world_size
-    published = Qwen3MoeForCausalLM(tiny_config())
+    published = AutoModelForCausalLM.from_config(tiny_config(family=family))
     published.load_state_dict(hf_state_dict(model), strict=True)
     for name, tensor in hf_model.state_dict().items():
         assert torch.equal(published.state_dict()[name], tensor), name
@@ -159,8 +182,7 @@ class GlooDeepEP:
 
 def check_deepep_wrapping(rank: int, world_size: int, ref: Reference) -> None:
     """DeepEPDispatcher over GlooDeepEP: hidden states cross as bf16, so the tolerance is bf16's."""
-    hf_block, _ = skewed_block()
-    hf_block.load_state_dict(ref.hf_block_state)
+    hf_block = hf_block_of(ref)
     group = dist.group.WORLD
     block = MoeBlock.from_hf_block(hf_block, DeepEPDispatcher(NUM_EXPERTS, group, GlooDeepEP(group, NUM_EXPERTS)))
     tokens = torch.arange(len(ref.x_TH)).tensor_split(world_size)[rank]
@@ -168,10 +190,7 @@ def check_deepep_wrapping(rank: int, world_size: int, ref: Reference) -> None:
     assert out_TH.dtype == torch.float32
     assert_bf16_close(out_TH, ref.out_TH[tokens])
     assert_bf16_close(grad_x_TH, ref.grad_x_TH[tokens])
-    dist.all_reduce(grads["gate.weight"])
-    assert_bf16_close(grads["gate.weight"], ref.grads["gate.weight"])
-    for name in ("experts.gate_up_proj", "experts.down_proj"):
-        assert_bf16_close(gather_over(grads[name], group), ref.grads[name])
+    assert_grads_close(grads, ref, group, None, assert_close=assert_bf16_close)
 
 
 def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -182,7 +201,7 @@ def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 def check_ep2(rank: int, world_size: int, ref: Reference) -> None:
     check_block(rank, world_size, ref, dp_size=1, dispatcher_name="all_to_all")
-    check_publish(rank, world_size)
+    check_publish(rank, world_size, ref.family)
     check_deepep_wrapping(rank, world_size, ref)
 
 
@@ -191,22 +210,23 @@ def check_ep4_and_dp2_ep2(rank: int, world_size: int, ref: Reference) -> None:
     check_block(rank, world_size, ref, dp_size=2, dispatcher_name="all_to_all")
 
 
-def test_ep2_equals_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_ep2_equals_one_process(tmp_path: Path, family: str) -> None:
     """2 processes: all_to_all, publishing, and the DeepEP wrapping over GlooDeepEP."""
-    run_ranks(check_ep2, 2, tmp_path, reference())
+    run_ranks(check_ep2, 2, tmp_path, reference(family))
 
 
-def test_all_to_all_ep4_and_dp2_x_ep2_equal_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_all_to_all_ep4_and_dp2_x_ep2_equal_one_process(tmp_path: Path, family: str) -> None:
     """4 processes (a spawn costs seconds): EP = 4, then a (dp, ep) = (2, 2) device mesh."""
-    run_ranks(check_ep4_and_dp2_ep2, 4, tmp_path, reference())
+    run_ranks(check_ep4_and_dp2_ep2, 4, tmp_path, reference(family))
 
 
 def check_nccl_one_rank(rank: int, world_size: int, ref: Reference) -> None:
     """The all_to_all dispatcher's collectives on CUDA tensors over NCCL (one GPU: a group of one)."""
     torch.cuda.set_device(rank)
-    hf_block, _ = skewed_block()
-    hf_block.load_state_dict(ref.hf_block_state)
-    block = MoeBlock.from_hf_block(hf_block.cuda(), make_dispatcher("all_to_all", NUM_EXPERTS, dist.group.WORLD))
+    dispatcher = make_dispatcher("all_to_all", NUM_EXPERTS, dist.group.WORLD)
+    block = MoeBlock.from_hf_block(hf_block_of(ref).cuda(), dispatcher)
     out_TH, grad_x_TH, grads = forward_backward(block, ref.x_TH.cuda(), ref.grad_TH.cuda())
     torch.testing.assert_close(out_TH.cpu(), ref.out_TH, **TOLERANCE)
     torch.testing.assert_close(grad_x_TH.cpu(), ref.grad_x_TH, **TOLERANCE)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
 from steps.engines.engine import Sampling, TransformersEngine
 from steps.errors import MoeloopError
@@ -19,16 +19,17 @@ from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, 
 from steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
 from steps.rl.router_health import RouterHealth
 from steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
-from tests.test_moe import TOP_K, tiny_config
+from tests.test_moe import FAMILY_NAMES, TOP_K, tiny_config
 from tests.test_moe_ep import run_ranks
 
 PROMPTS = [[2, 3, 4], [5, 6], [7, 8, 9, 10]]
 
 
-def save_models(folder: Path) -> tuple[Path, Path]:
-    """A random tiny policy, and a copy whose routers are perturbed enough that some tokens route elsewhere."""
+def save_models(folder: Path, family: str = "qwen3_moe") -> tuple[Path, Path]:
+    """A random tiny policy of the family, and a copy whose routers are perturbed enough that some tokens route
+    elsewhere."""
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(tiny_config())
+    model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     tokenizer = build_tokenizer(["abc"])
     save_policy(model, tokenizer, folder / "policy")
     with torch.no_grad():
@@ -85,8 +86,10 @@ def record_dispatches(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.
     return calls
 
 
-def test_routes_of_the_same_model_replay_to_the_same_forward_exactly(tmp_path: Path) -> None:
-    policy, _ = save_models(tmp_path)
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_routes_of_the_same_model_replay_to_the_same_forward_exactly(tmp_path: Path, family: str) -> None:
+    """The transformers engine records every family's routes, and replaying them is the free forward to the bit."""
+    policy, _ = save_models(tmp_path, family)
     batch = recorded_batch(policy)
     # Recorded at the position whose forward sampled each response token: the trainer's own top-k there agrees.
     model = trainer(policy).eval()

@@ -1,6 +1,7 @@
 """The train step's update with expert parallelism on CPU (gloo, processes spawned here) against one process
-running transformers' own Qwen3-MoE with the same weights: logits, loss, gradients, parameters and optimizer
-state after one optimizer step; and the checkpoint an EP = 4 run writes loads in transformers. Also: the trainer's
+running transformers' own model of the family (EP = 2: every family; the larger meshes: Qwen3-MoE) with the same
+weights: logits, loss, gradients, parameters and optimizer state after one optimizer step; and the checkpoint an
+EP = 4 run writes loads in transformers. Also: the trainer's
 forward shares compiled decoder layers across layers."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from steps.rl.checkpoint import OPTIMIZER_DIR, read_whole, write_hf_checkpoint
 from steps.rl.state import load_trainer_model, make_optimizer, save_trainer_state
 from steps.rl.update import policy_update
 from tests.conftest import small_config
-from tests.test_moe import NUM_EXPERTS, tiny_config
+from tests.test_moe import FAMILY_NAMES, NUM_EXPERTS, tiny_config
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 SEED = 7
@@ -107,7 +108,7 @@ def train_config(activation_checkpointing: bool = False) -> MoeloopConfig:
 
 @dataclass(frozen=True)
 class Reference:
-    """One process, transformers' Qwen3MoeForCausalLM (HF's per-expert loop): what every mesh must reproduce."""
+    """One process, transformers' causal LM of the family (HF's per-expert loop): what every mesh must reproduce."""
 
     checkpoint: Path
     logits_BTV: torch.Tensor  # before the update
@@ -117,18 +118,18 @@ class Reference:
     optimizer_state: dict[str, dict[str, torch.Tensor]]
 
 
-def for_packed_forwards(model: Qwen3MoeForCausalLM) -> Qwen3MoeForCausalLM:
+def for_packed_forwards(model: torch.nn.Module) -> torch.nn.Module:
     """HF's model as the trainer's forwards take it (logprob head, packed attention), not sharded."""
     use_logprob_head(model)
     model.config._attn_implementation = VARLEN
     return model
 
 
-def reference(tmp_path: Path) -> Reference:
-    config = tiny_config()
+def reference(tmp_path: Path, family: str = "qwen3_moe") -> Reference:
+    config = tiny_config(family=family)
     config.router_aux_loss_coef = 0.1  # large enough that its gradient shows
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     save_policy(model, build_tokenizer(["abc"]), tmp_path / "checkpoint")
     batch = experience()
     with torch.no_grad():
@@ -233,9 +234,10 @@ def test_trainer_forward_shares_compiled_layers() -> None:
     assert counters["stats"]["unique_graphs"] < config.num_hidden_layers, dict(counters["stats"])
 
 
-def test_load_balancing_loss_is_transformers_aux_loss() -> None:
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_load_balancing_loss_is_transformers_aux_loss(family: str) -> None:
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(tiny_config())
+    model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     batch = experience()
     output = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT, output_router_logits=True)
     mask_t = batch.attention_mask_BT.reshape(-1)
@@ -244,8 +246,9 @@ def test_load_balancing_loss_is_transformers_aux_loss() -> None:
 
 
 @pytest.mark.slow
-def test_ep2_update_equals_one_process(tmp_path: Path) -> None:
-    spawn(2, [(2, False)], reference(tmp_path))
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_ep2_update_equals_one_process(tmp_path: Path, family: str) -> None:
+    spawn(2, [(2, False)], reference(tmp_path, family))
 
 
 @pytest.mark.slow

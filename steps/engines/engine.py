@@ -146,9 +146,9 @@ class RouteRecorder:
     (forward hooks on the routers, which return (logits, weights, experts)); off, it does nothing."""
 
     def __init__(self, model: torch.nn.Module, active: bool) -> None:
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+        from steps.model.families import is_router
 
-        self.routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)] if active else []
+        self.routers = [m for m in model.modules() if is_router(m)] if active else []
         self.steps_L: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.handles: list[Any] = []
 

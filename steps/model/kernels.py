@@ -310,8 +310,9 @@ ROUTER_BLOCK_T = 16  # tokens per program of the router kernels
 
 
 def softmax_topk(logits_TE: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's Qwen3-MoE routing from the router logits: softmax in fp32, the top_k probabilities (descending) and
-    their experts, divided by their sum when normalize, the weights cast back to the logits' dtype.
+    """HF's softmax routing (Qwen3-MoE, Qwen2-MoE, Mixtral) from the router logits: softmax in fp32, the top_k
+    probabilities (descending) and their experts, divided by their sum when normalize, the weights cast back to the
+    logits' dtype.
 
     CUDA: one Triton pass each way (`torch.topk` alone took 0.11 ms for 16384 tokens over 128 experts on an H200);
     elsewhere HF's own operations.

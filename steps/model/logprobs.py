@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from steps.model.families import is_router
 from steps.model.kernels import fused_on_cuda
 from steps.rl.packing import Microbatch
 
@@ -129,7 +129,7 @@ class RouterLogits:
     def __init__(self, body: nn.Module) -> None:
         self.recorded: list[torch.Tensor] | None = None
         for module in body.modules():
-            if isinstance(module, Qwen3MoeTopKRouter):
+            if is_router(module):
                 module.register_forward_hook(self.record)
 
     @torch.compiler.disable  # a graph break, as HF's recorder makes, rather than a recompile per layer

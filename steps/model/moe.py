@@ -1,13 +1,15 @@
-"""A Qwen3-MoE sparse block with grouped-GEMM experts and expert parallelism, a drop-in for HF's block.
+"""One sparse MoE block with grouped-GEMM experts and expert parallelism, a drop-in for every family's HF block.
 
-`MoeBlock` replaces transformers' `Qwen3MoeSparseMoeBlock` (and bypasses its `_experts_implementation`):
-- routing is HF's: the block keeps the `Qwen3MoeTopKRouter` module (softmax in fp32, top-k, optional
-  renormalisation, cast back), as a `TopKRouter` (the same computation, one Triton pass on CUDA), so
-  `output_router_logits=True` records the same router logits through HF's `OutputRecorder` hook and the
-  model's load-balancing aux loss is unchanged;
+`MoeBlock` replaces the HF sparse block of a family in `steps.model.families` (and bypasses its
+`_experts_implementation`):
+- routing is HF's: the block keeps the HF router module, its class swapped for the family's fused router (the
+  same computation, one Triton pass on CUDA), so `output_router_logits=True` records the same router logits
+  through HF's `OutputRecorder` hook and the model's load-balancing aux loss is unchanged;
 - tokens are permuted by expert (and, with expert parallelism, moved to the rank holding the expert) by a
   dispatcher from `steps.model.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
   summed per token (the routing weight folded into the SwiGLU output, before the linear down projection);
+- a family's shared expert (Qwen2-MoE) stays HF's module, replicated like the dense weights, its output (through
+  its sigmoid gate, if gated) added to the routed experts';
 - parameters keep HF's names and fused layout, `experts.gate_up_proj` [e, 2I, H] and `experts.down_proj`
   [e, H, I], holding only this EP rank's e = E / EP experts, so loading and publishing are slicing and gathering.
 """
@@ -23,11 +25,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
 from steps.errors import MoeloopError
 from steps.model import kernels
 from steps.model.dispatch import TokenDispatcher
+from steps.model.families import MoeFamily, SoftmaxTopKRouter, family_of_block
 
 ExpertsImpl = Literal["grouped_mm", "loop"]
 
@@ -49,7 +51,7 @@ class GroupedExperts(nn.Module):
 
     @classmethod
     def from_hf(
-        cls, experts: Qwen3MoeExperts, ep_rank: int, ep_size: int, impl: ExpertsImpl = "grouped_mm"
+        cls, experts: nn.Module, ep_rank: int, ep_size: int, impl: ExpertsImpl = "grouped_mm"
     ) -> GroupedExperts:
         """EP rank ep_rank of ep_size takes experts [r * E / ep_size, (r + 1) * E / ep_size), copied."""
         num_local = experts.num_experts // ep_size
@@ -90,41 +92,52 @@ class GroupedExperts(nn.Module):
         return torch.cat(outputs)
 
 
-class TopKRouter(Qwen3MoeTopKRouter):
-    """HF's Qwen3-MoE router, its softmax, top-k and renormalisation as `kernels.softmax_topk` (one Triton pass each
-    way on CUDA, HF's own operations elsewhere). A subclass, so transformers' router-logit recorder, which matches
-    modules by `isinstance`, still hooks it."""
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = F.linear(hidden_states, self.weight)
-        router_scores, router_indices = kernels.softmax_topk(router_logits, self.top_k, self.norm_topk_prob)
-        return router_logits, router_scores, router_indices
-
-
 class MoeBlock(nn.Module):
-    """Drop-in for `Qwen3MoeSparseMoeBlock`: HF's router, then dispatch, grouped experts, combine."""
+    """Drop-in for a family's HF sparse block: HF's router, then dispatch, grouped experts, combine; plus the
+    family's shared expert, if it has one."""
 
-    def __init__(self, gate: Qwen3MoeTopKRouter, experts: GroupedExperts, dispatcher: TokenDispatcher[Any]) -> None:
+    def __init__(
+        self,
+        family: MoeFamily,
+        gate: SoftmaxTopKRouter,
+        experts: GroupedExperts,
+        dispatcher: TokenDispatcher[Any],
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
+    ) -> None:
         super().__init__()
+        self.family = family
         self.gate = gate
         self.experts = experts
         self.dispatcher = dispatcher
+        # Under the family's own attribute names, so their parameters keep HF's names.
+        if family.shared_expert is not None:
+            self.add_module(family.shared_expert, shared_expert)
+        if family.shared_expert_gate is not None:
+            self.add_module(family.shared_expert_gate, shared_expert_gate)
         self.replay_TK: torch.Tensor | None = None  # recorded experts to route each token to (-1: its own); `replaying`
 
     @classmethod
     def from_hf_block(
-        cls, block: Qwen3MoeSparseMoeBlock, dispatcher: TokenDispatcher[Any], experts_impl: ExpertsImpl = "grouped_mm"
+        cls, block: nn.Module, dispatcher: TokenDispatcher[Any], experts_impl: ExpertsImpl = "grouped_mm"
     ) -> MoeBlock:
-        """This EP rank's block, with the EP rank and size of the dispatcher's group.
+        """This EP rank's block, with the EP rank and size of the dispatcher's group, for HF's sparse block of any
+        family.
 
         The router module is taken over as it is (same parameter, and an already installed router-logit hook
-        keeps recording), its class swapped in place for `TopKRouter`, so block.gate routes with our kernel from
-        now on too; the experts are this rank's slice of the fused tensors, copied.
+        keeps recording), its class swapped in place for the family's fused router, so block.gate routes with our
+        kernel from now on too; the experts are this rank's slice of the fused tensors, copied; a shared expert
+        and its gate are taken over as they are.
         """
+        family = family_of_block(block)
+        if family is None:
+            raise MoeloopError(f"{type(block).__name__} is no sparse MoE block of a known family")
+        if getattr(block, "jitter_noise", 0.0):  # Mixtral's training-time input noise, off in its released configs
+            raise MoeloopError(f"router_jitter_noise {block.jitter_noise} is not supported; set it to 0")
         experts = GroupedExperts.from_hf(block.experts, dispatcher.ep_rank, dispatcher.ep_size, experts_impl)
-        block.gate.__class__ = TopKRouter
-        return cls(block.gate, experts, dispatcher)
+        block.gate.__class__ = family.fused_router
+        shared = [getattr(block, name) if name else None for name in (family.shared_expert, family.shared_expert_gate)]
+        return cls(family, block.gate, experts, dispatcher, *shared)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.dispatcher.traceable and self.experts.traceable:  # torch.compile takes the whole block
@@ -136,11 +149,21 @@ class MoeBlock(nn.Module):
         router_logits_TE, topk_weights_TK, topk_idx_TK = self.gate(x_TH)
         if self.replay_TK is not None:
             topk_weights_TK, topk_idx_TK = replay_routing(
-                router_logits_TE, topk_weights_TK, topk_idx_TK, self.replay_TK, self.gate.norm_topk_prob
+                self.gate, router_logits_TE, topk_weights_TK, topk_idx_TK, self.replay_TK
             )
         expert_x_NH, tokens_per_expert_e, meta = self.dispatcher.dispatch(x_TH, topk_idx_TK, topk_weights_TK)
         expert_y_NH = self.experts(expert_x_NH, tokens_per_expert_e, meta.weight_N)  # weighted in the SwiGLU
-        return self.dispatcher.combine(expert_y_NH, meta).reshape(hidden_states.shape)
+        y_TH = self.dispatcher.combine(expert_y_NH, meta)
+        if self.family.shared_expert is not None:
+            y_TH = y_TH + self.shared_output(x_TH)
+        return y_TH.reshape(hidden_states.shape)
+
+    def shared_output(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, every token's, scaled by its sigmoid gate where the family has one."""
+        shared_TH = getattr(self, self.family.shared_expert)(x_TH)
+        if self.family.shared_expert_gate is None:
+            return shared_TH
+        return F.sigmoid(getattr(self, self.family.shared_expert_gate)(x_TH)) * shared_TH
 
     # Out of torch.compile (a compiled layer graph-breaks around the block): EP dispatchers, which sync with the host
     # for split sizes and call collectives or DeepEP; and experts that do not trace (fp32 grouped_mm, the loop).
@@ -165,22 +188,20 @@ def unsharded(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def replay_routing(
+    gate: SoftmaxTopKRouter,
     router_logits_TE: torch.Tensor,
     weights_TK: torch.Tensor,
     experts_TK: torch.Tensor,
     recorded_TK: torch.Tensor,
-    normalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rollout routing replay: each token with recorded experts (row not -1) goes to them, with the gate weights
-    HF's router gives those experts from this router's logits (softmax in fp32, renormalised over the K when
-    normalize), so the router still learns; the other tokens keep their own routing. Recorded in the router's own
-    order, the same experts give the same weights to the bit."""
+    the family's routing gives those experts from this router's logits (`weights_of`), so the router still learns;
+    the other tokens keep their own routing. Recorded in the router's own order, the same experts give the same
+    weights to the bit."""
     recorded_TK = recorded_TK.to(experts_TK.device, experts_TK.dtype)
     has_T1 = recorded_TK[:, :1] >= 0
     experts_TK = torch.where(has_T1, recorded_TK, experts_TK)
-    replayed_TK = F.softmax(router_logits_TE, dtype=torch.float, dim=-1).gather(1, experts_TK)
-    if normalize:
-        replayed_TK = replayed_TK / replayed_TK.sum(dim=-1, keepdim=True)
+    replayed_TK = gate.weights_of(router_logits_TE, experts_TK)
     return torch.where(has_T1, replayed_TK.to(weights_TK.dtype), weights_TK), experts_TK
 
 
@@ -214,12 +235,12 @@ def gather_over(local_eXY: torch.Tensor, group: dist.ProcessGroup | None) -> tor
 def replace_moe_blocks(
     model: nn.Module, dispatcher: TokenDispatcher[Any], experts_impl: ExpertsImpl = "grouped_mm"
 ) -> int:
-    """Swap every `Qwen3MoeSparseMoeBlock` in model for this EP rank's `MoeBlock`, in place; returns how many."""
+    """Swap every family's HF sparse block in model for this EP rank's `MoeBlock`, in place; returns how many."""
     swaps = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, Qwen3MoeSparseMoeBlock)
+        if family_of_block(child) is not None
     ]
     for parent, name, child in swaps:
         setattr(parent, name, MoeBlock.from_hf_block(child, dispatcher, experts_impl))
@@ -228,7 +249,7 @@ def replace_moe_blocks(
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """model's state dict as the HF model has it: unsharded (FSDP2), every MoE block's experts gathered over its EP
-    group. Collective: every rank must call it. `Qwen3MoeForCausalLM.load_state_dict` takes the result, and
+    group. Collective: every rank must call it. The HF model's `load_state_dict` takes the result, and
     `save_pretrained` writes the HF checkpoint from there.
     """
     state = {key: unsharded(value) for key, value in model.state_dict().items()}

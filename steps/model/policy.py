@@ -1,4 +1,5 @@
-"""The policy: a Qwen3-MoE causal LM in HF format, its character tokenizer, and token log-probabilities.
+"""The policy: an MoE causal LM of a family in `steps.model.families`, in HF format, its character tokenizer, and
+token log-probabilities.
 
 The trainer holds it with expert parallelism (`steps.model.moe`): each EP rank reads only its experts from the HF
 safetensors (`load_policy_shard`), and publish writes the HF checkpoint from the trainer state's shards (`steps.rl.checkpoint`).
@@ -24,12 +25,12 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
-    Qwen3MoeForTokenClassification,
 )
 
 from steps.config import TinyModelConfig
 from steps.errors import MoeloopError
 from steps.model.dispatch import make_dispatcher
+from steps.model.families import MoeFamily, family_of_block, family_of_config
 from steps.model.hf_shards import StoredTensor
 from steps.model.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
 
@@ -79,7 +80,7 @@ def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast,
 
 def load_policy(
     directory: Path, dtype: torch.dtype | str = "auto", device: torch.device | None = None
-) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokenizerFast]:
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """Load an HF checkpoint folder, by default in the dtype its weights are stored in (a bf16 start stays bf16)."""
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
@@ -100,7 +101,7 @@ def load_policy_shard(
     experts_impl: ExpertsImpl,
     ep_group: dist.ProcessGroup | None,
     device: torch.device,
-) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokenizerFast]:
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """This EP rank's policy in fp32: the dense weights and routers whole, only its experts, read from the HF
     safetensors of directory. The model is built on the meta device, so no rank ever holds all experts."""
     config, tokenizer = read_config(directory)
@@ -116,19 +117,19 @@ def load_critic_shard(
     ep_group: dist.ProcessGroup | None,
     device: torch.device,
     from_policy: bool,
-) -> tuple[Qwen3MoeForTokenClassification, PreTrainedTokenizerFast]:
-    """This EP rank's share of the PPO critic: a Qwen3-MoE with a scalar value head per token, HF's
-    `Qwen3MoeForTokenClassification` with num_labels=1 (so `AutoModelForTokenClassification` loads its checkpoint).
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """This EP rank's share of the PPO critic: the policy's family with a scalar value head per token, HF's
+    `...ForTokenClassification` with num_labels=1 (so `AutoModelForTokenClassification` loads its checkpoint).
 
     from_policy: directory is a policy checkpoint; the critic takes its body (everything but the LM head) and a
     zero value head, so every value starts at 0. Else directory is a critic checkpoint.
     """
     config, tokenizer = read_config(directory)
     if from_policy:
-        config.architectures = [Qwen3MoeForTokenClassification.__name__]
         config.num_labels = 1
         config.classifier_dropout = 0.0  # values are deterministic, in training too
     model = shard_model(AutoModelForTokenClassification, config, dispatcher, experts_impl, ep_group, device)
+    model.config.architectures = [type(model).__name__]
     head = {"score.weight", "score.bias"} if from_policy else set()
     state = read_hf_shard(directory, model, device, skip=head)
     state.update({key: torch.zeros_like(model.state_dict()[key], device=device) for key in head})
@@ -153,6 +154,7 @@ def shard_model(
 ) -> torch.nn.Module:
     """An uninitialised fp32 model of auto_class on device, its MoE blocks holding this EP rank's experts. Its
     config keeps the dtype the checkpoint is stored in, which the trainer state is saved in again."""
+    family_of_config(config)  # a one-line error for a model of no known family
     stored_dtype = config.dtype
     with torch.device("meta"):
         model = auto_class.from_config(config, dtype=torch.float32)
@@ -167,8 +169,9 @@ def shard_model(
 def read_hf_shard(
     directory: Path, model: torch.nn.Module, device: torch.device, skip: set[str] = frozenset()
 ) -> dict[str, torch.Tensor]:
-    """model's state dict, less the keys in skip, from the HF checkpoint: every MoE block's local experts fused as `GroupedExperts` holds
-    them (gate_up_proj [e, 2I, H] from the per-expert gate_proj and up_proj [I, H], down_proj [e, H, I]).
+    """model's state dict, less the keys in skip, from the HF checkpoint: every MoE block's local experts fused as
+    `GroupedExperts` holds them (gate_up_proj [e, 2I, H] from the per-expert gate and up projections [I, H],
+    down_proj [e, H, I]), every tensor under the name its family's checkpoints give it.
 
     Reads only those tensors (safe_open reads tensor by tensor), from one file or an index of shards.
     """
@@ -178,52 +181,72 @@ def read_hf_shard(
     else:
         with safe_open(directory / "model.safetensors", "pt") as single:
             file_of = dict.fromkeys(single.keys(), directory / "model.safetensors")
-    # HF key for each per-expert tensor, by the key of the fused local tensor it is part of.
-    expert_keys: dict[str, list[list[str]]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, MoeBlock):
-            first = module.dispatcher.ep_rank * module.dispatcher.num_local_experts
-            experts = range(first, first + module.dispatcher.num_local_experts)
-            for fused in ("gate_up_proj", "down_proj"):
-                key = f"{name}.experts.{fused}"
-                expert_keys[key] = per_expert_names(key, experts)  # type: ignore[assignment]
-    wanted = [key for key in model.state_dict() if key not in expert_keys and key not in skip]
-    wanted += [key for parts in expert_keys.values() for keys in parts for key in keys]
-    missing = [key for key in wanted if key not in file_of]
+    layout = sparse_blocks(model)
+    keys = [key for key in model.state_dict() if key not in skip]
+    expert_keys = {key: names for key in keys if (names := per_expert_names(key, layout)) is not None}
+    name_of = {key: stored_name(key, layout) for key in keys if key not in expert_keys}
+    wanted = [*name_of.values(), *(name for parts in expert_keys.values() for names in parts for name in names)]
+    missing = [name for name in wanted if name not in file_of]
     if missing:
         raise MoeloopError(f"HF checkpoint {directory} lacks {len(missing)} tensors, e.g. {missing[0]}")
     by_file: dict[Path, list[str]] = defaultdict(list)
-    for key in wanted:
-        by_file[file_of[key]].append(key)
+    for name in wanted:
+        by_file[file_of[name]].append(name)
     tensors: dict[str, torch.Tensor] = {}
-    for path, keys in by_file.items():
+    for path, names in by_file.items():
         with safe_open(path, "pt", device=str(device)) as file:
-            tensors.update({key: file.get_tensor(key).float() for key in keys})
-    state = {key: tensors.pop(key) for key in model.state_dict() if key not in expert_keys and key not in skip}
+            tensors.update({name: file.get_tensor(name).float() for name in names})
+    state = {key: tensors.pop(name) for key, name in name_of.items()}
     for fused, parts in expert_keys.items():
-        state[fused] = torch.stack([torch.cat([tensors[key] for key in keys]) for keys in parts])
+        state[fused] = torch.stack([torch.cat([tensors[name] for name in names]) for names in parts])
     return state
 
 
-def per_expert_names(key: str, experts: range) -> list[list[str]] | None:
-    """The HF checkpoint's per-expert tensors that the fused experts tensor key holds (gate_up_proj [E, 2I, H]: each
-    expert's gate_proj and up_proj [I, H], in that order; down_proj [E, H, I]: its down_proj), expert by expert, for
-    the experts in range; None where key is no fused experts tensor (the checkpoint holds it as it is)."""
-    prefix, _, fused = key.rpartition(".experts.")
-    if fused == "gate_up_proj":
-        return [[f"{prefix}.experts.{e}.gate_proj.weight", f"{prefix}.experts.{e}.up_proj.weight"] for e in experts]
-    if fused == "down_proj":
-        return [[f"{prefix}.experts.{e}.down_proj.weight"] for e in experts]
+SparseBlocks = dict[str, tuple[MoeFamily, range]]
+
+
+def sparse_blocks(model: torch.nn.Module) -> SparseBlocks:
+    """Every sparse MoE block of model by module name: its family, and the experts model holds of it (a `MoeBlock`
+    its EP rank's, HF's own block all)."""
+    blocks: SparseBlocks = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoeBlock):
+            first = module.dispatcher.ep_rank * module.dispatcher.num_local_experts
+            blocks[name] = (module.family, range(first, first + module.dispatcher.num_local_experts))
+        elif (family := family_of_block(module)) is not None:
+            blocks[name] = (family, range(module.experts.num_experts))
+    return blocks
+
+
+def block_of(key: str, blocks: SparseBlocks) -> tuple[str, str] | None:
+    """(the sparse block's module name, the rest of key) for a tensor of a sparse block; None for any other."""
+    parts = key.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        if (block := ".".join(parts[:cut])) in blocks:
+            return block, ".".join(parts[cut:])
     return None
 
 
-def stored_tensors(key: str, shape: tuple[int, ...]) -> list[StoredTensor]:
+def per_expert_names(key: str, blocks: SparseBlocks) -> list[list[str]] | None:
+    """The HF checkpoint's per-expert tensors that the fused experts tensor key holds, for the experts the model
+    holds, expert by expert (`MoeFamily.per_expert_names`); None where key is no fused experts tensor."""
+    found = block_of(key, blocks)
+    return None if found is None else blocks[found[0]][0].per_expert_names(*found, blocks[found[0]][1])
+
+
+def stored_name(key: str, blocks: SparseBlocks) -> str:
+    """The HF checkpoint's name of a tensor that is no fused experts tensor (a sparse block's may be renamed)."""
+    found = block_of(key, blocks)
+    return key if found is None else blocks[found[0]][0].stored_name(*found)
+
+
+def stored_tensors(key: str, shape: tuple[int, ...], blocks: SparseBlocks) -> list[StoredTensor]:
     """The HF checkpoint's tensors that the model's tensor key (of shape) is stored as, in the order of its bytes:
-    the experts [E, 2I, H] as E times gate_proj and up_proj [I, H] (each expert's rows are its gate's, then its
-    up's); anything else as it is."""
-    names = per_expert_names(key, range(shape[0])) if shape else None
+    the experts [E, 2I, H] as E times the gate and up projections [I, H] (each expert's rows are its gate's, then
+    its up's); anything else as it is, under its family's checkpoint name."""
+    names = per_expert_names(key, blocks)
     if names is None:
-        return [StoredTensor(key, shape)]
+        return [StoredTensor(stored_name(key, blocks), shape)]
     return [StoredTensor(name, (shape[1] // len(parts), *shape[2:])) for parts in names for name in parts]
 
 
@@ -235,8 +258,8 @@ def stored_dtype(config: Any) -> torch.dtype:
 
 def hf_model_on_meta(config: Any) -> torch.nn.Module:
     """The HF model of a checkpoint's config, on the meta device: the policy's, or the critic's (its config names
-    `Qwen3MoeForTokenClassification`). Its parameter names and shapes are what the checkpoint holds."""
-    critic = Qwen3MoeForTokenClassification.__name__ in (config.architectures or [])
+    a `...ForTokenClassification`). Its parameter names and shapes are what the checkpoint holds in memory."""
+    critic = any(name.endswith("ForTokenClassification") for name in config.architectures or [])
     with torch.device("meta"):
         return (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
 

@@ -53,7 +53,7 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 
 
 def shard_trainer_model(model: nn.Module, world_mesh: DeviceMesh, dp_mesh: DeviceMesh, precision: str) -> nn.Module:
-    """model (a Qwen3-MoE causal LM or token classifier with `MoeBlock`s) under FSDP2, in place; see the module
+    """model (an MoE causal LM or token classifier with `MoeBlock`s) under FSDP2, in place; see the module
     docstring. Returns model."""
     policy = mixed_precision(precision)
     units: list[FSDPModule] = []

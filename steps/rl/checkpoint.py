@@ -45,7 +45,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from steps.errors import MoeloopError
 from steps.model.hf_shards import SafetensorsWriter, plan_shards, shard_names, write_index
-from steps.model.policy import hf_model_on_meta, read_config, stored_dtype, stored_tensors
+from steps.model.policy import hf_model_on_meta, read_config, sparse_blocks, stored_dtype, stored_tensors
 from steps.model.sharding import local
 from steps.rl.offload import OffloadedAdamW
 from steps.rl.parallel import Parallel, expert_parameters
@@ -249,15 +249,16 @@ def read_in_blocks(folder: Path, keys: list[str]) -> Iterator[torch.Tensor]:
 
 def write_hf_checkpoint(state_dir: Path, output: Path, max_shard_bytes: int) -> None:
     """The HF checkpoint of a trainer-state folder (its weights/, config and tokenizer): sharded safetensors in the
-    config's dtype, the experts per expert as HF stores them. Each block is cast and streamed to its file as it is
-    read (`read_in_blocks`), so a writer holds a saved chunk and a block, never the model; the files are written side
-    by side, one thread each, as many at once as this process has cores."""
+    config's dtype, the experts per expert and every tensor named as the model's family stores them. Each block is
+    cast and streamed to its file as it is read (`read_in_blocks`), so a writer holds a saved chunk and a block, never
+    the model; the files are written side by side, one thread each, as many at once as this process has cores."""
     config, tokenizer = read_config(state_dir)
     dtype = stored_dtype(config)
     folder = state_dir / WEIGHTS_DIR
     model = hf_model_on_meta(config)
     require_same_tensors(folder, dict(model.named_parameters()), str(state_dir))
-    stored = {key: stored_tensors(key, tuple(value.size)) for key, value in sorted(saved_shapes(folder).items())}
+    blocks = sparse_blocks(model)
+    stored = {key: stored_tensors(key, tuple(value.size), blocks) for key, value in sorted(saved_shapes(folder).items())}
     shards = plan_shards(stored, dtype, max_shard_bytes)
     names = shard_names(len(shards))
     output.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from steps.model.families import is_router
 from steps.model.kernels import fused_on_cuda
 from steps.rl.parallel import Parallel
 
@@ -75,8 +75,8 @@ def router_aux_loss(
 
 
 def router_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The routers' weights, of `MoeBlock`s and of HF's own blocks alike (`TopKRouter` subclasses HF's router)."""
-    return [p for module in model.modules() if isinstance(module, Qwen3MoeTopKRouter) for p in module.parameters()]
+    """The routers' weights, of `MoeBlock`s and of HF's own blocks alike (a family's fused router subclasses HF's)."""
+    return [p for module in model.modules() if is_router(module) for p in module.parameters()]
 
 
 def freeze_routers(model: torch.nn.Module, frozen: bool) -> None:
