@@ -51,18 +51,18 @@ GB = 1e9
 ITERATION = 1
 
 
-def qwen3_30b_a3b_shapes(layers: int) -> Qwen3MoeConfig:
+def qwen3_30b_a3b_shapes(layers: int, tiny: bool = False) -> Qwen3MoeConfig:
+    """Qwen3-30B-A3B's config with that many decoder layers; tiny: its structure at toy sizes (tests run it)."""
+    sizes = dict(vocab_size=151936, hidden_size=2048, moe_intermediate_size=768, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, num_experts=128)  # fmt: skip
+    if tiny:
+        sizes = dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=32, num_experts=4)  # fmt: skip
     return Qwen3MoeConfig(
-        vocab_size=151936,
-        hidden_size=2048,
+        **sizes,
         intermediate_size=6144,
-        moe_intermediate_size=768,
         num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
+        num_experts_per_tok=2 if tiny else 8,
         tie_word_embeddings=False,
         dtype="bfloat16",
         architectures=["Qwen3MoeForCausalLM"],
@@ -207,9 +207,10 @@ def publish_in_child(uri: str, environment: dict[str, str]) -> tuple[float, int]
 
 
 def measure(
-    server: SeaweedS3, work: Path, layers: int, optimizer_up_to: float, shard_bytes: int, compare_s3torchconnector: bool
+    server: SeaweedS3, work: Path, config: Qwen3MoeConfig, optimizer_up_to: float, shard_bytes: int,
+    compare_s3torchconnector: bool,
 ) -> list[Row]:
-    config = qwen3_30b_a3b_shapes(layers)
+    layers = config.num_hidden_layers
     weights_bytes = sum(torch.Size(s).numel() for s in parameter_shapes(config).values()) * 4
     with_optimizer = 3 * weights_bytes <= optimizer_up_to
     name = f"handoff-{layers}"
@@ -220,18 +221,25 @@ def measure(
 
     local_state = work / "state"
     folders = trainer_state_tensors(config, with_optimizer)
-    save = timed(lambda: save_locally(folders, local_state, config))
+    save_locally(folders, local_state, config)
     state_size = size_of(local_state)
     commit = timed(lambda: commit_trainer_state(run, run.trainer_state(ITERATION), local_state, Parallel(), {}))
     raw_commit = timed(lambda: raw.upload(local_state, f"raw-{name}/state"))
     what = "fp32 weights + AdamW moments" if with_optimizer else "fp32 weights only (the disk holds no more)"
     rows.append(Row("trainer state upload + COMMIT", state_size, commit, raw_commit, "boto3", what))
-    if compare_s3torchconnector:
-        direct = timed(lambda: save_with_s3torchconnector(folders, server, f"s3tc-{name}"))
-        raw.delete(f"s3tc-{name}/")
-        rows.append(Row("trainer state save (DCP) + upload + COMMIT", state_size, save + commit, direct,
-                        "s3torchconnector DCP writer", what))  # fmt: skip
+    weights = {WEIGHTS_DIR: folders[WEIGHTS_DIR]}
     del folders
+    if compare_s3torchconnector:  # the weights alone: its writer holds several GB beyond the tensors it writes
+        local_weights = work / "weights-only"
+        save = timed(lambda: save_locally(weights, local_weights, config))
+        commit = timed(lambda: commit_trainer_state(run, "trainer/weights-only", local_weights, Parallel(), {}))
+        size = size_of(local_weights)
+        shutil.rmtree(local_weights)
+        direct = timed(lambda: save_with_s3torchconnector(weights, server, f"s3tc-{name}"))
+        raw.delete(f"s3tc-{name}/")
+        rows.append(Row("fp32 weights: save (DCP) + upload + COMMIT", size, save + commit, direct,
+                        "s3torchconnector's DCP writer to S3"))  # fmt: skip
+    del weights
     weight_names = [p.relative_to(local_state).as_posix() for p in files_of(local_state)]
     weight_names = [n for n in weight_names if not n.startswith(f"{OPTIMIZER_DIR}/")]
     shutil.rmtree(local_state)
@@ -277,14 +285,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 5])
     parser.add_argument("--optimizer-up-to-gb", type=float, default=20)
-    parser.add_argument("--shard-gb", type=float, default=4 * 2**30 / GB)
+    parser.add_argument("--shard-gb", type=float, default=4 * 2**30 / GB, help="trainer.checkpoint_shard_bytes")
     parser.add_argument("--s3torchconnector", action="store_true", help="also time its DCP writer (pip install it)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes of the same structure (tests/test_benchmarks.py)")
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]
     rows = []
     for layers in args.layers:
-        shapes = parameter_shapes(qwen3_30b_a3b_shapes(layers))
+        config = qwen3_30b_a3b_shapes(layers, args.tiny)
+        shapes = parameter_shapes(config)
         gb = sum(torch.Size(shape).numel() for shape in shapes.values()) * 2 / GB
         print(f"{layers} layers: a {gb:.1f} GB bf16 checkpoint", file=sys.stderr, flush=True)
         # A server of its own per size: SeaweedFS reclaims deleted objects' space only when it vacuums.
@@ -293,7 +303,7 @@ def main() -> None:
         os.environ.update(server.environment())
         try:
             measured = measure(
-                server, work, layers, args.optimizer_up_to_gb * GB, int(args.shard_gb * GB), args.s3torchconnector
+                server, work, config, args.optimizer_up_to_gb * GB, int(args.shard_gb * GB), args.s3torchconnector
             )
             rows += [(layers, gb, row) for row in measured]
         finally:

@@ -7,8 +7,9 @@ Every input is a flag; benchmarks/handoff.md says where each default comes from.
 - commit: every trainer rank uploads its shard of the state (12 bytes per parameter: fp32 weights and AdamW's two
   moments) at the per-process rate, the node at most its NIC's, the state's prefix at most S3's PUT rate;
 - state fetch: the next train step's ranks read it back (the GET rate and the fetch rate);
-- publish: one process reads the fp32 weights (4 bytes per parameter) and writes and uploads the bf16 checkpoint
-  (2 bytes per parameter) at the publish rate, the bytes it moves over the rate it was measured at;
+- publish: one pod reads the fp32 weights (4 bytes per parameter) and writes and uploads the bf16 checkpoint (2 bytes
+  per parameter), its shards side by side on its cores, each at the publish rate (measured with one shard), together
+  at most its NIC's;
 - rollout fetch: K pods fetch the checkpoint at once, each at the fetch rate, the pods of a node at most its NIC's
   together, all of them at most S3's GET rate on the checkpoint's prefix.
 An iteration: rollout + reward (R) and train (T). At max_staleness 0 the handoff is serial: commit, then publish and
@@ -49,7 +50,8 @@ def stage_seconds(model: Model, args: argparse.Namespace) -> dict[str, float]:
     state = 12 * model.parameters / GB
     commit = state / min(ranks * args.commit_gbs, model.train_nodes * args.nic_gbs, put_cap)
     state_fetch = state / min(ranks * args.fetch_gbs, model.train_nodes * args.nic_gbs, get_cap)
-    publish = 6 * model.parameters / GB / min(args.publish_gbs, args.nic_gbs)
+    shards = -(-2 * model.parameters // args.shard_bytes)
+    publish = 6 * model.parameters / GB / min(min(shards, args.publish_cores) * args.publish_gbs, args.nic_gbs)
     nodes = -(-model.rollout_pods // model.pods_per_node)
     checkpoint = 2 * model.parameters / GB
     rollout_fetch = (
@@ -74,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     rates = parser.add_argument_group("per-process rates, GB/s (benchmarks/handoff.py)")
     rates.add_argument("--commit-gbs", type=float, default=1.0)
-    rates.add_argument("--publish-gbs", type=float, default=0.5)
+    rates.add_argument("--publish-gbs", type=float, default=0.5, help="one shard's, from fetch to upload")
     rates.add_argument("--fetch-gbs", type=float, default=1.5)
     limits = parser.add_argument_group("cluster limits (stated assumptions)")
     limits.add_argument("--nic-gbs", type=float, default=12.5, help="one node's S3 throughput: 100 Gb/s")
@@ -82,6 +84,8 @@ def main() -> None:
     limits.add_argument("--s3-get-per-s", type=float, default=5500, help="S3's GETs per second per prefix")
     limits.add_argument("--part-mib", type=float, default=8, help="the storage module's part size")
     limits.add_argument("--gpus-per-node", type=int, default=8)
+    limits.add_argument("--publish-cores", type=int, default=16, help="the publish pod's CPU request (workflows/render.py)")
+    limits.add_argument("--shard-bytes", type=float, default=4 << 30, help="trainer.checkpoint_shard_bytes")
     work = parser.add_argument_group("one iteration")
     work.add_argument("--prompts", type=int, default=512)
     work.add_argument("--samples", type=int, default=16)
@@ -92,27 +96,26 @@ def main() -> None:
     args = parser.parse_args()
 
     print(
-        f"per process: commit {args.commit_gbs} GB/s, publish {args.publish_gbs} GB/s, fetch {args.fetch_gbs} GB/s;"
+        f"per process: commit {args.commit_gbs} GB/s, publish {args.publish_gbs} GB/s per shard on"
+        f" {args.publish_cores} cores, fetch {args.fetch_gbs} GB/s;"
         f" node NIC {args.nic_gbs} GB/s; S3 {args.s3_put_per_s:.0f} PUT/s and {args.s3_get_per_s:.0f} GET/s per prefix"
         f" of {args.part_mib:g} MiB parts; {args.prompts} x {args.samples} samples of {args.tokens_per_sample} tokens,"
         f" MFU {args.mfu:.1%}, rollout + reward = {args.rollout_over_train:g} x train"
     )
-    print("| model | GPUs (train) | rollout pods | commit s | state fetch s | publish s | rollout fetch s | train s |"
-          " period at staleness 0 s | of it handoff | period at staleness 1 s | of it handoff |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | train GPUs | rollout pods | commit s | state fetch s | publish s | rollout fetch s | train s |"
+          " R s | R + T s | period at staleness 0 s | period at staleness 1 s | at staleness 1 |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for model in MODELS:
         seconds = stage_seconds(model, args)
         rollout = args.rollout_over_train * seconds["train"]
-        bare = {**seconds, "commit": 0.0, "state fetch": 0.0, "publish": 0.0, "rollout fetch": 0.0}
-        cells = []
-        for staleness in (0, 1):
-            total, without = period(seconds, rollout, staleness), period(bare, rollout, staleness)
-            cells += [f"{total:.0f}", f"{(total - without) / total:.0%}"]
+        bare = period({**seconds, "commit": 0.0, "state fetch": 0.0, "publish": 0.0, "rollout fetch": 0.0}, rollout, 0)
+        trainer_chain = seconds["state fetch"] + seconds["train"] + seconds["commit"]
+        hidden = "publish + fetch hidden" if period(seconds, rollout, 1) == trainer_chain else "publish + fetch bind"
         print(
             f"| {model.name} | {model.train_nodes * args.gpus_per_node} | {model.rollout_pods}"
             + "".join(f" | {seconds[stage]:.0f}" for stage in ("commit", "state fetch", "publish", "rollout fetch", "train"))
-            + "".join(f" | {cell}" for cell in cells)
-            + " |"
+            + f" | {rollout:.0f} | {bare:.0f} | {period(seconds, rollout, 0):.0f} | {period(seconds, rollout, 1):.0f}"
+            + f" | {hidden} |"
         )
 
 

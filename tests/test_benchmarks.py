@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 TINY_MODEL = ["--layers", "1", "--hidden", "64", "--intermediate", "32", "--heads", "2", "--kv-heads", "1",
@@ -24,3 +26,43 @@ def test_policy_update_benchmark_times_careful_hf_and_the_product_on_cpu() -> No
         assert row in rows and "failed" not in rows[row], done.stdout
         assert float(rows[row].split("|")[2]) > 0, rows[row]  # seconds per update
     assert re.search(r"its logprob pass: [0-9.]+ s", rows["product"]), rows["product"]
+
+
+def test_handoff_benchmark_runs_commit_publish_and_fetch_on_seaweedfs_at_a_toy_size() -> None:
+    command = [sys.executable, "-m", "benchmarks.handoff", "--tiny", "--layers", "2", "--shard-gb", "0.00002"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split("|")[2].strip(): line.split("|") for line in done.stdout.splitlines() if line.startswith("| 0.")}
+    assert set(rows) == {"trainer state upload + COMMIT", "publish", "rollout pod fetch"}, done.stdout
+    for cells in rows.values():
+        assert int(cells[9].strip(" %")) > 0, cells  # moeloop speed over boto3s: both timed (toy sizes print 0.0 s)
+    shards = int(re.search(r"(\d+) shards", rows["publish"][10]).group(1))
+    assert shards > 2 and re.search(r"peak RSS [0-9.]+ GB", rows["publish"][10]), rows["publish"]
+
+
+def test_handoff_projection_is_the_hand_computed_one() -> None:
+    """Qwen3-30B-A3B at the projection's defaults, by hand: 366 GB of state from 8 ranks at 1 GB/s; 183 GB through
+    publish's 15 shards at 0.5 GB/s each; 32 pods x 61 GB at S3's 5,500 GETs/s of 8 MiB; 20.48M tokens x 8 x 3.3e9
+    FLOPs on 8 GPUs at 34.5% of 989 TFLOPS."""
+    from benchmarks.handoff_projection import MODELS, period, stage_seconds
+
+    defaults = subprocess.run([sys.executable, "-m", "benchmarks.handoff_projection"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+    assert defaults.returncode == 0, defaults.stderr
+    import argparse
+
+    args = argparse.Namespace(
+        commit_gbs=1.0, publish_gbs=0.5, fetch_gbs=1.5, nic_gbs=12.5, s3_put_per_s=3500, s3_get_per_s=5500,
+        part_mib=8, gpus_per_node=8, publish_cores=16, shard_bytes=4 << 30, prompts=512, samples=16,
+        tokens_per_sample=2500, mfu=0.345, peak_tflops=989, rollout_over_train=1.0,
+    )  # fmt: skip
+    seconds = stage_seconds(MODELS[0], args)
+    get_cap = 5500 * 8 * 2**20 / 1e9
+    train = 512 * 16 * 2500 * 8 * 3.3e9 / (8 * 0.345 * 989e12)
+    expected = {"commit": 366 / 8, "state fetch": 366 / 12, "publish": 183 / 7.5, "rollout fetch": 32 * 61 / get_cap,
+                "train": train}  # fmt: skip
+    assert seconds == {key: pytest.approx(value) for key, value in expected.items()}
+    handoff = expected["publish"] + expected["rollout fetch"] + train
+    assert period(seconds, train, 0) == pytest.approx(expected["commit"] + handoff + train)
+    assert period(seconds, train, 1) == pytest.approx(expected["state fetch"] + train + expected["commit"])
+    assert f"| {MODELS[0].name} | 8 | 32 | 46 | 30 | 24 | 42 | 198 |" in defaults.stdout

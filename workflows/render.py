@@ -118,7 +118,8 @@ def role_defaults(config: MoeloopConfig, role: str) -> RolePlacement:
             },
         ),
         "cpu": Resources(requests={"cpu": "2", "memory": "8Gi"}, limits={"memory": "16Gi"}),
-        "memory": Resources(requests={"cpu": "4", "memory": "64Gi"}, limits={"memory": "128Gi"}),
+        # publish writes its checkpoint shards side by side, a core each (benchmarks/handoff.md)
+        "memory": Resources(requests={"cpu": "16", "memory": "64Gi"}, limits={"memory": "128Gi"}),
     }[role]
     return RolePlacement(
         image=f"{cluster.image_registry.rstrip('/')}/{ROLE_IMAGES[role]}:{cluster.image_tag}",
