@@ -32,7 +32,7 @@ from steps.config import (
     parse_config_text,
 )
 from steps.errors import MoeloopError, run_cli
-from steps.model.families import family_named
+from steps.model.families import family_named, num_experts
 from steps.model.policy import (
     build_tiny_model,
     build_tokenizer,
@@ -219,7 +219,7 @@ def starting_policy(
             raise MoeloopError(f"model.checkpoint {uri} does not load: {reason}") from None
         try:
             where = f"model.checkpoint {uri}'s num_experts"
-            check_expert_split(model.config.num_experts, config.trainer.expert_parallel, where)
+            check_expert_split(num_experts(model.config), config.trainer.expert_parallel, where)
         except ValueError as error:
             raise MoeloopError(str(error)) from None
         return model, tokenizer, {"source": uri}, first_found

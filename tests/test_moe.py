@@ -1,5 +1,6 @@
 """steps.model.moe at EP = 1 (local dispatcher) against transformers' own blocks and models of every family
-(Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral), and the dispatcher selection. fp32 on CPU; gradients
+(Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral, DeepSeek-V3 with its group-limited sigmoid routing, shared
+expert and first dense layer), and the dispatcher selection. fp32 on CPU; gradients
 are taken against a random upstream gradient unless a test says otherwise."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -46,7 +48,15 @@ def tiny_config(norm_topk_prob: bool = True, family: str = "qwen3_moe") -> Pretr
         "vocab_size": 64, "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_experts_per_tok": TOP_K, "router_aux_loss_coef": 0.01,
     }  # fmt: skip
-    if family == "mixtral":
+    if family == "deepseek_v3":  # 3 layers, the first dense: 2 MoE layers as the others have; MLA (kv heads = heads)
+        del shape["router_aux_loss_coef"]  # none: DeepSeek-V3 balances its load with the correction bias
+        config = DeepseekV3Config(
+            **{**shape, "num_hidden_layers": 3, "num_key_value_heads": 4}, intermediate_size=64,
+            moe_intermediate_size=16, n_routed_experts=NUM_EXPERTS, n_shared_experts=1, n_group=2, topk_group=1,
+            first_k_dense_replace=1, norm_topk_prob=norm_topk_prob, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        )  # fmt: skip
+    elif family == "mixtral":
         config = MixtralConfig(**shape, intermediate_size=16, num_local_experts=NUM_EXPERTS, head_dim=8)
     elif family == "qwen2_moe":
         config = Qwen2MoeConfig(
@@ -68,7 +78,8 @@ def skewed_block(
     """An HF sparse block of the family and inputs x_BSH whose tokens never route to UNUSED_EXPERTS.
 
     The inputs share a common offset (norm 4), and the router rows of the unused experts point against it (norm
-    2), so their logits sit near -8, far below the others, for every token.
+    2), so their logits sit near -8, far below the others, for every token. A DeepSeek-V3 router gets a random
+    correction bias (HF's is zeros), which changes the choice of experts but not their weights.
     """
     generator = torch.Generator().manual_seed(seed)
     config = tiny_config(norm_topk_prob, family)
@@ -79,6 +90,8 @@ def skewed_block(
         offset_H = torch.randn(HIDDEN, generator=generator)
         offset_H *= 4 / offset_H.norm()
         block.gate.weight[UNUSED_EXPERTS] = -2 * offset_H / offset_H.norm()
+        if family == "deepseek_v3":
+            block.gate.e_score_correction_bias.copy_(0.1 * torch.randn(NUM_EXPERTS, generator=generator))
     x_BSH = torch.randn(3, 40, HIDDEN, generator=generator) + offset_H
     return block, x_BSH
 
@@ -111,7 +124,10 @@ def assert_same(
 
 @pytest.mark.parametrize(
     ("family", "norm_topk_prob"),
-    [("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", True), ("qwen2_moe", False), ("mixtral", True)],
+    [
+        ("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", True), ("qwen2_moe", False), ("mixtral", True),
+        ("deepseek_v3", True), ("deepseek_v3", False),
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
 def test_block_equals_hf_with_empty_experts(impl: str, family: str, norm_topk_prob: bool) -> None:
@@ -126,6 +142,24 @@ def test_block_equals_hf_with_empty_experts(impl: str, family: str, norm_topk_pr
     assert_same(ours, forward_backward(hf_block, x_BSH, grad_BSH))
     assert ours[2]["experts.gate_up_proj"][UNUSED_EXPERTS].abs().max() == 0
     assert ours[2]["experts.down_proj"][UNUSED_EXPERTS].abs().max() == 0
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_weights_of_its_own_choice_are_the_routers_weights(family: str) -> None:
+    """Routing replay's weights (`weights_of`) of the experts the router chose are the weights it gave them, to the
+    bit (DeepSeek-V3: with a correction bias that chooses but does not weigh, and its routed scaling factor)."""
+    hf_block, x_BSH = skewed_block(family=family)
+    gate = MoeBlock.from_hf_block(hf_block, LocalDispatcher(NUM_EXPERTS, None)).gate
+    with torch.no_grad():
+        router_logits_TE, weights_TK, experts_TK = gate(x_BSH)
+        replayed_TK = gate.weights_of(router_logits_TE, experts_TK)
+    assert torch.equal(replayed_TK.to(weights_TK.dtype), weights_TK)
+    if family == "deepseek_v3":  # groups and bias change some choices from the top k; the weights are unbiased
+        scores_TE = router_logits_TE.sigmoid()
+        assert not torch.equal(experts_TK.sort(1).values, scores_TE.topk(TOP_K).indices.sort(1).values)
+        chosen_TK = scores_TE.gather(1, experts_TK)
+        expected_TK = chosen_TK / (chosen_TK.sum(1, keepdim=True) + 1e-20) * gate.routed_scaling_factor
+        assert torch.equal(weights_TK, expected_TK) and gate.routed_scaling_factor == 2.5
 
 
 def test_a_block_of_no_family_and_mixtral_jitter_are_refused() -> None:
@@ -214,7 +248,8 @@ def test_broadcast_upstream_gradient() -> None:
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_model_with_swapped_blocks_equals_hf(family: str) -> None:
-    """Logits, router logits, aux loss, loss and every gradient of a tiny causal LM of the family.
+    """Logits, router logits, aux loss (DeepSeek-V3's HF model has none), loss and every gradient of a tiny causal LM
+    of the family; DeepSeek-V3's dense first layer stays HF's MLP.
 
     HF hooks the routers the first time router logits are asked for; here that happens before the swap, so the
     swapped blocks must keep the hooked router modules.
@@ -226,7 +261,8 @@ def test_model_with_swapped_blocks_equals_hf(family: str) -> None:
     with torch.no_grad():
         assert len(model(input_ids=input_ids_BT, output_router_logits=True).router_logits) == 2
     assert replace_moe_blocks(model, make_dispatcher("local", NUM_EXPERTS)) == 2
-    assert all(isinstance(layer.mlp, MoeBlock) for layer in model.model.layers)
+    dense = model.config.first_k_dense_replace if family == "deepseek_v3" else 0
+    assert [isinstance(layer.mlp, MoeBlock) for layer in model.model.layers] == [False] * dense + [True] * 2
     assert dict(model.named_parameters()).keys() == dict(hf_model.named_parameters()).keys()
 
     attention_mask_BT = torch.ones_like(input_ids_BT)
@@ -239,11 +275,12 @@ def test_model_with_swapped_blocks_equals_hf(family: str) -> None:
         output.loss.backward()
         outputs.append(output)
     ours, reference = outputs
-    assert reference.aux_loss is not None and len(reference.router_logits) == 2
+    assert (reference.aux_loss is None) == (family == "deepseek_v3") and len(reference.router_logits) == 2
     torch.testing.assert_close(ours.logits, reference.logits)
     for layer_logits, reference_logits in zip(ours.router_logits, reference.router_logits, strict=True):
         torch.testing.assert_close(layer_logits, reference_logits)
-    torch.testing.assert_close(ours.aux_loss, reference.aux_loss)
+    if reference.aux_loss is not None:
+        torch.testing.assert_close(ours.aux_loss, reference.aux_loss)
     torch.testing.assert_close(ours.loss, reference.loss)
     reference_parameters = dict(hf_model.named_parameters())
     for name, parameter in model.named_parameters():

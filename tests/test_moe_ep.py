@@ -115,7 +115,7 @@ def check_publish(rank: int, world_size: int, family: str) -> None:
     hf_model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     model = copy.deepcopy(hf_model)
     replace_moe_blocks(model, make_dispatcher("all_to_all", NUM_EXPERTS, dist.group.WORLD))
-    assert model.model.layers[0].mlp.experts.down_proj.shape[0] == NUM_EXPERTS // world_size
+    assert model.model.layers[-1].mlp.experts.down_proj.shape[0] == NUM_EXPERTS // world_size
     published = AutoModelForCausalLM.from_config(tiny_config(family=family))
     published.load_state_dict(hf_state_dict(model), strict=True)
     for name, tensor in hf_model.state_dict().items():

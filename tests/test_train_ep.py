@@ -24,13 +24,14 @@ from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 from steps.config import MoeloopConfig, TrainerConfig
 from steps.model.attention import VARLEN
 from steps.model.dispatch import make_dispatcher
+from steps.model.families import num_experts
 from steps.model.logprobs import body_forward, use_logprob_head
 from steps.model.moe import gather_over, hf_state_dict, replace_moe_blocks
 from steps.model.policy import build_tokenizer, save_policy, token_logprobs
 from steps.model.sharding import reshard
 from steps.rl.batch import ExperienceBatch, experience_batch, frozen_logprobs, rank_microbatches
 from steps.rl.parallel import Parallel, expert_parameters, init_parallel, mesh_parallel
-from steps.rl.router_loss import load_balancing_loss
+from steps.rl.router_loss import load_balancing_loss, router_aux_loss
 from steps.rl.checkpoint import OPTIMIZER_DIR, read_whole, write_hf_checkpoint
 from steps.rl.state import load_trainer_model, make_optimizer, save_trainer_state
 from steps.rl.update import policy_update
@@ -158,8 +159,8 @@ def check_mesh(parallel: Parallel, ref: Reference, checkpointing: bool, save_to:
     batch = experience()
     ref_logprobs_BT = frozen_logprobs(reference_model, batch, 1.0, config.trainer.max_tokens_per_microbatch, parallel)
     model, tokenizer, optimizer = load_trainer_model(ref.checkpoint, config.trainer, parallel)
-    num_experts = model.config.num_experts
-    assert model.model.layers[0].mlp.dispatcher.num_local_experts == num_experts // parallel.ep_group.size()
+    local_experts = num_experts(model.config) // parallel.ep_group.size()
+    assert model.model.layers[-1].mlp.dispatcher.num_local_experts == local_experts
     [micro] = rank_microbatches(batch, torch.arange(12), config.trainer.max_tokens_per_microbatch, parallel)
     with torch.no_grad():
         logits_NV = model.lm_head(body_forward(model.model, micro)[0])
@@ -173,8 +174,9 @@ def check_mesh(parallel: Parallel, ref: Reference, checkpointing: bool, save_to:
     for name, parameter in model.named_parameters():
         grad = whole(parameter.grad, parameter, experts, parallel)
         torch.testing.assert_close(grad, ref.grads[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
-    for name, tensor in hf_state_dict(model).items():
-        torch.testing.assert_close(tensor, ref.params[name], **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+    stepped = hf_state_dict(model)  # every parameter; buffers too (a DeepSeek-V3 router's correction bias)
+    for name, tensor in ref.params.items():
+        torch.testing.assert_close(stepped[name], tensor, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
     state = optimizer_state_by_name(model, optimizer, parallel)
     for name, moments in ref.optimizer_state.items():
         for key, value in moments.items():
@@ -236,13 +238,22 @@ def test_trainer_forward_shares_compiled_layers() -> None:
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_load_balancing_loss_is_transformers_aux_loss(family: str) -> None:
+    """Ours is HF's aux loss; DeepSeek-V3's HF model has none (nor its config a coefficient), and the RL loss adds
+    none for it."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     batch = experience()
     output = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT, output_router_logits=True)
     mask_t = batch.attention_mask_BT.reshape(-1)
+    if family == "deepseek_v3":
+        assert output.aux_loss is None and len(output.router_logits) == 2
+        assert router_aux_loss(model, output.router_logits, mask_t, int(mask_t.sum()), Parallel()) == 0
+        return
     ours = load_balancing_loss(output.router_logits, mask_t, 8, 2, int(mask_t.sum()), Parallel())
     torch.testing.assert_close(ours, output.aux_loss)
+    coefficient = model.config.router_aux_loss_coef
+    with_coefficient = router_aux_loss(model, output.router_logits, mask_t, int(mask_t.sum()), Parallel())
+    torch.testing.assert_close(with_coefficient, coefficient * output.aux_loss)
 
 
 @pytest.mark.slow

@@ -6,11 +6,13 @@ fused in memory as transformers 5 holds them, `experts.gate_up_proj` [E, 2I, H] 
 `experts.down_proj` [E, H, I], with the activation of the HF experts module (config.hidden_act). What differs is
 a family's parameter:
 - the routing function: its router class, swapped for a subclass that routes with `steps.model.kernels` (the same
-  computation; one Triton pass on CUDA) and gives the weights of recorded experts for routing replay;
+  computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited sigmoid routing, with HF's own forward,
+  and gives the weights of recorded experts for routing replay;
 - its shared expert, if any, kept as HF's module (so as HF's parameter names), and its sigmoid gate, if gated;
+- the config attribute holding its routed expert count;
 - the names the experts have in its checkpoints on disk, which transformers converts on load and save: per expert,
   gate, up and down projections (`{block}.experts.{e}.{gate}.weight`), the block itself possibly renamed.
-Dense layers stay HF's modules: only the sparse blocks are replaced.
+Dense layers (DeepSeek-V3's first `first_k_dense_replace`) stay HF's modules: only the sparse blocks are replaced.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, MixtralTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock, Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
@@ -66,6 +69,31 @@ class MixtralRouter(SoftmaxTopKRouter, MixtralTopKRouter):
     norm_topk_prob = True
 
 
+class GroupLimitedSigmoidRouter:
+    """DeepSeek-V3's routing, HF's forward as it is (fp32 logits; sigmoid scores; the correction bias added for the
+    choice only; the top `topk_group` of `n_group` groups by the sum of each group's two best biased scores; the top
+    k experts in those; weights the unbiased scores of the chosen, renormalised when `norm_topk_prob`, times
+    `routed_scaling_factor`). A mixin before HF's router class, which this adds the replayed experts' weights to."""
+
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    def weights_of(self, router_logits_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+        """The fp32 weights this routing gives experts_TK from router_logits_TE (the replayed experts' weights), as
+        HF's forward gives its chosen experts (its epsilon too): the bias chooses, it does not weigh."""
+        weights_TK = router_logits_TE.float().sigmoid().gather(1, experts_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights_TK * self.routed_scaling_factor
+
+
+class DeepseekV3Router(GroupLimitedSigmoidRouter, DeepseekV3TopkRouter):
+    pass
+
+
+FusedRouter = SoftmaxTopKRouter | GroupLimitedSigmoidRouter  # what a `MoeBlock`'s gate is: HF's forward, `weights_of`
+
+
 @dataclass(frozen=True)
 class MoeFamily:
     """One HF MoE architecture as `MoeBlock` runs it and its HF checkpoints store it."""
@@ -73,11 +101,12 @@ class MoeFamily:
     model_type: str  # config.model_type
     sparse_block: type[nn.Module]  # HF's sparse MoE block, which `MoeBlock` replaces
     router: type[nn.Module]  # the router class in it: HF's, and the class routers are recognised by
-    fused_router: type[SoftmaxTopKRouter]  # the subclass of router the replaced block routes with
+    fused_router: type[FusedRouter]  # the subclass of router the replaced block routes with
     shared_expert: str | None = None  # the block's attribute holding its shared expert (an HF MLP), if any
     shared_expert_gate: str | None = None  # the block's attribute holding that expert's sigmoid gate, if gated
     checkpoint_block: str = "mlp"  # the block's module name in the checkpoint's tensor names
     checkpoint_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down
+    experts_attribute: str = "num_experts"  # the config's attribute holding the number of routed experts
 
     def per_expert_names(self, block: str, key: str, experts: range) -> list[list[str]] | None:
         """The checkpoint's tensors that the block's fused experts tensor key (the part of its name after block, the
@@ -110,6 +139,10 @@ FAMILIES = (
         "mixtral", MixtralSparseMoeBlock, MixtralTopKRouter, MixtralRouter,
         checkpoint_block="block_sparse_moe", checkpoint_experts=("w1", "w3", "w2"),
     ),
+    MoeFamily(
+        "deepseek_v3", DeepseekV3MoE, DeepseekV3TopkRouter, DeepseekV3Router,
+        shared_expert="shared_experts", experts_attribute="n_routed_experts",
+    ),
 )  # fmt: skip
 ROUTERS = tuple(family.router for family in FAMILIES)
 
@@ -117,6 +150,11 @@ ROUTERS = tuple(family.router for family in FAMILIES)
 def family_of_config(config: Any) -> MoeFamily:
     """The family of an HF config; a one-line error naming the supported ones for any other model."""
     return family_named(getattr(config, "model_type", None))
+
+
+def num_experts(config: Any) -> int:
+    """The number of routed experts of an HF config of any family (each names it its own way)."""
+    return getattr(config, family_of_config(config).experts_attribute)
 
 
 def family_named(model_type: str | None) -> MoeFamily:

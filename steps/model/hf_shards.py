@@ -3,12 +3,15 @@
 
 Every file's header is known before its first byte (names, dtypes and shapes come from the trainer state's index),
 so each tensor's bytes go to disk as they arrive: the writer holds nothing but the block it is given, whatever the
-shard size. safetensors' format: an 8-byte little-endian header length, a JSON header (padded with spaces to 8
-bytes) naming each tensor's dtype, shape and [begin, end) byte range in the data that follows, tensors back to back.
+shard size. Each tensor has its own dtype (HF keeps a few in fp32 in a bf16 checkpoint). safetensors' format: an
+8-byte little-endian header length, a JSON header (padded with spaces to 8 bytes) naming each tensor's dtype, shape
+and [begin, end) byte range in the data that follows, tensors back to back.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import struct
@@ -30,19 +33,20 @@ class StoredTensor:
 
     name: str
     shape: tuple[int, ...]
+    dtype: torch.dtype
 
-    def nbytes(self, dtype: torch.dtype) -> int:
-        return math.prod(self.shape) * dtype.itemsize
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
-def plan_shards(tensors: dict[str, list[StoredTensor]], dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(tensors: dict[str, list[StoredTensor]], max_shard_bytes: int) -> list[list[str]]:
     """The model's tensors (each stored as its list of HF tensors), in order, cut into shards of at most
     max_shard_bytes, a model tensor never split (one larger than that is a shard alone): each shard is then
     written from its own tensors, independently of the others."""
     shards: list[list[str]] = [[]]
     size = 0
     for key, stored in tensors.items():
-        nbytes = sum(tensor.nbytes(dtype) for tensor in stored)
+        nbytes = sum(tensor.nbytes() for tensor in stored)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -55,12 +59,13 @@ def shard_names(count: int) -> list[str]:
     return [SINGLE] if count == 1 else [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
 
 
-def header(tensors: list[StoredTensor], dtype: torch.dtype) -> bytes:
+def header(tensors: list[StoredTensor]) -> bytes:
     entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
     begin = 0
     for tensor in tensors:
-        end = begin + tensor.nbytes(dtype)
-        entries[tensor.name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(tensor.shape), "data_offsets": [begin, end]}
+        end = begin + tensor.nbytes()
+        dtype = SAFETENSORS_DTYPE[tensor.dtype]
+        entries[tensor.name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [begin, end]}
         begin = end
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data then starts 8-byte aligned
@@ -69,24 +74,28 @@ def header(tensors: list[StoredTensor], dtype: torch.dtype) -> bytes:
 
 class SafetensorsWriter:
     """Writes one safetensors file of tensors (in that order) from blocks of bytes: each `write` takes the next rows
-    of the stream, in dtype, which may end inside a tensor or span several."""
+    of the stream, in the dtype of the tensor they start in, which may end inside a tensor or span several (of that
+    dtype)."""
 
-    def __init__(self, path: Path, tensors: list[StoredTensor], dtype: torch.dtype) -> None:
-        self.path, self.tensors, self.dtype = path, tensors, dtype
-        self.left = sum(tensor.nbytes(dtype) for tensor in tensors)
+    def __init__(self, path: Path, tensors: list[StoredTensor]) -> None:
+        self.path, self.tensors = path, tensors
+        self.ends = list(itertools.accumulate(tensor.nbytes() for tensor in tensors))  # each tensor's end byte
+        self.left = self.ends[-1] if tensors else 0
         self.file: BinaryIO | None = None
 
     def __enter__(self) -> SafetensorsWriter:
         self.file = open(self.path, "wb")  # noqa: SIM115 (closed on exit)
-        self.file.write(header(self.tensors, self.dtype))
+        self.file.write(header(self.tensors))
         return self
 
     def write(self, block: torch.Tensor) -> None:
-        if block.dtype != self.dtype:
-            raise ValueError(f"a block of {block.dtype} for a checkpoint of {self.dtype}")
         data = memoryview(block.contiguous().view(-1).view(torch.uint8).numpy())
         if len(data) > self.left:
             raise ValueError(f"{self.path.name} takes {self.left} more bytes, not {len(data)}")
+        if data:
+            current = self.tensors[bisect.bisect_right(self.ends, self.ends[-1] - self.left)]
+            if block.dtype != current.dtype:
+                raise ValueError(f"a block of {block.dtype} for {current.name}, stored in {current.dtype}")
         assert self.file is not None
         self.file.write(data)
         self.left -= len(data)
@@ -100,11 +109,11 @@ class SafetensorsWriter:
             raise RuntimeError(f"{self.path.name} ended {self.left} bytes short")
 
 
-def write_index(output: Path, names: list[str], shards: list[list[StoredTensor]], dtype: torch.dtype) -> None:
+def write_index(output: Path, names: list[str], shards: list[list[StoredTensor]]) -> None:
     """The index of a sharded checkpoint (none for one file): which file holds each tensor."""
     if len(names) == 1:
         return
     weight_map = {tensor.name: name for name, shard in zip(names, shards, strict=True) for tensor in shard}
-    total = sum(tensor.nbytes(dtype) for shard in shards for tensor in shard)
+    total = sum(tensor.nbytes() for shard in shards for tensor in shard)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (output / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -8,7 +8,7 @@
 - tokens are permuted by expert (and, with expert parallelism, moved to the rank holding the expert) by a
   dispatcher from `steps.model.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
   summed per token (the routing weight folded into the SwiGLU output, before the linear down projection);
-- a family's shared expert (Qwen2-MoE) stays HF's module, replicated like the dense weights, its output (through
+- a family's shared expert (Qwen2-MoE's, DeepSeek-V3's) stays HF's module, replicated like the dense weights, its output (through
   its sigmoid gate, if gated) added to the routed experts';
 - parameters keep HF's names and fused layout, `experts.gate_up_proj` [e, 2I, H] and `experts.down_proj`
   [e, H, I], holding only this EP rank's e = E / EP experts, so loading and publishing are slicing and gathering.
@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from steps.errors import MoeloopError
 from steps.model import kernels
 from steps.model.dispatch import TokenDispatcher
-from steps.model.families import MoeFamily, SoftmaxTopKRouter, family_of_block
+from steps.model.families import FusedRouter, MoeFamily, family_of_block
 
 ExpertsImpl = Literal["grouped_mm", "loop"]
 
@@ -99,7 +99,7 @@ class MoeBlock(nn.Module):
     def __init__(
         self,
         family: MoeFamily,
-        gate: SoftmaxTopKRouter,
+        gate: FusedRouter,
         experts: GroupedExperts,
         dispatcher: TokenDispatcher[Any],
         shared_expert: nn.Module | None = None,
@@ -188,7 +188,7 @@ def unsharded(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def replay_routing(
-    gate: SoftmaxTopKRouter,
+    gate: FusedRouter,
     router_logits_TE: torch.Tensor,
     weights_TK: torch.Tensor,
     experts_TK: torch.Tensor,

@@ -30,7 +30,7 @@ from transformers import (
 from steps.config import TinyModelConfig
 from steps.errors import MoeloopError
 from steps.model.dispatch import make_dispatcher
-from steps.model.families import MoeFamily, family_of_block, family_of_config
+from steps.model.families import MoeFamily, family_of_block, family_of_config, num_experts
 from steps.model.hf_shards import StoredTensor
 from steps.model.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
 
@@ -159,7 +159,7 @@ def shard_model(
     with torch.device("meta"):
         model = auto_class.from_config(config, dtype=torch.float32)
     model.config.dtype = stored_dtype
-    replace_moe_blocks(model, make_dispatcher(dispatcher, config.num_experts, ep_group), experts_impl)
+    replace_moe_blocks(model, make_dispatcher(dispatcher, num_experts(config), ep_group), experts_impl)
     model.to_empty(device=device)
     # The rotary frequencies are a non-persistent buffer, in no checkpoint: to_empty left them uninitialised.
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
@@ -240,14 +240,22 @@ def stored_name(key: str, blocks: SparseBlocks) -> str:
     return key if found is None else blocks[found[0]][0].stored_name(*found)
 
 
-def stored_tensors(key: str, shape: tuple[int, ...], blocks: SparseBlocks) -> list[StoredTensor]:
-    """The HF checkpoint's tensors that the model's tensor key (of shape) is stored as, in the order of its bytes:
-    the experts [E, 2I, H] as E times the gate and up projections [I, H] (each expert's rows are its gate's, then
-    its up's); anything else as it is, under its family's checkpoint name."""
+def stored_tensors(key: str, shape: tuple[int, ...], blocks: SparseBlocks, dtype: torch.dtype) -> list[StoredTensor]:
+    """The HF checkpoint's tensors, in dtype, that the model's tensor key (of shape) is stored as, in the order of
+    its bytes: the experts [E, 2I, H] as E times the gate and up projections [I, H] (each expert's rows are its
+    gate's, then its up's); anything else as it is, under its family's checkpoint name."""
     names = per_expert_names(key, blocks)
     if names is None:
-        return [StoredTensor(stored_name(key, blocks), shape)]
-    return [StoredTensor(name, (shape[1] // len(parts), *shape[2:])) for parts in names for name in parts]
+        return [StoredTensor(stored_name(key, blocks), shape, dtype)]
+    return [StoredTensor(name, (shape[1] // len(parts), *shape[2:]), dtype) for parts in names for name in parts]
+
+
+def tensor_dtype(key: str, model: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype HF loads (and so saves) model's tensor key in from a checkpoint of dtype: fp32 for what its class
+    keeps in fp32 in half precision (`_keep_in_fp32_modules_strict`, by module or tensor name: DeepSeek-V3's router
+    correction bias), dtype for the rest."""
+    kept = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) and kept & set(key.split(".")) else dtype
 
 
 def stored_dtype(config: Any) -> torch.dtype:

@@ -5,7 +5,8 @@ A trainer-state folder (committed with the storage's COMMIT protocol, steps/stor
 `commit_trainer_state`):
 
     config.json, tokenizer files   rank 0: the model's HF config (its dtype is the checkpoint's) and tokenizer
-    weights/                       DCP: every parameter in fp32 (the optimizer's master weights), by HF name
+    weights/                       DCP: every parameter in fp32 (the optimizer's master weights), and every
+                                   persistent buffer (DeepSeek-V3's router correction bias), by HF name
     optimizer/                     DCP: AdamW's step, exp_avg and exp_avg_sq, by HF parameter name
     critic/                        PPO: the critic's, laid out as above
 
@@ -19,7 +20,8 @@ space, so DCP reshards on load:
   local shard, with no copy and no communication.
 Publish turns weights/ into the HF checkpoint (`write_hf_checkpoint`), so no trainer rank gathers the model, and
 neither does publish: it reads the weights a saved chunk (or a batch of small tensors) at a time and streams each
-block, cast to the checkpoint's dtype, into sharded safetensors (`steps.model.hf_shards`).
+block, cast to the dtype HF stores it in (the checkpoint's; fp32 for what HF keeps in fp32), into sharded
+safetensors (`steps.model.hf_shards`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from steps.errors import MoeloopError
 from steps.model.hf_shards import SafetensorsWriter, plan_shards, shard_names, write_index
-from steps.model.policy import hf_model_on_meta, read_config, sparse_blocks, stored_dtype, stored_tensors
+from steps.model.policy import hf_model_on_meta, read_config, sparse_blocks, stored_dtype, stored_tensors, tensor_dtype
 from steps.model.sharding import local
 from steps.rl.offload import OffloadedAdamW
 from steps.rl.parallel import Parallel, expert_parameters
@@ -56,9 +58,10 @@ METADATA = ".metadata"  # DCP's index of a DCP folder, written last by rank 0
 READ_BLOCK_ELEMENTS = 1 << 26  # publish reads a batch of small tensors of at most 256 MiB of fp32 at once
 
 
-def global_view(value: torch.Tensor, parameter: nn.Parameter, expert: bool, parallel: Parallel) -> torch.Tensor:
+def global_view(value: torch.Tensor, parameter: torch.Tensor, expert: bool, parallel: Parallel) -> torch.Tensor:
     """value (a parameter's, or its optimizer state's, local shard or DTensor) as a DTensor in the parameter's
-    global index space, sharing value's storage: what DCP saves from and loads into. One process: value itself."""
+    global index space, sharing value's storage: what DCP saves from and loads into. One process, or a plain tensor
+    (a buffer, replicated): value itself."""
     if not isinstance(parameter, DTensor):
         return value.detach()
     shard = local(value.detach())
@@ -73,19 +76,29 @@ def global_view(value: torch.Tensor, parameter: nn.Parameter, expert: bool, para
     return DTensor(shard, DTensorSpec(mesh, tuple(placements), meta), requires_grad=False)
 
 
+def checkpointed(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What weights/ holds of model, by HF name: its parameters, then its persistent buffers that are none (a
+    DeepSeek-V3 router's correction bias, which no optimizer steps and the HF checkpoint holds)."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+    buffers = {k: v for k, v in model.state_dict(keep_vars=True).items() if not isinstance(v, nn.Parameter)}
+    return tensors | buffers
+
+
 def sharded_tensors(
     model: nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """(weights, optimizer state) by HF parameter name, each a global view of this rank's shard."""
+    """(weights, optimizer state) by HF name, each a global view of this rank's shard (a buffer: replicated, as it
+    is)."""
     experts = expert_parameters(model)
     weights, moments = {}, {}
-    for name, parameter in model.named_parameters():
-        expert = parameter in experts
-        weights[name] = global_view(parameter, parameter, expert, parallel)
-        moments[name] = {
-            key: global_view(value, parameter, expert, parallel) if value.dim() else value
-            for key, value in optimizer.state[parameter].items()
-        }
+    for name, tensor in checkpointed(model).items():
+        expert = tensor in experts
+        weights[name] = global_view(tensor, tensor, expert, parallel)
+        if isinstance(tensor, nn.Parameter):
+            moments[name] = {
+                key: global_view(value, tensor, expert, parallel) if value.dim() else value
+                for key, value in optimizer.state[tensor].items()
+            }
     return weights, moments
 
 
@@ -220,17 +233,17 @@ def row_blocks(value: TensorStorageMetadata) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cuts))
 
 
-def read_in_blocks(folder: Path, keys: list[str]) -> Iterator[torch.Tensor]:
-    """The tensors of a DCP folder named by keys, in that order, as row blocks in their saved dtype: small tensors
-    a batch of at most READ_BLOCK_ELEMENTS per load, large ones a saved chunk's rows at a time."""
+def read_in_blocks(folder: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a DCP folder named by keys, in that order, as (key, row block) in their saved dtype: small
+    tensors a batch of at most READ_BLOCK_ELEMENTS per load, large ones a saved chunk's rows at a time."""
     reader = IndexOnceReader(folder)
     saved = saved_shapes(folder)
     pending: dict[str, torch.Tensor] = {}
     starts: dict[str, int] = {}
 
-    def load() -> Iterator[torch.Tensor]:
+    def load() -> Iterator[tuple[str, torch.Tensor]]:
         dcp.load(pending, storage_reader=reader, planner=RowsPlanner(starts), no_dist=True)
-        yield from pending.values()
+        yield from pending.items()
         pending.clear()
         starts.clear()
 
@@ -249,29 +262,32 @@ def read_in_blocks(folder: Path, keys: list[str]) -> Iterator[torch.Tensor]:
 
 def write_hf_checkpoint(state_dir: Path, output: Path, max_shard_bytes: int) -> None:
     """The HF checkpoint of a trainer-state folder (its weights/, config and tokenizer): sharded safetensors in the
-    config's dtype, the experts per expert and every tensor named as the model's family stores them. Each block is
-    cast and streamed to its file as it is read (`read_in_blocks`), so a writer holds a saved chunk and a block, never
-    the model; the files are written side by side, one thread each, as many at once as this process has cores."""
+    config's dtype (what HF keeps in fp32 in fp32, as its save_pretrained writes it), the experts per expert and
+    every tensor named as the model's family stores them. Each block is cast and streamed to its file as it is read
+    (`read_in_blocks`), so a writer holds a saved chunk and a block, never the model; the files are written side by side, one thread each, as many at once as this process has cores."""
     config, tokenizer = read_config(state_dir)
     dtype = stored_dtype(config)
     folder = state_dir / WEIGHTS_DIR
     model = hf_model_on_meta(config)
-    require_same_tensors(folder, dict(model.named_parameters()), str(state_dir))
+    require_same_tensors(folder, checkpointed(model), str(state_dir))
     blocks = sparse_blocks(model)
-    stored = {key: stored_tensors(key, tuple(value.size), blocks) for key, value in sorted(saved_shapes(folder).items())}
-    shards = plan_shards(stored, dtype, max_shard_bytes)
+    stored = {
+        key: stored_tensors(key, tuple(value.size), blocks, tensor_dtype(key, model, dtype))
+        for key, value in sorted(saved_shapes(folder).items())
+    }
+    shards = plan_shards(stored, max_shard_bytes)
     names = shard_names(len(shards))
     output.mkdir(parents=True, exist_ok=True)
 
     def write_shard(name: str, keys: list[str]) -> None:
-        with SafetensorsWriter(output / name, [t for key in keys for t in stored[key]], dtype) as writer:
-            for block in read_in_blocks(folder, keys):
-                writer.write(block.to(dtype))
+        with SafetensorsWriter(output / name, [t for key in keys for t in stored[key]]) as writer:
+            for key, block in read_in_blocks(folder, keys):
+                writer.write(block.to(stored[key][0].dtype))
 
     with ThreadPoolExecutor(min(len(shards), len(os.sched_getaffinity(0)))) as pool:
         for done in [pool.submit(write_shard, name, keys) for name, keys in zip(names, shards, strict=True)]:
             done.result()
-    write_index(output, names, [[t for key in keys for t in stored[key]] for keys in shards], dtype)
+    write_index(output, names, [[t for key in keys for t in stored[key]] for keys in shards])
     model.config.dtype = str(dtype).removeprefix("torch.")
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(output)

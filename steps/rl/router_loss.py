@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from steps.model.families import is_router
+from steps.model.families import is_router, num_experts
 from steps.model.kernels import fused_on_cuda
 from steps.rl.parallel import Parallel
 
@@ -63,15 +63,17 @@ def router_aux_loss(
     parallel: Parallel,
 ) -> torch.Tensor:
     """The load-balancing loss of model's routers, weighted by its config's router_aux_loss_coef; 0 when the routers
-    are frozen (it is there to train them)."""
+    are frozen (it is there to train them) or the config has no coefficient (DeepSeek-V3's: its HF model has no aux
+    loss; it balances with the routers' correction bias)."""
     config = model.config
     routers = router_parameters(model)
-    if routers and not any(parameter.requires_grad for parameter in routers):
+    coefficient = getattr(config, "router_aux_loss_coef", 0.0)
+    if not coefficient or (routers and not any(parameter.requires_grad for parameter in routers)):
         return torch.zeros((), device=mask_t.device)
     aux = load_balancing_loss(
-        router_logits_L, mask_t, config.num_experts, config.num_experts_per_tok, minibatch_tokens, parallel
+        router_logits_L, mask_t, num_experts(config), config.num_experts_per_tok, minibatch_tokens, parallel
     )
-    return config.router_aux_loss_coef * aux
+    return coefficient * aux
 
 
 def router_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -18,6 +18,7 @@ import torch
 
 from steps.config import MismatchConfig, MoeloopConfig
 from steps.errors import MoeloopError
+from steps.model.families import num_experts
 from steps.model.logprobs import packed_token_logprobs, packed_token_values
 from steps.model.moe import replaying
 from steps.rl.batch import (
@@ -165,7 +166,7 @@ def policy_update(
     # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1. Its pass
     # measures the routing agreement: pi_old is the policy the engine sampled with (at max_staleness 0), which the
     # training forwards move away from.
-    old_health = RouterHealth(model.config.num_experts, model.config.num_experts_per_tok, parallel.device)
+    old_health = RouterHealth(num_experts(model.config), model.config.num_experts_per_tok, parallel.device)
     budget = settings.max_tokens_per_microbatch
     old_logprobs_BT = frozen_logprobs(model, batch, temperature, budget, parallel, replay, old_health)
     old_routing = old_health.report(distributed=parallel.world_size > 1)
@@ -234,7 +235,7 @@ def actor_steps(
     the routers' health over these forwards, under "router_health"."""
     algorithm, temperature = config.algorithm, config.rollout.temperature
     replay = algorithm.routing_replay == "rollout"
-    health = RouterHealth(model.config.num_experts, model.config.num_experts_per_tok, parallel.device)
+    health = RouterHealth(num_experts(model.config), model.config.num_experts_per_tok, parallel.device)
     measured: dict[str, Any] = defaultdict(list)
     model.train()
     for number, minibatch_rows in enumerate(schedule, start=1):
