@@ -1,6 +1,7 @@
 """The policy's handoff through S3 at checkpoint scale: trainer state commit, publish, one rollout pod's fetch.
 
-    .venv/bin/python -m benchmarks.handoff [--layers 1 5] [--optimizer-up-to-gb 20] [--shard-gb 4.29] [--s3torchconnector]
+    .venv/bin/python -m benchmarks.handoff [--layers 1 5] [--optimizer-up-to-gb 20] [--shard-gb 4.29]
+                                           [--s3torchconnector] [--tiny]
 
 Starts its own SeaweedFS on loopback (tests/seaweed.py). For each size, a model of Qwen3-30B-A3B's real shapes
 (hidden 2048, 128 experts of 768, 32 query and 4 KV heads of 128, vocabulary 151,936) with that many decoder
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,7 +98,8 @@ def trainer_state_tensors(config: Qwen3MoeConfig, with_optimizer: bool) -> dict[
     """What one trainer process's `save_sharded` saves for this model (DCP folder -> state dict), random fp32."""
     generator = torch.Generator().manual_seed(0)
     shapes = parameter_shapes(config)
-    folders: dict[str, dict[str, Any]] = {WEIGHTS_DIR: {n: torch.randn(s, generator=generator) for n, s in shapes.items()}}
+    weights = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    folders: dict[str, dict[str, Any]] = {WEIGHTS_DIR: weights}
     if with_optimizer:
         folders[OPTIMIZER_DIR] = {
             name: {"step": torch.tensor(1.0), "exp_avg": torch.randn(shape, generator=generator),
@@ -168,9 +171,13 @@ class RawBoto3:
             self.client.download_file(self.server.bucket, f"{prefix}/{name}", str(target / name), Config=self.transfer)
 
     def delete(self, prefix: str) -> None:
+        """Delete every object under prefix, and have SeaweedFS reclaim their space now (it vacuums only past a
+        garbage share, on its own schedule): the disk holds the state and the checkpoint twice at most."""
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.server.bucket, Prefix=prefix):
             for item in page.get("Contents", []):
                 self.client.delete_object(Bucket=self.server.bucket, Key=item["Key"])
+        master = self.server.ports[0]  # tests/seaweed.py: SERVICES' order
+        urllib.request.urlopen(f"http://127.0.0.1:{master}/vol/vacuum?garbageThreshold=0.0001", timeout=600).read()
 
 
 def timed(run: callable) -> float:  # type: ignore[valid-type]
@@ -199,7 +206,8 @@ def publish_in_child(uri: str, environment: dict[str, str]) -> tuple[float, int]
     """`python -m steps.publish` as its pod runs it: (seconds, peak RSS in bytes)."""
     step = [sys.executable, "-m", "steps.publish", "--run", uri, "--iteration", str(ITERATION)]
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", PEAK_RSS_OF, *step], cwd=REPO, env=environment, capture_output=True, text=True)
+    command = [sys.executable, "-c", PEAK_RSS_OF, *step]
+    done = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"publish failed: {done.stderr[-2000:]}")
@@ -225,6 +233,7 @@ def measure(
     state_size = size_of(local_state)
     commit = timed(lambda: commit_trainer_state(run, run.trainer_state(ITERATION), local_state, Parallel(), {}))
     raw_commit = timed(lambda: raw.upload(local_state, f"raw-{name}/state"))
+    raw.delete(f"raw-{name}/state/")  # the same bytes as the product's, which the baselines below read
     what = "fp32 weights + AdamW moments" if with_optimizer else "fp32 weights only (the disk holds no more)"
     rows.append(Row("trainer state upload + COMMIT", state_size, commit, raw_commit, "boto3", what))
     weights = {WEIGHTS_DIR: folders[WEIGHTS_DIR]}
@@ -243,7 +252,6 @@ def measure(
     weight_names = [p.relative_to(local_state).as_posix() for p in files_of(local_state)]
     weight_names = [n for n in weight_names if not n.startswith(f"{OPTIMIZER_DIR}/")]
     shutil.rmtree(local_state)
-    raw.delete(f"raw-{name}/state/{OPTIMIZER_DIR}/")
 
     publish, peak_rss = publish_in_child(run.uri, {**os.environ, "OMP_NUM_THREADS": "2"})
     manifest = run.manifest(run.checkpoint(ITERATION))
@@ -254,14 +262,13 @@ def measure(
     scratch = work / "raw-publish"
 
     def raw_publish() -> None:
-        raw.download(f"raw-{name}/state", weight_names, scratch / "state")
+        raw.download(f"{name}/{run.trainer_state(ITERATION)}", weight_names, scratch / "state")
         # The same bytes up as the product's checkpoint: its files, fetched once beforehand (untimed).
         raw.upload(scratch / "checkpoint", f"raw-{name}/checkpoint")
 
     run.fetch_files(run.checkpoint(ITERATION), manifest["files"], scratch / "checkpoint")
     raw_publish_seconds = timed(raw_publish)
     shutil.rmtree(scratch)
-    raw.delete(f"raw-{name}/state/")
     moved = sum(entry["size"] for n, entry in run.manifest(run.trainer_state(ITERATION))["files"].items()
                 if not n.startswith(f"{OPTIMIZER_DIR}/")) + checkpoint_size
     rows.append(
@@ -287,7 +294,7 @@ def main() -> None:
     parser.add_argument("--optimizer-up-to-gb", type=float, default=20)
     parser.add_argument("--shard-gb", type=float, default=4 * 2**30 / GB, help="trainer.checkpoint_shard_bytes")
     parser.add_argument("--s3torchconnector", action="store_true", help="also time its DCP writer (pip install it)")
-    parser.add_argument("--tiny", action="store_true", help="toy sizes of the same structure (tests/test_benchmarks.py)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes, same structure (tests/test_benchmarks.py)")
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]
@@ -315,7 +322,8 @@ def main() -> None:
         f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB in the benchmark itself,"
         f" 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
-    print("| checkpoint (bf16) | stage | GB | moeloop s | moeloop GB/s | baseline | baseline s | baseline GB/s | moeloop speed / baseline | notes |")
+    print("| checkpoint (bf16) | stage | GB | moeloop s | moeloop GB/s | baseline | baseline s | baseline GB/s |"
+          " moeloop speed / baseline | notes |")
     print("|---|---|---:|---:|---:|---|---:|---:|---:|---|")
     for layers, gb, row in rows:
         print(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 GB = 1e9
 MIB = 1 << 20
+STAGES = ("commit", "state fetch", "publish", "rollout fetch", "train")
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,9 @@ def stage_seconds(model: Model, args: argparse.Namespace) -> dict[str, float]:
     )  # fmt: skip
     tokens = args.prompts * args.samples * args.tokens_per_sample
     train = tokens * 8 * model.active / (ranks * args.mfu * args.peak_tflops * 1e12)  # fwd + bwd + 2 logprob passes
-    return {"commit": commit, "state fetch": state_fetch, "publish": publish, "rollout fetch": rollout_fetch, "train": train}
+    return {
+        "commit": commit, "state fetch": state_fetch, "publish": publish, "rollout fetch": rollout_fetch, "train": train
+    }  # fmt: skip
 
 
 def period(seconds: dict[str, float], rollout: float, staleness: int) -> float:
@@ -84,13 +87,13 @@ def main() -> None:
     limits.add_argument("--s3-get-per-s", type=float, default=5500, help="S3's GETs per second per prefix")
     limits.add_argument("--part-mib", type=float, default=8, help="the storage module's part size")
     limits.add_argument("--gpus-per-node", type=int, default=8)
-    limits.add_argument("--publish-cores", type=int, default=16, help="the publish pod's CPU request (workflows/render.py)")
+    limits.add_argument("--publish-cores", type=int, default=16, help="the publish pod's CPU (workflows/render.py)")
     limits.add_argument("--shard-bytes", type=float, default=4 << 30, help="trainer.checkpoint_shard_bytes")
     work = parser.add_argument_group("one iteration")
     work.add_argument("--prompts", type=int, default=512)
     work.add_argument("--samples", type=int, default=16)
     work.add_argument("--tokens-per-sample", type=int, default=2500)
-    work.add_argument("--mfu", type=float, default=0.345, help="the policy update's, on H200 (benchmarks/policy_update.md)")
+    work.add_argument("--mfu", type=float, default=0.345, help="the update's on H200 (benchmarks/policy_update.md)")
     work.add_argument("--peak-tflops", type=float, default=989, help="H200 dense bf16")
     work.add_argument("--rollout-over-train", type=float, default=1.0, help="rollout + reward time over train time")
     args = parser.parse_args()
@@ -113,7 +116,7 @@ def main() -> None:
         hidden = "publish + fetch hidden" if period(seconds, rollout, 1) == trainer_chain else "publish + fetch bind"
         print(
             f"| {model.name} | {model.train_nodes * args.gpus_per_node} | {model.rollout_pods}"
-            + "".join(f" | {seconds[stage]:.0f}" for stage in ("commit", "state fetch", "publish", "rollout fetch", "train"))
+            + "".join(f" | {seconds[stage]:.0f}" for stage in STAGES)
             + f" | {rollout:.0f} | {bare:.0f} | {period(seconds, rollout, 0):.0f} | {period(seconds, rollout, 1):.0f}"
             + f" | {hidden} |"
         )

@@ -17,6 +17,7 @@ the local dispatcher) calls as they are. Triton (`steps.model.triton_kernels`) i
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -409,8 +410,8 @@ def fused_on_cuda(fn: Callable[..., Any]) -> Callable[..., Any]:
     head's chunks, the routers' loss), which eager runs as one kernel per operation over large fp32 tensors."""
     compiled = torch.compile(fn, dynamic=True)
 
+    @functools.wraps(fn)
     def call(*args: Any) -> Any:
         return (compiled if args[0].is_cuda else fn)(*args)
 
-    call.__doc__, call.__name__ = fn.__doc__, fn.__name__
     return call

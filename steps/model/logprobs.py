@@ -71,7 +71,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         return logprobs_N
 
     @staticmethod
-    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_N: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         hidden_NH, weight_VH, targets_N, lse_N = ctx.saved_tensors
         grad_hidden_NH = torch.empty_like(hidden_NH)
         grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
