@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `steps` without 
 
 import torch
 import torch.nn.functional as F
-from moe_layer import add_layer_arguments, dense_step, hf_block, rel_err, time_interleaved
+from moe_layer import add_layer_arguments, dense_step, hf_block, layer_arguments, rel_err, time_interleaved
 
 from steps.model import kernels
 
@@ -46,7 +46,7 @@ def layer_kernel(a_NK: torch.Tensor, b_eXY: torch.Tensor, offs_e: torch.Tensor, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_layer_arguments(parser, rounds=7)
-    args = parser.parse_args()
+    args = layer_arguments(parser)
     device = torch.device(args.device)
     T, H, I, E, K = args.tokens, args.hidden, args.intermediate, args.experts, args.top_k
     N, bf16 = T * K, torch.bfloat16

@@ -1,11 +1,15 @@
-"""The MoE layer's forward + backward on one GPU at Qwen3-30B-A3B expert shapes, in expert-matmul TFLOP/s.
+"""The MoE layer's forward + backward on one GPU at Qwen3-30B-A3B or DeepSeek-V3 expert shapes, in expert-matmul
+TFLOP/s.
 
     PYTHONPATH=. python3 benchmarks/moe_layer.py [--tokens 16384] [--profile-dir DIR]
+    PYTHONPATH=. python3 benchmarks/moe_layer.py --family deepseek_v3 --tokens 8192 --eager-reps 0
 
-Defaults: hidden 2048, expert intermediate 768, 128 experts, top-8, 16384 tokens, bf16, random init
-(router and experts ~ N(0, 0.02), inputs ~ N(0, 1)). FLOPs count the expert matmuls only: per routed
-(token, expert) pair 2*H*2I (gate+up) + 2*I*H (down) forward, and twice that backward (input and weight
-gradients), so 18*H*I per pair for forward + backward. The rows take turns (`time_interleaved`, as the chip's
+Defaults (`--family qwen3_moe`): hidden 2048, expert intermediate 768, 128 experts, top-8, 16384 tokens, bf16,
+random init (router and experts ~ N(0, 0.02), inputs ~ N(0, 1)). `--family deepseek_v3` takes DeepSeek-V3's
+block: hidden 7168, expert intermediate 2048, 256 routed experts in 8 groups (top-4 groups) and 1 shared expert,
+top-8, HF's group-limited sigmoid router with routed_scaling_factor 2.5. FLOPs count the expert matmuls only: per
+(token, expert) pair, routed or shared, 2*H*2I (gate+up) + 2*I*H (down) forward, and twice that backward (input
+and weight gradients), so 18*H*I per pair for forward + backward. The rows take turns (`time_interleaved`, as the chip's
 clocks fall under its power cap): --rounds rounds of --reps timed iterations each (CUDA events), after --warmup;
 a row's figure is the median of its rounds' medians. Every iteration sets the gradients to None first.
 
@@ -21,8 +25,11 @@ Rows, all measured in the same run:
   block runs under EP > 1, with `steps.model.kernels` as on CUDA; eager with torch's grouped_mm instead of the
   Triton GEMM; and eager with grouped_mm, the eager SwiGLU and index_select + sum (`TORCH_KERNELS`), to show
   what those are worth;
-- HF transformers' `Qwen3MoeSparseMoeBlock` with `experts_implementation="grouped_mm"`, and "eager".
-Every routed row is checked against HF grouped_mm on the same weights, input and upstream gradient (relative
+- HF transformers' `Qwen3MoeSparseMoeBlock` (or `DeepseekV3MoE`) with `experts_implementation="grouped_mm"`, its
+  fastest, and "eager".
+DeepSeek-V3's experts hold 11.3 G parameters (22.5 GB in bf16, as much again for their gradients), so its run
+keeps two copies (HF's and ours, the compiled block sharing ours) and leaves out the bare rows, which would be a
+third. Every routed row is checked against HF grouped_mm on the same weights, input and upstream gradient (relative
 error of the output, x.grad, the experts' and the router's weight gradients; "ok" below 1e-2, bf16).
 Prints Markdown tables; with --profile-dir, writes torch.profiler kernel tables there.
 """
@@ -45,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `steps` without 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Qwen3MoeConfig
+from transformers import DeepseekV3Config, Qwen3MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from steps.model import kernels
@@ -139,18 +147,27 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, *extra: Any)
     return step
 
 
-def hf_block(args: argparse.Namespace, device: torch.device, impl: str) -> Qwen3MoeSparseMoeBlock:
-    config = Qwen3MoeConfig(
-        hidden_size=args.hidden,
-        moe_intermediate_size=args.intermediate,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        norm_topk_prob=True,
-    )
+FAMILY_SHAPES = {  # the defaults of --hidden --intermediate --experts --top-k --tokens per --family
+    "qwen3_moe": {"hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "tokens": 16384},
+    "deepseek_v3": {"hidden": 7168, "intermediate": 2048, "experts": 256, "top_k": 8, "tokens": 8192},
+}
+DEEPSEEK_V3_ROUTING = {"n_group": 8, "topk_group": 4, "n_shared_experts": 1, "routed_scaling_factor": 2.5}
+
+
+def hf_block(args: argparse.Namespace, device: torch.device, impl: str) -> nn.Module:
+    """HF's own sparse block of args.family at the arguments' shape, its experts run by impl."""
+    shape = {"hidden_size": args.hidden, "moe_intermediate_size": args.intermediate,
+             "num_experts_per_tok": args.top_k, "norm_topk_prob": True}  # fmt: skip
+    if args.family == "deepseek_v3":
+        config = DeepseekV3Config(n_routed_experts=args.experts, **DEEPSEEK_V3_ROUTING, **shape)
+        block_class: type[nn.Module] = DeepseekV3MoE
+    else:
+        config = Qwen3MoeConfig(num_experts=args.experts, **shape)
+        block_class = Qwen3MoeSparseMoeBlock
     config._experts_implementation = impl
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.device(device):
-        block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+        block = block_class(config).to(torch.bfloat16)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(0.02 * torch.randn(p.shape, generator=generator, device=device, dtype=torch.float32))
@@ -183,7 +200,7 @@ def dense_swiglu_step(pairs: int, H: int, I: int, device: torch.device) -> Calla
     return step
 
 
-def bare_rows(reference: Qwen3MoeSparseMoeBlock, pairs: int, E: int, H: int, device: torch.device) -> list[Row]:
+def bare_rows(reference: nn.Module, pairs: int, E: int, H: int, device: torch.device) -> list[Row]:
     """Balanced, pre-permuted rows through the layer's own GroupedExperts: torch's grouped_mm and eager SwiGLU (the
     issue's reference), then with steps.model.kernels' kernels one by one (on CUDA)."""
     experts = GroupedExperts.from_hf(reference.experts, 0, 1, "grouped_mm")
@@ -201,7 +218,13 @@ def bare_rows(reference: Qwen3MoeSparseMoeBlock, pairs: int, E: int, H: int, dev
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    """||a - b|| / ||b|| in fp32, a slice of the first dimension at a time (DeepSeek-V3's expert gradients are 15 GB
+    in bf16, and fp32 copies of both would not fit beside the model)."""
+    diff_sq = ref_sq = 0.0
+    for a_part, b_part in zip(a.split(8), b.split(8), strict=True):
+        diff_sq += float((a_part.float() - b_part.float()).square().sum())
+        ref_sq += float(b_part.float().square().sum())
+    return (diff_sq / ref_sq) ** 0.5
 
 
 def profile(name: str, fn: Callable[[], Any], out_dir: Path, device: torch.device) -> str:
@@ -221,11 +244,12 @@ def profile(name: str, fn: Callable[[], Any], out_dir: Path, device: torch.devic
 
 def add_layer_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
     """The layer's shape, the timing in turns and the device: what this script and expert_gemms.py both take."""
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=768)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--family", choices=sorted(FAMILY_SHAPES), default="qwen3_moe", help="the block's family")
+    parser.add_argument("--tokens", type=int, default=None, help="default per family (FAMILY_SHAPES)")
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--intermediate", type=int, default=None)
+    parser.add_argument("--experts", type=int, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=5, help="iterations of each row before the rounds")
     parser.add_argument("--reps", type=int, default=10, help="timed iterations of each row per round")
     parser.add_argument("--rounds", type=int, default=rounds, help="rounds in which the rows take turns")
@@ -233,15 +257,25 @@ def add_layer_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def layer_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The parsed arguments, the shape's unset ones taken from the family's defaults."""
+    args = parser.parse_args()
+    for key, value in FAMILY_SHAPES[args.family].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_layer_arguments(parser, rounds=5)
     parser.add_argument("--eager-reps", type=int, default=3, help="0 skips HF's eager loop")
     parser.add_argument("--profile-dir", type=Path, default=None)
-    args = parser.parse_args()
+    args = layer_arguments(parser)
     device = torch.device(args.device)
     T, H, I, E, K = args.tokens, args.hidden, args.intermediate, args.experts, args.top_k
-    pairs = T * K
+    shared = DEEPSEEK_V3_ROUTING["n_shared_experts"] if args.family == "deepseek_v3" else 0
+    pairs = T * (K + shared)  # the shared expert's intermediate is n_shared * I: as many pairs of width I
     flops = 18 * H * I * pairs  # forward 6*H*I per pair, backward twice that
     dense_name = f"dense bf16 matmul {args.dense_size}^3"
 
@@ -252,15 +286,16 @@ def main() -> None:
          contextlib.nullcontext),
     ]  # fmt: skip
     reference = hf_block(args, device, "grouped_mm")
-    rows += bare_rows(reference, pairs, E, H, device)
+    hf_class = type(reference).__name__
+    if not shared:
+        rows += bare_rows(reference, pairs, E, H, device)
     x_BSH = torch.randn(1, T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_BSH = torch.randn(1, T, H, device=device, dtype=torch.bfloat16)
 
-    # From a copy: the block takes its HF block's router over (as a TopKRouter), and HF's row must stay HF's.
+    # From a copy: the block takes its HF block's router over (its class swapped), and HF's row must stay HF's.
     ours = MoeBlock.from_hf_block(copy.deepcopy(reference), make_dispatcher("local", E), "grouped_mm")
-    compiled = copy.deepcopy(ours)  # in place, so parameter names stay those of the block
-    compiled.compile(fullgraph=True)
-    hf_name = "HF Qwen3MoeSparseMoeBlock, experts_implementation=grouped_mm"
+    compiled = torch.compile(ours, fullgraph=True)  # the same parameters: no third copy of the experts
+    hf_name = f"HF {hf_class}, experts_implementation=grouped_mm"
     variants: list[tuple[str, nn.Module, Callable[[], contextlib.AbstractContextManager[None]]]] = [
         ("**ours: MoeBlock compiled whole** (local dispatcher, bf16; as `compile_decoder_layers` compiles it)",
          compiled, contextlib.nullcontext),
@@ -275,19 +310,25 @@ def main() -> None:
     results = time_interleaved(rows, device, args.warmup, args.reps, args.rounds)
     dense = 2 * args.dense_size**3 / results.pop(dense_name) / 1e9
 
-    outputs: dict[str, tuple[torch.Tensor, ...]] = {}
-    for name, module, context in variants:
+    def outputs_of(module: nn.Module, context: Callable[[], Any]) -> tuple[torch.Tensor, ...]:
+        """One step's output, input gradient, and expert and router gradients (the module's own: not copied)."""
         with context():
             out = fwd_bwd(module, x_BSH, grad_BSH)()
-        grads = dict(module.named_parameters())
-        outputs[name] = (out.detach().clone(), x_BSH.grad.clone()) + tuple(
-            grads[p].grad.clone() for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")
-        )
+        grads = dict(getattr(module, "_orig_mod", module).named_parameters())
+        names = ("experts.gate_up_proj", "experts.down_proj", "gate.weight")
+        return (out.detach(), x_BSH.grad.clone()) + tuple(grads[p].grad for p in names)
+
+    ref = outputs_of(reference, contextlib.nullcontext)
+    errors = {
+        name: [rel_err(a, b) for a, b in zip(outputs_of(module, context), ref, strict=True)]
+        for name, module, context in variants
+        if module is not reference
+    }
 
     if args.eager_reps:
         reference.experts.config._experts_implementation = "eager"
         eager_ms = time_ms(fwd_bwd(reference, x_BSH, grad_BSH), device, 1, args.eager_reps)
-        results[f"HF Qwen3MoeSparseMoeBlock, eager (per-expert loop), {args.eager_reps} iterations"] = eager_ms
+        results[f"HF {hf_class}, eager (per-expert loop), {args.eager_reps} iterations"] = eager_ms
         reference.experts.config._experts_implementation = "grouped_mm"
 
     with torch.no_grad():
@@ -300,8 +341,9 @@ def main() -> None:
             table = profile(tag, fwd_bwd(module, x_BSH, grad_BSH), args.profile_dir, device)
             print(f"\n### profile: {tag} (3 iterations; top 12)\n" + "\n".join(table.splitlines()[:15]))
 
-    bare_ms, hf_ms = results[BARE_REFERENCE], results[hf_name]
-    print(f"\n## MoE layer forward + backward: T={T} tokens, H={H}, I={I}, E={E}, top-{K}, bf16")
+    bare_ms, hf_ms = results.get(BARE_REFERENCE), results[hf_name]
+    routing = f", {DEEPSEEK_V3_ROUTING}" if shared else ""
+    print(f"\n## MoE layer forward + backward ({args.family}): T={T} tokens, H={H}, I={I}, E={E}, top-{K}{routing}, bf16")
     print(
         f"\n{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
         f"transformers {__import__('transformers').__version__}; expert FLOPs per fwd+bwd {flops / 1e12:.3f} T; "
@@ -313,21 +355,18 @@ def main() -> None:
     for name, ms in results.items():
         tflops = flops / ms / 1e9
         print(
-            f"| {name} | {ms:.2f} | {tflops:.0f} | {100 * tflops / dense:.0f}% | {bare_ms / ms:.2f}x | {hf_ms / ms:.2f}x |"
+            f"| {name} | {ms:.2f} | {tflops:.0f} | {100 * tflops / dense:.0f}% | "
+            f"{f'{bare_ms / ms:.2f}x' if bare_ms else ''} | {hf_ms / ms:.2f}x |"
         )
     print(
         f"\nnominal dense bf16 {NOMINAL_DENSE_BF16:.0f} TFLOP/s; measured dense is {100 * dense / NOMINAL_DENSE_BF16:.0f}% of it"
     )
 
-    ref = outputs[hf_name]
     print("\n| vs HF grouped_mm (same weights, input, upstream grad; bf16) | out | x.grad | gate_up.grad | down.grad "
           "| router.grad | ok (all < 1e-2) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for name, got in outputs.items():
-        if name != hf_name:
-            errors = [rel_err(a, b) for a, b in zip(got, ref, strict=True)]
-            print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errors) + f" | {max(errors) < 1e-2} |")
-
+    for name, row_errors in errors.items():
+        print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in row_errors) + f" | {max(row_errors) < 1e-2} |")
 
 if __name__ == "__main__":
     main()
