@@ -56,7 +56,8 @@ def test_replayed_forwards_count_the_recorded_experts() -> None:
     logits_L = (torch.tensor([[4.0, 3, 0, 0], [4, 3, 0, 0]]),)
     routes = torch.tensor([[[[2, 3]], [[-1, -1]]]])  # token 0 replayed to {2, 3}, token 1 free
     health = RouterHealth(softmax_routers(1), torch.device("cpu"))
-    health.add(logits_L, torch.ones(1, 2), routes, replayed=True)
+    load_LE = health.add(logits_L, torch.ones(1, 2), routes, replayed=True)
+    assert load_LE.tolist() == [[1, 1, 1, 1]]  # the forward's load, which the correction-bias update counts
     report = health.report()
     assert report["router_load_imbalance_layer_0"] == pytest.approx(0.0)  # loads [1, 1, 1, 1]
     assert report["routing_agreement"] == 0.0  # the trainer's own pick {0, 1} against the recorded {2, 3}

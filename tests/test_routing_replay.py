@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from steps.engines.engine import Sampling, TransformersEngine
 from steps.errors import MoeloopError
-from steps.model.moe import MoeBlock, moe_routers, replaying
+from steps.model.families import moe_routers
+from steps.model.moe import MoeBlock, replaying
 from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
 from steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
 from steps.rl.router_health import RouterHealth

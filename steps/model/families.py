@@ -219,3 +219,14 @@ def family_of_block(module: nn.Module) -> MoeFamily | None:
 def is_router(module: nn.Module) -> bool:
     """Whether module is an MoE router of any family, HF's or swapped by `MoeBlock`."""
     return isinstance(module, ROUTERS)
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """model's routers (of `MoeBlock`s or HF's own blocks) in layer order: that of its recorded router logits."""
+    return [module for module in model.modules() if is_router(module)]
+
+
+def routing_of(router: nn.Module) -> type[FusedRouter]:
+    """The fused router class of router's family, whose `choose` and `probabilities` take router (HF's or already
+    swapped: the class only reads HF's attributes) as self."""
+    return next(family.fused_router for family in FAMILIES if isinstance(router, family.router))

@@ -223,11 +223,6 @@ def replaying(model: nn.Module, routes_bTLK: torch.Tensor | None) -> Iterator[No
             block.replay_TK = None
 
 
-def moe_routers(model: nn.Module) -> list[FusedRouter]:
-    """The routers of model's `MoeBlock`s in layer order: the order of its forward's recorded router logits."""
-    return [module.gate for module in model.modules() if isinstance(module, MoeBlock)]
-
-
 def gather_over(local_eXY: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's equally shaped slice along dim 0 (all_gather over group; None: one rank)."""
     if group is None or group.size() == 1:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from steps.config import TrainerConfig
 from steps.errors import MoeloopError
-from steps.model.families import FAMILIES, FusedRouter, family_named
+from steps.model.families import FAMILIES, family_named
 from steps.rl.parallel import Parallel
 
 
@@ -44,7 +45,7 @@ def balanced_bias(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> to
 
 @torch.no_grad()
 def update_correction_biases(
-    routers: list[FusedRouter], load_LE: torch.Tensor, rate: float, parallel: Parallel
+    routers: list[nn.Module], load_LE: torch.Tensor, rate: float, parallel: Parallel
 ) -> None:
     """One step's update of every layer's bias from this rank's load [L, E] (summed over its microbatches).
     Collective where there are several ranks: every rank calls it."""

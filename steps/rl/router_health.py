@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from steps.model.families import FusedRouter
+from steps.model.families import routing_of
 
 
 class RouterHealth:
     """Sums over the update's forwards; `report` all-reduces them once (collective: every rank calls it). routers:
-    the model's fused routers in layer order (`steps.model.moe.moe_routers`), whose routing it recomputes."""
+    the model's routers in layer order (`steps.model.families.moe_routers`), whose family's routing it recomputes."""
 
-    def __init__(self, routers: list[FusedRouter], device: torch.device) -> None:
+    def __init__(self, routers: list[nn.Module], device: torch.device) -> None:
         self.routers = routers
+        self.routings = [routing_of(router) for router in routers]
         self.top_k = routers[0].top_k
         self.load_LE = torch.zeros(len(routers), routers[0].num_experts, dtype=torch.float64, device=device)
         # entropy sum, tokens (per layer), agreeing (token, layer) pairs, recorded (token, layer) pairs
@@ -47,8 +49,8 @@ class RouterHealth:
         weight_t = real_t.to(self.load_LE.dtype)
         load_LE = torch.zeros_like(self.load_LE)
         for layer, (router, logits_tE) in enumerate(zip(self.routers, router_logits_L, strict=True)):
-            logits_tE = logits_tE.detach().float()
-            own_tK = router.choose(logits_tE)
+            routing, logits_tE = self.routings[layer], logits_tE.detach().float()
+            own_tK = routing.choose(router, logits_tE)
             routed_tK = own_tK
             if routes_bTLK is not None:
                 recorded_tK = routes_bTLK[:, :, layer].reshape(-1, self.top_k).long()
@@ -60,7 +62,7 @@ class RouterHealth:
                     routed_tK = torch.where(has_t.unsqueeze(1), recorded_tK, own_tK)
             routed_weight_tK = weight_t.unsqueeze(1).expand(-1, self.top_k)
             load_LE[layer].index_add_(0, routed_tK.reshape(-1), routed_weight_tK.reshape(-1))
-            p_tE = router.probabilities(logits_tE)
+            p_tE = routing.probabilities(router, logits_tE)
             self.sums_4[0] += -((p_tE * p_tE.clamp(min=1e-30).log()).sum(1) * weight_t).sum()
         self.sums_4[1] += weight_t.sum()
         self.load_LE += load_LE

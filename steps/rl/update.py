@@ -18,8 +18,9 @@ import torch
 
 from steps.config import MismatchConfig, MoeloopConfig
 from steps.errors import MoeloopError
+from steps.model.families import moe_routers
 from steps.model.logprobs import packed_token_logprobs, packed_token_values
-from steps.model.moe import moe_routers, replaying
+from steps.model.moe import replaying
 from steps.rl.batch import (
     ExperienceBatch,
     frozen_logprobs,
