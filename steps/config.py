@@ -234,8 +234,8 @@ class TrainerConfig(Strict):
     # auto: local at EP = 1, else DeepEP where it runs (CUDA), else all_to_all (see steps/model/dispatch.py).
     dispatcher: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
     experts_impl: Literal["grouped_mm", "loop"] = "grouped_mm"
-    # Keep the routers' weights as they are (no gradient step, no load-balancing loss): routing changes only as the
-    # tokens' hidden states do.
+    # Keep the routers' weights as they are (no gradient step, no load-balancing loss, no correction-bias update):
+    # routing changes only as the tokens' hidden states do.
     freeze_router: bool = False
     # Auxiliary-loss-free load balancing (the DeepSeek-V3 report, 2.1.2): after each optimizer step each MoE layer's
     # router correction bias moves by this much towards balanced load, down for each overloaded expert, up for each

@@ -132,7 +132,7 @@ def reference(tmp_path: Path, family: str = "qwen3_moe") -> Reference:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     biases = {name: buffer for name, buffer in model.named_buffers() if name.endswith("e_score_correction_bias")}
-    for bias in biases.values():  # HF's are zeros: random, small enough that tokens still route apart (the ranks' loads differ)
+    for bias in biases.values():  # HF's are zeros; random and small, so tokens still route apart (ranks' loads differ)
         bias.normal_(std=0.01)
     save_policy(model, build_tokenizer(["abc"]), tmp_path / "checkpoint")
     batch = experience()
