@@ -59,7 +59,8 @@ def test_a_step_with_a_skewed_router_moves_the_overloaded_down_and_the_rest_up(t
         for name, parameter in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 parameter.zero_()
-    config = train_config()  # one optimizer step; the rate is the family's default
+    config = train_config()  # one optimizer step, over several microbatches; the rate is the family's default
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"max_tokens_per_microbatch": 24})})
     batch = experience()
     optimizer = make_optimizer(model, config.trainer)
     report = policy_update(model, reference_logprobs_of(model, batch), optimizer, batch, config, SEED)
@@ -87,3 +88,13 @@ def test_off_for_a_family_without_a_correction_bias(tmp_path: Path) -> None:
     config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"router_bias_update_rate": 0.01})})
     with pytest.raises(MoeloopError, match="qwen3_moe's router has no correction bias"):
         policy_update(model, ref_logprobs_BT, make_optimizer(model, config.trainer), batch, config, SEED)
+
+
+def test_start_refuses_a_rate_for_the_tiny_qwen3_moe_before_writing(tmp_path: Path) -> None:
+    from steps.start import start
+    from tests.conftest import small_config
+
+    config = small_config(trainer={"router_bias_update_rate": 0.01})
+    with pytest.raises(MoeloopError, match="qwen3_moe's router has no correction bias"):
+        start(str(tmp_path / "run"), config)
+    assert not (tmp_path / "run").exists()

@@ -8,8 +8,9 @@ agreement of the trainer's routing with the engine's recorded one. Plain numbers
   the experts (`probabilities`: the softmax; DeepSeek-V3's sigmoid scores normalised);
 - routing agreement: the share of (token, layer) pairs with recorded engine routes whose expert set the trainer's
   own router picks, too (by the family's own routing, `choose`: DeepSeek-V3's groups and correction bias too), in
-  pi_old's pass (the update measures it there: pi_old is the policy the engine sampled with at max_staleness 0). Under routing replay the forward routes to the recorded experts, so
-  the agreement is that of the trainer's router logits (its unreplayed choice) with the engine's.
+  pi_old's pass (the update measures it there: pi_old is the policy the engine sampled with at max_staleness 0).
+  Under routing replay the forward routes to the recorded experts, so the agreement is that of the trainer's router
+  logits (its unreplayed choice) with the engine's.
 """
 
 from __future__ import annotations
