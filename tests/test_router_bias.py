@@ -60,7 +60,7 @@ def test_a_step_with_a_skewed_router_moves_the_overloaded_down_and_the_rest_up(t
             if name.endswith("mlp.gate.weight"):
                 parameter.zero_()
     config = train_config()  # one optimizer step, over several microbatches; the rate is the family's default
-    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"max_tokens_per_microbatch": 24})})
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"max_tokens_per_microbatch": 64})})
     batch = experience()
     optimizer = make_optimizer(model, config.trainer)
     report = policy_update(model, reference_logprobs_of(model, batch), optimizer, batch, config, SEED)
@@ -76,18 +76,14 @@ def test_a_step_with_a_skewed_router_moves_the_overloaded_down_and_the_rest_up(t
 
 
 def test_off_for_a_family_without_a_correction_bias(tmp_path: Path) -> None:
-    """Qwen3-MoE has no bias: the step changes no buffer, and a rate for it is refused before any step."""
+    """Qwen3-MoE has no bias: its step changes no buffer (a rate for it is refused: the tests above and below)."""
     torch.manual_seed(0)
     model = for_packed_forwards(AutoModelForCausalLM.from_config(tiny_config()))
     assert not any(name.endswith(BIAS) for name, _ in model.named_buffers())
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     config, batch = train_config(), experience()
-    ref_logprobs_BT = reference_logprobs_of(model, batch)
-    policy_update(model, ref_logprobs_BT, make_optimizer(model, config.trainer), batch, config, SEED)
+    policy_update(model, reference_logprobs_of(model, batch), make_optimizer(model, config.trainer), batch, config, SEED)
     assert all(torch.equal(buffer, buffers[name]) for name, buffer in model.named_buffers())
-    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"router_bias_update_rate": 0.01})})
-    with pytest.raises(MoeloopError, match="qwen3_moe's router has no correction bias"):
-        policy_update(model, ref_logprobs_BT, make_optimizer(model, config.trainer), batch, config, SEED)
 
 
 def test_start_refuses_a_rate_for_the_tiny_qwen3_moe_before_writing(tmp_path: Path) -> None:
