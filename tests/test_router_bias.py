@@ -1,6 +1,7 @@
 """DeepSeek-V3's auxiliary-loss-free balancing (steps/rl/router_bias.py): the update on known counts, one train step
 with a skewed router moving each expert's bias by exactly the rate, and the rate's family default and refusal. (EP = 2
-against one process: tests/test_train_ep.py, whose DeepSeek-V3 reference steps the bias.)"""
+against one process: tests/test_train_ep.py, whose DeepSeek-V3 reference steps the bias; off for Qwen3-MoE:
+tests/test_router_health.py's update.)"""
 
 from __future__ import annotations
 
@@ -73,17 +74,6 @@ def test_a_step_with_a_skewed_router_moves_the_overloaded_down_and_the_rest_up(t
     save_trainer_state(model, build_tokenizer(["abc"]), optimizer, Parallel(), tmp_path / "state")
     saved = read_whole(tmp_path / "state" / WEIGHTS_DIR, torch.float32)
     assert torch.equal(saved[f"model.layers.1.mlp.gate.{BIAS}"], want_E)  # what resume and publish read
-
-
-def test_off_for_a_family_without_a_correction_bias(tmp_path: Path) -> None:
-    """Qwen3-MoE has no bias: its step changes no buffer (a rate for it is refused: the tests above and below)."""
-    torch.manual_seed(0)
-    model = for_packed_forwards(AutoModelForCausalLM.from_config(tiny_config()))
-    assert not any(name.endswith(BIAS) for name, _ in model.named_buffers())
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    config, batch = train_config(), experience()
-    policy_update(model, reference_logprobs_of(model, batch), make_optimizer(model, config.trainer), batch, config, SEED)
-    assert all(torch.equal(buffer, buffers[name]) for name, buffer in model.named_buffers())
 
 
 def test_start_refuses_a_rate_for_the_tiny_qwen3_moe_before_writing(tmp_path: Path) -> None:

@@ -75,7 +75,10 @@ def test_the_update_reports_the_routers_health_of_its_forward(tmp_path) -> None:
     start = copy.deepcopy(model)
     config = small_config(iterations=1, trainer={"minibatch_size": 12, "epochs": 1})
     batch = experience()
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    assert not any(name.endswith("e_score_correction_bias") for name in buffers)  # Qwen3-MoE balances with aux loss
     report = policy_update(model, reference_logprobs_of(model, batch), make_optimizer(model, config.trainer), batch, config, seed=0)
+    assert all(torch.equal(buffer, buffers[name]) for name, buffer in model.named_buffers())  # no bias update: off
     with torch.no_grad():
         _, router_logits_L = token_logprobs(start.train(), batch.input_ids_BT, batch.attention_mask_BT)
     unpadded = batch.attention_mask_BT.reshape(-1).bool()
