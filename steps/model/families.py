@@ -6,8 +6,9 @@ fused in memory as transformers 5 holds them, `experts.gate_up_proj` [E, 2I, H] 
 `experts.down_proj` [E, H, I], with the activation of the HF experts module (config.hidden_act). What differs is
 a family's parameter:
 - the routing function: its router class, swapped for a subclass that routes with `steps.model.kernels` (the same
-  computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited sigmoid routing, with HF's own forward,
-  and gives the experts it picks from router logits (router health), and the weights of recorded experts (replay);
+  computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited sigmoid routing, with HF's forward's
+  operations, and gives the experts it picks from router logits (router health), and the weights of recorded experts
+  (replay);
 - how it balances its load: the Switch aux loss, or (DeepSeek-V3) its correction bias, moved after each step;
 - its shared expert, if any, kept as HF's module (so as HF's parameter names), and its sigmoid gate, if gated;
 - the config attribute holding its routed expert count;
