@@ -234,9 +234,14 @@ class TrainerConfig(Strict):
     # auto: local at EP = 1, else DeepEP where it runs (CUDA), else all_to_all (see steps/model/dispatch.py).
     dispatcher: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
     experts_impl: Literal["grouped_mm", "loop"] = "grouped_mm"
-    # Keep the routers' weights as they are (no gradient step, no load-balancing loss): routing changes only as the
-    # tokens' hidden states do.
+    # Keep the routers' weights as they are (no gradient step, no load-balancing loss, no correction-bias update):
+    # routing changes only as the tokens' hidden states do.
     freeze_router: bool = False
+    # Auxiliary-loss-free load balancing (the DeepSeek-V3 report, 2.1.2): after each optimizer step each MoE layer's
+    # router correction bias moves by this much towards balanced load, down for each overloaded expert, up for each
+    # underloaded one (steps/rl/router_bias.py). None: the family's default (0.001 for deepseek_v3; off for the
+    # families without a correction bias, for which any other value than 0 is an error).
+    router_bias_update_rate: float | None = Field(None, ge=0)
     # bf16: bf16 compute over fp32 master weights and fp32 AdamW moments, gradients reduced in fp32 (FSDP2's
     # mixed precision); fp32: everything fp32. auto: bf16 where CUDA is, else fp32 (steps/model/sharding.py).
     precision: Literal["auto", "bf16", "fp32"] = "auto"

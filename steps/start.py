@@ -26,6 +26,7 @@ from steps.common import print_json, quiet_libraries, step_parser, write_report
 from steps.config import (
     MoeloopConfig,
     SFTConfig,
+    TrainerConfig,
     check_expert_split,
     load_config,
     parse_config,
@@ -43,6 +44,7 @@ from steps.model.policy import (
     token_logprobs,
 )
 from steps.observe.trackers import begin_trackers, check_trackers
+from steps.rl.router_bias import bias_update_rate
 from steps.rewards.models import adopt_reward_models, check_reward_models
 from steps.storage.cache import cache_root, fetch_verified, local_scratch
 from steps.storage.manifest import json_bytes, manifest_of, parse_manifest
@@ -210,7 +212,7 @@ def starting_policy(
     Writes nothing into the run: it is part of reading the inputs."""
     uri = config.model.checkpoint
     if uri is not None:
-        refuse_unknown_family(uri)
+        refuse_unknown_family(uri, config.trainer)
         local, first_found = fetch_model_source(storage, uri)
         try:
             model, tokenizer = load_policy(local)
@@ -225,6 +227,7 @@ def starting_policy(
         return model, tokenizer, {"source": uri}, first_found
     tokenizer = demo_tokenizer(train, evaluation)
     model = build_tiny_model(config.model.tiny, tokenizer, seed=config.seed)
+    bias_update_rate(config.trainer, model.config.model_type)  # a one-line error for a rate it has no bias for
     losses = sft(model, tokenizer, train, config.model.sft, seed=config.seed)
     diverged = next((step for step, loss in enumerate(losses, start=1) if not math.isfinite(loss)), None)
     if diverged is not None:
@@ -236,9 +239,10 @@ def starting_policy(
     return model, tokenizer, {"source": "tiny+sft", "sft_steps": len(losses), "sft_loss": sft_loss}, None
 
 
-def refuse_unknown_family(uri: str) -> None:
+def refuse_unknown_family(uri: str, settings: TrainerConfig) -> None:
     """A one-line error naming the families the trainer runs where model.checkpoint's config.json names another
-    model_type (a dense model's, one transformers does not know), before any weight is fetched. A folder without a
+    model_type (a dense model's, one transformers does not know), or where trainer.router_bias_update_rate is set
+    for a family without a correction bias, before any weight is fetched. A folder without a
     readable config.json or model_type is left to the loader, which names what is wrong with it."""
     source, folder = source_folder(uri)
     try:
@@ -248,6 +252,7 @@ def refuse_unknown_family(uri: str) -> None:
     if model_type is not None:
         try:
             family_named(model_type)
+            bias_update_rate(settings, model_type)
         except MoeloopError as error:
             raise MoeloopError(f"model.checkpoint {uri}: {error}") from None
 

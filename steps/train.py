@@ -40,6 +40,7 @@ from steps.model.policy import read_config
 from steps.rl.batch import experience_batch, recorded_routes
 from steps.rl.checkpoint import commit_trainer_state
 from steps.rl.parallel import Parallel, init_parallel
+from steps.rl.router_bias import bias_update_rate
 from steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state
 from steps.rl.update import Critic, policy_update, require_finite
 from steps.storage.cache import fetch_checkpoint, local_scratch
@@ -99,6 +100,7 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
         return already_committed(storage, output)
     checkpoint_config = json.loads((fetch_checkpoint(storage, 0) / "config.json").read_text())
     refuse_unfit_trainer(config.trainer, checkpoint_config, "checkpoint 0")  # before any weight is loaded
+    bias_update_rate(config.trainer, checkpoint_config.get("model_type"))  # a one-line error for a family without bias
     parallel = init_parallel(config.trainer)
     try:
         with local_scratch() as scratch:

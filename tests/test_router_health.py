@@ -9,8 +9,17 @@ import math
 import pytest
 import torch
 
+from transformers import Qwen3MoeConfig
+
+from steps.model.families import Qwen3MoeRouter
 from steps.rl.router_health import RouterHealth
 from tests.test_train_ep import experience, reference_logprobs_of, tiny_policy
+
+
+def softmax_routers(layers: int) -> list[Qwen3MoeRouter]:
+    """Routers of 4 experts, top 2, for router logits given by hand (their weights are never used)."""
+    config = Qwen3MoeConfig(hidden_size=8, num_experts=4, num_experts_per_tok=2)
+    return [Qwen3MoeRouter(config) for _ in range(layers)]
 
 
 def test_imbalance_entropy_and_agreement_match_hand_counts() -> None:
@@ -25,7 +34,7 @@ def test_imbalance_entropy_and_agreement_match_hand_counts() -> None:
     routes[0, 1, 0] = torch.tensor([0, 1])  # picks {0, 2}: disagrees
     routes[1, 1, 1] = torch.tensor([3, 2])  # layer 1 picks {2, 3}: agrees
     routes[1, 2, 0] = torch.tensor([0, 1])  # padding: never counted
-    health = RouterHealth(4, 2, torch.device("cpu"))
+    health = RouterHealth(softmax_routers(2), torch.device("cpu"))
     health.add(logits_L, attention_mask, routes)
     report = health.report()
     # Layer 0's picks over the 5 tokens: {0,1} {0,2} {1,2} {0,1} {2,3}: loads [3, 3, 3, 1], mean 2.5.
@@ -46,8 +55,9 @@ def test_imbalance_entropy_and_agreement_match_hand_counts() -> None:
 def test_replayed_forwards_count_the_recorded_experts() -> None:
     logits_L = (torch.tensor([[4.0, 3, 0, 0], [4, 3, 0, 0]]),)
     routes = torch.tensor([[[[2, 3]], [[-1, -1]]]])  # token 0 replayed to {2, 3}, token 1 free
-    health = RouterHealth(4, 2, torch.device("cpu"))
-    health.add(logits_L, torch.ones(1, 2), routes, replayed=True)
+    health = RouterHealth(softmax_routers(1), torch.device("cpu"))
+    load_LE = health.add(logits_L, torch.ones(1, 2), routes, replayed=True)
+    assert load_LE.tolist() == [[1, 1, 1, 1]]  # the forward's load, which the correction-bias update counts
     report = health.report()
     assert report["router_load_imbalance_layer_0"] == pytest.approx(0.0)  # loads [1, 1, 1, 1]
     assert report["routing_agreement"] == 0.0  # the trainer's own pick {0, 1} against the recorded {2, 3}
@@ -65,7 +75,10 @@ def test_the_update_reports_the_routers_health_of_its_forward(tmp_path) -> None:
     start = copy.deepcopy(model)
     config = small_config(iterations=1, trainer={"minibatch_size": 12, "epochs": 1})
     batch = experience()
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    assert not any(name.endswith("e_score_correction_bias") for name in buffers)  # Qwen3-MoE balances with aux loss
     report = policy_update(model, reference_logprobs_of(model, batch), make_optimizer(model, config.trainer), batch, config, seed=0)
+    assert all(torch.equal(buffer, buffers[name]) for name, buffer in model.named_buffers())  # no bias update: off
     with torch.no_grad():
         _, router_logits_L = token_logprobs(start.train(), batch.input_ids_BT, batch.attention_mask_BT)
     unpadded = batch.attention_mask_BT.reshape(-1).bool()

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from steps.engines.engine import Sampling, TransformersEngine
 from steps.errors import MoeloopError
-from steps.model.families import num_experts
+from steps.model.families import moe_routers
 from steps.model.moe import MoeBlock, replaying
 from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
 from steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
@@ -69,7 +69,7 @@ def trainer(checkpoint: Path, dispatcher: str = "auto", ep_group=None) -> torch.
 
 
 def agreement(model: torch.nn.Module, batch: ExperienceBatch) -> float:
-    health = RouterHealth(num_experts(model.config), TOP_K, torch.device("cpu"))
+    health = RouterHealth(moe_routers(model), torch.device("cpu"))
     with torch.no_grad():
         _, router_logits_L = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
     health.add(router_logits_L, batch.attention_mask_BT, batch.routes_BTLK)
@@ -97,10 +97,8 @@ def test_routes_of_the_same_model_replay_to_the_same_forward_exactly(tmp_path: P
     batch = recorded_batch(policy)
     # Recorded at the position whose forward sampled each response token: the trainer's own top-k there agrees.
     model = trainer(policy).eval()
-    # RouterHealth takes the top k of the router logits as the router's choice, which DeepSeek-V3's is not (groups,
-    # correction bias): its agreement for that family is not measured right yet.
-    if family != "deepseek_v3":
-        assert agreement(model, batch) == 1.0
+    # RouterHealth routes as each family does (DeepSeek-V3: its groups and correction bias), so it agrees for every one.
+    assert agreement(model, batch) == 1.0
     assert int((batch.routes_BTLK[..., 0] >= 0).sum()) == int(batch.response_mask_BT.sum()) * 2
     with torch.no_grad():
         free_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits

@@ -115,7 +115,7 @@ class Reference:
     logits_BTV: torch.Tensor  # before the update
     report: dict[str, float]
     grads: dict[str, torch.Tensor]  # after clipping: what the optimizer stepped with
-    params: dict[str, torch.Tensor]  # after the step
+    params: dict[str, torch.Tensor]  # after the step; a DeepSeek-V3 router's correction bias too (router_bias.py)
     optimizer_state: dict[str, dict[str, torch.Tensor]]
 
 
@@ -131,6 +131,9 @@ def reference(tmp_path: Path, family: str = "qwen3_moe") -> Reference:
     config.router_aux_loss_coef = 0.1  # large enough that its gradient shows
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    biases = {name: buffer for name, buffer in model.named_buffers() if name.endswith("e_score_correction_bias")}
+    for bias in biases.values():  # HF's are zeros; random and small, so tokens still route apart (ranks' loads differ)
+        bias.normal_(std=0.01)
     save_policy(model, build_tokenizer(["abc"]), tmp_path / "checkpoint")
     batch = experience()
     with torch.no_grad():
@@ -146,7 +149,7 @@ def reference(tmp_path: Path, family: str = "qwen3_moe") -> Reference:
         logits_BTV,
         report,
         {name: p.grad.clone() for name, p in model.named_parameters()},
-        {name: p.detach().clone() for name, p in model.named_parameters()},
+        {name: p.detach().clone() for name, p in [*model.named_parameters(), *biases.items()]},
         optimizer_state_by_name(model, optimizer, Parallel()),
     )
 
@@ -239,7 +242,7 @@ def test_trainer_forward_shares_compiled_layers() -> None:
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_load_balancing_loss_is_transformers_aux_loss(family: str) -> None:
     """Ours is HF's aux loss; DeepSeek-V3's HF model has none (nor its config a coefficient), and the RL loss adds
-    none for it."""
+    none for it, even with a coefficient in its config."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     batch = experience()
@@ -247,6 +250,7 @@ def test_load_balancing_loss_is_transformers_aux_loss(family: str) -> None:
     mask_t = batch.attention_mask_BT.reshape(-1)
     if family == "deepseek_v3":
         assert output.aux_loss is None and len(output.router_logits) == 2
+        model.config.router_aux_loss_coef = 0.1  # a coefficient in its config: still none, the family has no aux loss
         assert router_aux_loss(model, output.router_logits, mask_t, int(mask_t.sum()), Parallel()) == 0
         return
     ours = load_balancing_loss(output.router_logits, mask_t, 8, 2, int(mask_t.sum()), Parallel())

@@ -6,8 +6,10 @@ fused in memory as transformers 5 holds them, `experts.gate_up_proj` [E, 2I, H] 
 `experts.down_proj` [E, H, I], with the activation of the HF experts module (config.hidden_act). What differs is
 a family's parameter:
 - the routing function: its router class, swapped for a subclass that routes with `steps.model.kernels` (the same
-  computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited sigmoid routing, with HF's own forward,
-  and gives the weights of recorded experts for routing replay;
+  computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited sigmoid routing, with HF's forward's
+  operations, and gives the experts it picks from router logits (router health), and the weights of recorded experts
+  (replay);
+- how it balances its load: the Switch aux loss, or (DeepSeek-V3) its correction bias, moved after each step;
 - its shared expert, if any, kept as HF's module (so as HF's parameter names), and its sigmoid gate, if gated;
 - the config attribute holding its routed expert count;
 - the names the experts have in its checkpoints on disk, which transformers converts on load and save: per expert,
@@ -49,9 +51,17 @@ class SoftmaxTopKRouter(nn.Module):
         router_scores, router_indices = kernels.softmax_topk(router_logits, self.top_k, self.norm_topk_prob)
         return router_logits, router_scores, router_indices
 
+    def choose(self, router_logits_TE: torch.Tensor) -> torch.Tensor:
+        """The experts this routing picks from router_logits_TE, [T, K]: the top k (softmax keeps the order)."""
+        return torch.topk(router_logits_TE, self.top_k, dim=-1).indices
+
+    def probabilities(self, router_logits_TE: torch.Tensor) -> torch.Tensor:
+        """The router's fp32 distribution over the experts, [T, E]: the softmax."""
+        return F.softmax(router_logits_TE, dtype=torch.float, dim=-1)
+
     def weights_of(self, router_logits_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
         """The fp32 weights this routing gives experts_TK from router_logits_TE (the replayed experts' weights)."""
-        weights_TK = F.softmax(router_logits_TE, dtype=torch.float, dim=-1).gather(1, experts_TK)
+        weights_TK = self.probabilities(router_logits_TE).gather(1, experts_TK)
         return weights_TK / weights_TK.sum(dim=-1, keepdim=True) if self.norm_topk_prob else weights_TK
 
 
@@ -70,17 +80,48 @@ class MixtralRouter(SoftmaxTopKRouter, MixtralTopKRouter):
 
 
 class GroupLimitedSigmoidRouter:
-    """DeepSeek-V3's routing, HF's forward as it is (fp32 logits; sigmoid scores; the correction bias added for the
-    choice only; the top `topk_group` of `n_group` groups by the sum of each group's two best biased scores; the top
-    k experts in those; weights the unbiased scores of the chosen, renormalised when `norm_topk_prob`, times
-    `routed_scaling_factor`). A mixin before HF's router class, which this adds the replayed experts' weights to."""
+    """DeepSeek-V3's routing, HF's forward split in two (fp32 logits; sigmoid scores; `choose`: the correction bias
+    added for the choice only, the top `topk_group` of `n_group` groups by the sum of each group's two best biased
+    scores, the top k experts in those; `weights_of`: the unbiased scores of the chosen, renormalised when
+    `norm_topk_prob`, times `routed_scaling_factor`), so router health and replay route as the forward does. A mixin
+    before HF's router class, whose parameters and buffer it reads."""
 
+    weight: nn.Parameter
+    e_score_correction_bias: torch.Tensor
+    top_k: int
+    num_experts: int
+    hidden_dim: int
+    num_group: int
+    topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
 
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+        router_indices = self.choose(router_logits)
+        return router_logits, self.weights_of(router_logits, router_indices), router_indices
+
+    def choose(self, router_logits_TE: torch.Tensor) -> torch.Tensor:
+        """The experts HF's forward picks from router_logits_TE, [T, K] (its operations, in its order)."""
+        scores_TE = router_logits_TE.float().sigmoid() + self.e_score_correction_bias
+        per_group = self.num_experts // self.num_group
+        group_scores_TG = scores_TE.view(-1, self.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores_TG, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask_TG = torch.zeros_like(group_scores_TG).scatter_(1, group_idx, 1)
+        score_mask_TE = group_mask_TG.unsqueeze(-1).expand(-1, self.num_group, per_group).reshape(-1, self.num_experts)
+        scores_TE = scores_TE.masked_fill(~score_mask_TE.bool(), float("-inf"))
+        return torch.topk(scores_TE, k=self.top_k, dim=-1, sorted=False)[1]
+
+    def probabilities(self, router_logits_TE: torch.Tensor) -> torch.Tensor:
+        """The router's fp32 distribution over the experts, [T, E]: the sigmoid scores normalised to sum 1 (the
+        affinities the DeepSeek-V3 report's sequence-wise balance loss normalises the same way)."""
+        scores_TE = router_logits_TE.float().sigmoid()
+        return scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+
     def weights_of(self, router_logits_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
-        """The fp32 weights this routing gives experts_TK from router_logits_TE (the replayed experts' weights), as
-        HF's forward gives its chosen experts (its epsilon too): the bias chooses, it does not weigh."""
+        """The fp32 weights this routing gives experts_TK from router_logits_TE (the chosen or the replayed experts'),
+        as HF's forward gives its chosen experts (its epsilon too): the bias chooses, it does not weigh."""
         weights_TK = router_logits_TE.float().sigmoid().gather(1, experts_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
@@ -91,7 +132,7 @@ class DeepseekV3Router(GroupLimitedSigmoidRouter, DeepseekV3TopkRouter):
     pass
 
 
-FusedRouter = SoftmaxTopKRouter | GroupLimitedSigmoidRouter  # what a `MoeBlock`'s gate is: HF's forward, `weights_of`
+FusedRouter = SoftmaxTopKRouter | GroupLimitedSigmoidRouter  # a `MoeBlock`'s gate: HF's forward, `choose`, `weights_of`
 
 
 @dataclass(frozen=True)
@@ -107,6 +148,10 @@ class MoeFamily:
     checkpoint_block: str = "mlp"  # the block's module name in the checkpoint's tensor names
     checkpoint_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down
     experts_attribute: str = "num_experts"  # the config's attribute holding the number of routed experts
+    aux_loss: bool = True  # whether its HF model trains with the Switch load-balancing loss (router_aux_loss_coef)
+    # The default `trainer.router_bias_update_rate` of a family whose router has a correction bias, which
+    # `steps.rl.router_bias` moves towards balanced load after each step; None: the router has none.
+    bias_update_rate: float | None = None
 
     def per_expert_names(self, block: str, key: str, experts: range) -> list[list[str]] | None:
         """The checkpoint's tensors that the block's fused experts tensor key (the part of its name after block, the
@@ -141,7 +186,8 @@ FAMILIES = (
     ),
     MoeFamily(
         "deepseek_v3", DeepseekV3MoE, DeepseekV3TopkRouter, DeepseekV3Router,
-        shared_expert="shared_experts", experts_attribute="n_routed_experts",
+        shared_expert="shared_experts", experts_attribute="n_routed_experts", aux_loss=False,
+        bias_update_rate=0.001,  # the DeepSeek-V3 report's gamma (section 2.1.2)
     ),
 )  # fmt: skip
 ROUTERS = tuple(family.router for family in FAMILIES)
@@ -174,3 +220,14 @@ def family_of_block(module: nn.Module) -> MoeFamily | None:
 def is_router(module: nn.Module) -> bool:
     """Whether module is an MoE router of any family, HF's or swapped by `MoeBlock`."""
     return isinstance(module, ROUTERS)
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """model's routers (of `MoeBlock`s or HF's own blocks) in layer order: that of its recorded router logits."""
+    return [module for module in model.modules() if is_router(module)]
+
+
+def routing_of(router: nn.Module) -> type[FusedRouter]:
+    """The fused router class of router's family, whose `choose` and `probabilities` take router (HF's or already
+    swapped: the class only reads HF's attributes) as self."""
+    return next(family.fused_router for family in FAMILIES if isinstance(router, family.router))

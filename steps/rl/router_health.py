@@ -4,26 +4,33 @@ agreement of the trainer's routing with the engine's recorded one. Plain numbers
 - load imbalance of a layer: max over experts of the tokens routed to it / the mean over experts - 1 (0 is
   perfectly balanced; E - 1 puts every token on one expert when top_k is 1), over the unpadded tokens of every
   training forward of the update, all ranks' tokens together; `router_load_imbalance` is its mean over layers;
-- router entropy: the mean over unpadded tokens and layers of the entropy (nats) of the router's softmax;
-- routing agreement: the share of (token, layer) pairs with recorded engine routes whose top-k expert set the
-  trainer's own router picks, too, in pi_old's pass (the update measures it there: pi_old is the policy the
-  engine sampled with at max_staleness 0). Under routing replay the forward routes to the recorded experts, so
-  the agreement is that of the trainer's router logits (its unreplayed choice) with the engine's.
+- router entropy: the mean over unpadded tokens and layers of the entropy (nats) of the router's distribution over
+  the experts (`probabilities`: the softmax; DeepSeek-V3's sigmoid scores normalised);
+- routing agreement: the share of (token, layer) pairs with recorded engine routes whose expert set the trainer's
+  own router picks, too (by the family's own routing, `choose`: DeepSeek-V3's groups and correction bias too), in
+  pi_old's pass (the update measures it there: pi_old is the policy the engine sampled with at max_staleness 0).
+  Under routing replay the forward routes to the recorded experts, so the agreement is that of the trainer's router
+  logits (its unreplayed choice) with the engine's.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import nn
+
+from steps.model.families import routing_of
 
 
 class RouterHealth:
-    """Sums over the update's forwards; `report` all-reduces them once (collective: every rank calls it)."""
+    """Sums over the update's forwards; `report` all-reduces them once (collective: every rank calls it). routers:
+    the model's routers in layer order (`steps.model.families.moe_routers`), whose family's routing it recomputes."""
 
-    def __init__(self, num_experts: int, top_k: int, device: torch.device) -> None:
-        self.top_k = top_k
-        self.load_LE = torch.zeros(0, num_experts, dtype=torch.float64, device=device)  # layers: on the first add
+    def __init__(self, routers: list[nn.Module], device: torch.device) -> None:
+        self.routers = routers
+        self.routings = [routing_of(router) for router in routers]
+        self.top_k = routers[0].top_k
+        self.load_LE = torch.zeros(len(routers), routers[0].num_experts, dtype=torch.float64, device=device)
         # entropy sum, tokens (per layer), agreeing (token, layer) pairs, recorded (token, layer) pairs
         self.sums_4 = torch.zeros(4, dtype=torch.float64, device=device)
 
@@ -34,17 +41,17 @@ class RouterHealth:
         attention_mask_bT: torch.Tensor,
         routes_bTLK: torch.Tensor | None = None,
         replayed: bool = False,
-    ) -> None:
+    ) -> torch.Tensor:
         """One forward's router logits ([b * T, E] per layer); routes_bTLK the engine's recorded experts per token
-        and layer (-1 where none), which the forward routed to where replayed."""
+        and layer (-1 where none), which the forward routed to where replayed. Returns this forward's load [L, E]:
+        the unpadded tokens each expert took (the recorded experts' where replayed)."""
         # Padding is weighted out rather than indexed out: a boolean index waits for the GPU, once per layer.
         real_t = attention_mask_bT.reshape(-1).bool()
         weight_t = real_t.to(self.load_LE.dtype)
-        if not len(self.load_LE):
-            self.load_LE = self.load_LE.new_zeros(len(router_logits_L), self.load_LE.shape[1])
-        for layer, logits_tE in enumerate(router_logits_L):
-            logits_tE = logits_tE.detach().float()
-            own_tK = torch.topk(logits_tE, self.top_k, dim=-1).indices
+        load_LE = torch.zeros_like(self.load_LE)
+        for layer, (router, logits_tE) in enumerate(zip(self.routers, router_logits_L, strict=True)):
+            routing, logits_tE = self.routings[layer], logits_tE.detach().float()
+            own_tK = routing.choose(router, logits_tE)
             routed_tK = own_tK
             if routes_bTLK is not None:
                 recorded_tK = routes_bTLK[:, :, layer].reshape(-1, self.top_k).long()
@@ -55,10 +62,12 @@ class RouterHealth:
                 if replayed:
                     routed_tK = torch.where(has_t.unsqueeze(1), recorded_tK, own_tK)
             routed_weight_tK = weight_t.unsqueeze(1).expand(-1, self.top_k)
-            self.load_LE[layer].index_add_(0, routed_tK.reshape(-1), routed_weight_tK.reshape(-1))
-            log_p_tE = F.log_softmax(logits_tE, dim=-1)
-            self.sums_4[0] += -((log_p_tE.exp() * log_p_tE).sum(1) * weight_t).sum()
+            load_LE[layer].index_add_(0, routed_tK.reshape(-1), routed_weight_tK.reshape(-1))
+            p_tE = routing.probabilities(router, logits_tE)
+            self.sums_4[0] += -((p_tE * p_tE.clamp(min=1e-30).log()).sum(1) * weight_t).sum()
         self.sums_4[1] += weight_t.sum()
+        self.load_LE += load_LE
+        return load_LE
 
     def report(self, group: dist.ProcessGroup | None = None, distributed: bool = False) -> dict[str, float]:
         summed = torch.cat([self.load_LE.reshape(-1), self.sums_4])

@@ -18,7 +18,7 @@ import torch
 
 from steps.config import MismatchConfig, MoeloopConfig
 from steps.errors import MoeloopError
-from steps.model.families import num_experts
+from steps.model.families import moe_routers
 from steps.model.logprobs import packed_token_logprobs, packed_token_values
 from steps.model.moe import replaying
 from steps.rl.batch import (
@@ -34,6 +34,7 @@ from steps.rl.importance import behavior_ratio, mismatch_mask
 from steps.rl.packing import Microbatch
 from steps.rl.parallel import Parallel, all_reduce_sum, clip_grad_norm
 from steps.rl.ppo import gae, token_rewards, value_loss, whiten
+from steps.rl.router_bias import bias_update_rate, update_correction_biases
 from steps.rl.router_health import RouterHealth
 from steps.rl.router_loss import router_aux_loss
 
@@ -62,21 +63,23 @@ def minibatch_step(
     loss_of: Callable[[Microbatch], tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]],
     config: MoeloopConfig,
     parallel: Parallel,
+    health: RouterHealth,
     replay: bool = False,
-    health: RouterHealth | None = None,
     what: str = "the model",
 ) -> tuple[float, list[float]]:
     """One optimizer step over a minibatch. For each of this rank's packed microbatches of it, loss_of(micro) gives
     (that microbatch's part of the minibatch's loss, its router logits, figures to report with that loss first, as
-    tensors); its loss
-    and the routers' aux loss are backpropagated. Then the gradients (summed over the ranks in FSDP2's
-    reduce-scatters) are clipped and the optimizer steps. Returns the gradient norm before clipping and the figures
-    summed over the microbatches and ranks, read once the step is queued (nothing before waits for the GPU).
-    replay: each microbatch routes as the engine did (`algorithm.routing_replay`), in its backward too (activation
-    checkpointing recomputes the forward there); health: given each forward's router logits. A non-finite gradient
-    norm or loss stops the step, naming `what` (checked once the step is queued: the weights it changed in memory
-    are never committed)."""
+    tensors); its loss and the routers' aux loss are backpropagated. Then the gradients (summed over the ranks in
+    FSDP2's reduce-scatters) are clipped and the optimizer steps; where the family balances its load with the
+    routers' correction bias (`steps.rl.router_bias`), that bias then moves by the step's expert load. Returns the
+    gradient norm before clipping and the figures summed over the microbatches and ranks, read once the step is
+    queued (nothing before waits for the GPU). health: given each forward's router logits, it counts the experts'
+    load too; replay: each microbatch routes as the engine did (`algorithm.routing_replay`), in its backward too
+    (activation checkpointing recomputes the forward there). A non-finite gradient norm or loss stops the step,
+    naming `what` (checked once the step is queued: the weights it changed in memory are never committed)."""
     settings = config.trainer
+    balance_rate = 0.0 if settings.freeze_router else bias_update_rate(settings, model.config.model_type)
+    step_load_LE = torch.zeros_like(health.load_LE)
     microbatches = rank_microbatches(batch, minibatch_rows, settings.max_tokens_per_microbatch, parallel)
     minibatch_tokens = int(batch.attention_mask_BT[minibatch_rows].sum())
     optimizer.zero_grad(set_to_none=True)
@@ -86,11 +89,12 @@ def minibatch_step(
         with replaying(model, routes_1NLK if replay else None):
             loss, router_logits_L, figures = loss_of(micro)
             (loss + router_aux_loss(model, router_logits_L, micro.real_tokens(), minibatch_tokens, parallel)).backward()
-        if health is not None:
-            health.add(router_logits_L, micro.real_tokens().unsqueeze(0), routes_1NLK, replayed=replay)
+        step_load_LE += health.add(router_logits_L, micro.real_tokens().unsqueeze(0), routes_1NLK, replayed=replay)
         sums = [a + b.detach() for a, b in zip(sums, figures, strict=True)] if sums else [f.detach() for f in figures]
     grad_norm = clip_grad_norm(model.parameters(), settings.max_grad_norm, parallel)
     optimizer.step()
+    if balance_rate:
+        update_correction_biases(health.routers, step_load_LE, balance_rate, parallel)
     figures = all_reduce_sum([float(value) for value in sums], parallel)
     require_finite(figures[0], f"the loss of {what}")  # loss_of's first figure is its loss
     return require_finite(float(grad_norm), f"the gradient norm of {what}"), figures
@@ -166,7 +170,7 @@ def policy_update(
     # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1. Its pass
     # measures the routing agreement: pi_old is the policy the engine sampled with (at max_staleness 0), which the
     # training forwards move away from.
-    old_health = RouterHealth(num_experts(model.config), model.config.num_experts_per_tok, parallel.device)
+    old_health = RouterHealth(moe_routers(model), parallel.device)
     budget = settings.max_tokens_per_microbatch
     old_logprobs_BT = frozen_logprobs(model, batch, temperature, budget, parallel, replay, old_health)
     old_routing = old_health.report(distributed=parallel.world_size > 1)
@@ -235,7 +239,7 @@ def actor_steps(
     the routers' health over these forwards, under "router_health"."""
     algorithm, temperature = config.algorithm, config.rollout.temperature
     replay = algorithm.routing_replay == "rollout"
-    health = RouterHealth(num_experts(model.config), model.config.num_experts_per_tok, parallel.device)
+    health = RouterHealth(moe_routers(model), parallel.device)
     measured: dict[str, Any] = defaultdict(list)
     model.train()
     for number, minibatch_rows in enumerate(schedule, start=1):
@@ -265,7 +269,7 @@ def actor_steps(
             return terms.loss, router_logits_L, [terms.loss, terms.clip_fraction * loss_mask_BT[rows].sum()]
 
         grad_norm, (loss, clipped) = minibatch_step(
-            model, optimizer, batch, minibatch_rows, loss_of, config, parallel, replay, health,
+            model, optimizer, batch, minibatch_rows, loss_of, config, parallel, health, replay,
             f"the policy at minibatch {number} of {len(schedule)}",
         )  # fmt: skip
         measured["grad_norm"].append(grad_norm)
@@ -290,6 +294,7 @@ def critic_steps(
     mask_BT = batch.response_mask_BT
     measured: dict[str, list[float]] = defaultdict(list)
     critic.model.train()
+    health = RouterHealth(moe_routers(critic.model), parallel.device)  # its load, for the correction bias
     for number, minibatch_rows in enumerate(schedule, start=1):
         num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
 
@@ -303,7 +308,7 @@ def critic_steps(
             return loss, router_logits_L, [loss, value_clipped * mask_BT[rows].sum()]
 
         grad_norm, (loss, clipped) = minibatch_step(
-            critic.model, critic.optimizer, batch, minibatch_rows, loss_of, config, parallel,
+            critic.model, critic.optimizer, batch, minibatch_rows, loss_of, config, parallel, health,
             what=f"the critic at minibatch {number} of {len(schedule)}",
         )  # fmt: skip
         measured["critic_grad_norm"].append(grad_norm)
