@@ -183,6 +183,9 @@ class AlgorithmConfig(Strict):
     # GRPO: coefficient of the k3 KL(policy || reference) added to the loss. PPO: of the per-token k1 KL penalty
     # subtracted from the token rewards.
     kl_coef: float = Field(0.0, ge=0)
+    # At kl_coef 0 the reference policy feeds only the `kl` metric: it is then measured on the batch's first this
+    # many samples (the metrics' kl_samples says on how many), 0: not at all (kl is None, the reference not loaded).
+    kl_metric_samples: int = Field(32, ge=0)
     # GRPO: divide each group's centred rewards by the group's standard deviation.
     scale_rewards: bool = True
     # token: mean over the minibatch's tokens; sequence: mean over each sequence's tokens, then over sequences;
@@ -280,12 +283,13 @@ class EvalConfig(Strict):
 
 
 class LocalConfig(Strict):
-    parallelism: int = Field(2, gt=0, le=256)  # steps the local runner runs at once (a core group each)
+    parallelism: int = Field(2, gt=0, le=256)  # steps the local runner runs at once
     # Run steps in long-lived worker processes (one per rollout shard, one per other step), as long-lived pods
     # would: no step pays its imports again, and a shard's engine loads new weights in place.
     workers: bool = True
-    # Run each step on its own share of the cores (cores / parallelism, Linux), as pods run on their own nodes:
-    # overlapping steps then do not slow each other down, and a step's helper processes stay within its share.
+    # Run each step on its own share of the cores (alone: all of them; side by side: disjoint equal shares; Linux),
+    # as pods run on their own nodes: overlapping steps then do not slow each other down, and a step's helper
+    # processes stay within its share.
     pin_cores: bool = True
 
 

@@ -49,6 +49,7 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "eval_reward_mean": eval_reward_mean,
         "reward_mean": reward.get("reward_mean"),
         "kl": train.get("kl"),
+        "kl_samples": train.get("kl_samples"),  # how many of the batch's samples kl is measured on
         "loss": train.get("loss"),
         "logprob_mismatch": train.get("logprob_mismatch"),
         "behavior_kl": train.get("behavior_kl"),

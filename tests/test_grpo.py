@@ -603,3 +603,66 @@ def test_a_last_minibatch_too_small_for_every_rank_joins_the_one_before() -> Non
     assert [len(m) for m in minibatches(order, 4, world_size=3)] == [4, 6]
     assert torch.cat(minibatches(order, 4, world_size=3)).tolist() == order.tolist()
     assert [len(m) for m in minibatches(torch.arange(2), 4, world_size=3)] == [2]  # policy_update skips this batch
+
+
+def test_at_kl_coef_0_the_reference_runs_on_the_kl_metrics_sample_only_and_the_update_is_unchanged(
+    tmp_path, monkeypatch
+) -> None:
+    """The reference pass feeds only the kl metric at kl_coef 0: it runs on algorithm.kl_metric_samples rows (or
+    none), and the update (loss, gradient norm, weights) is the one with the whole batch's reference logprobs."""
+    import copy
+
+    from steps.errors import MoeloopError
+    from steps.rl import state
+    from steps.rl.parallel import Parallel
+    from steps.rl.state import make_optimizer, reference_logprobs
+    from steps.rl.update import policy_update
+    from tests.conftest import small_config
+    from tests.test_train_ep import experience, tiny_policy
+
+    passed_rows = []
+    frozen_logprobs = state.frozen_logprobs
+
+    def counted(model, batch, *args):
+        passed_rows.append(len(batch.input_ids_BT))
+        return frozen_logprobs(model, batch, *args)
+
+    monkeypatch.setattr(state, "frozen_logprobs", counted)
+    model = tiny_policy(tmp_path)  # saved under tmp_path/policy: the reference
+    with torch.no_grad():  # the policy moved away from it, so that the kl is not 0
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    configs = {
+        samples: small_config(
+            iterations=1, algorithm={"kl_metric_samples": samples}, trainer={"minibatch_size": 6, "epochs": 1}
+        )
+        for samples in (0, 4, 12)
+    }
+    refs = {s: reference_logprobs(tmp_path / "policy", experience(), c, Parallel()) for s, c in configs.items()}
+    assert passed_rows == [4, 12]  # none at kl_metric_samples 0: the reference is not even loaded
+    whole_BT = refs[12]
+    torch.testing.assert_close(refs[4][:4], whole_BT[:4])  # packed with other rows: equal up to rounding
+    assert refs[4][4:].isnan().all() and refs[0].isnan().all()
+
+    reports, weights = {}, {}
+    for samples, config in configs.items():
+        policy = copy.deepcopy(model)
+        reports[samples] = policy_update(
+            policy, refs[samples], make_optimizer(policy, config.trainer), experience(), config, seed=0
+        )
+        weights[samples] = [p.detach().clone() for p in policy.parameters()]
+    for samples in (0, 4):
+        for key in ("loss", "grad_norm", "clip_fraction", "behavior_kl"):
+            assert reports[samples][key] == reports[12][key], key
+        assert all(torch.equal(a, b) for a, b in zip(weights[samples], weights[12], strict=True))
+    assert [reports[s]["kl_samples"] for s in (0, 4, 12)] == [0, 4, 12]
+    assert reports[0]["kl"] is None and reports[12]["kl"] > 0 and reports[4]["kl"] > 0
+    assert reports[4]["kl"] != reports[12]["kl"]  # measured on the first 4 samples only
+
+    kl_config = small_config(iterations=1, algorithm={"kl_coef": 0.1, "kl_metric_samples": 0})
+    passed_rows.clear()
+    assert not reference_logprobs(tmp_path / "policy", experience(), kl_config, Parallel()).isnan().any()
+    assert passed_rows == [12]  # at kl_coef > 0: the whole batch, whatever the sample size
+    with pytest.raises(MoeloopError, match="kl_coef > 0 needs"):
+        policy = copy.deepcopy(model)
+        policy_update(policy, refs[4], make_optimizer(policy, kl_config.trainer), experience(), kl_config, seed=0)

@@ -11,26 +11,34 @@ from pathlib import Path
 import pytest
 
 from workflows import local
-from workflows.local import StepWorker, core_groups, pin_process_tree, step_environment
+from workflows.local import CoreShares, StepWorker, available_cores, core_shares, pin_process_tree, step_environment
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 
 
 @pytest.mark.parametrize(
-    ("cores", "parallelism", "groups"),
+    ("cores", "running", "starting", "shares", "shrunk"),
     [
-        ({0, 1, 2, 3, 4, 5, 6, 7}, 2, [{0, 1, 2, 3}, {4, 5, 6, 7}]),
-        ({0, 1}, 2, [{0}, {1}]),
-        ({0, 1, 2}, 2, [{0}, {1}]),  # an odd core stays unused rather than unbalance the shares
-        ({0, 1}, 3, [{0}, {1}, {0}]),  # more steps than cores: shared round-robin
-        ({4, 6}, 1, [{4, 6}]),  # the cores this process may use (a container's cpuset), not 0..n-1
+        ([0, 1, 2, 3], [], 1, [{0, 1, 2, 3}], []),  # a step alone: all the cores
+        ([0, 1, 2, 3], [], 2, [{0, 1}, {2, 3}], []),  # two starting together: disjoint halves
+        ([0, 1, 2], [], 2, [{0}, {1, 2}], []),  # the last to start takes what is left: no core idles
+        ([0, 1, 2, 3], [{0, 1, 2, 3}], 1, [{2, 3}], [{0, 1}]),  # beside one running alone: half of its cores
+        ([0, 1, 2, 3], [{0, 1}], 1, [{2, 3}], [{0, 1}]),  # the free cores first: nothing running moves
+        ([0, 1, 2, 3, 4, 5], [{0, 1, 2, 3}], 2, [{4, 5}, {2, 3}], [{0, 1}]),
+        ([0, 1], [{0}, {1}], 1, [{0}], [{0}, {1}]),  # more steps than cores: shared
+        ([0, 1], [{0}, {1}, {0}], 1, [{1}], [{0}, {1}, {0}]),  # ... the core fewest others run on
+        ([4, 6], [], 1, [{4, 6}], []),  # the cores this process may use (a container's cpuset), not 0..n-1
     ],
 )
-def test_core_groups_split_this_processes_cores(
-    monkeypatch: pytest.MonkeyPatch, cores: set[int], parallelism: int, groups: list[set[int]]
+def test_core_shares_give_a_step_alone_all_cores_and_side_by_side_steps_disjoint_ones(
+    cores: list[int], running: list[set[int]], starting: int, shares: list[set[int]], shrunk: list[set[int]]
 ) -> None:
-    monkeypatch.setattr(local.os, "sched_getaffinity", lambda pid: cores, raising=False)
-    assert core_groups(parallelism) == groups
+    assert core_shares(cores, running, starting) == (shares, shrunk)
+
+
+def test_available_cores_are_this_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local.os, "sched_getaffinity", lambda pid: {6, 4}, raising=False)
+    assert available_cores() == [4, 6]
 
 
 def test_step_environment_sizes_threads_and_keeps_vllm_from_binding() -> None:
@@ -81,3 +89,43 @@ def test_a_worker_runs_each_command_on_the_cores_given(tmp_path: Path) -> None:
         assert "not a step command" in (tmp_path / "refused.log").read_text()
     finally:
         worker.close()
+
+
+def run_refused(worker: StepWorker, log: Path, cores: set[int] | None, threads: int | None) -> str:
+    """Send the worker a command it refuses (exit code 2, it lives on), after it has set up the command's cores
+    and threads; returns the command's log."""
+    worker.start([sys.executable, "-m", "json.tool"], log, cores, threads)
+    while worker.poll() is None:
+        time.sleep(0.01)
+    assert worker.returncode == 2
+    return log.read_text()
+
+
+@linux_only
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_a_step_alone_gets_all_cores_and_threads_and_two_side_by_side_get_disjoint_ones(tmp_path: Path) -> None:
+    """The runner's bookkeeping (CoreShares) and real workers: the first step runs alone, on every core with as
+    many torch threads (read back from torch in the worker); a second starting beside it takes half of them, and
+    the first's whole process tree moves onto the other half."""
+    cores = available_cores()
+    shares = CoreShares(cores, pinned=True)
+    workers = [StepWorker(step_environment(len(cores), pin_cores=True)) for _ in range(2)]
+    try:
+        [alone] = shares.start(["first"])
+        shares.started("first", workers[0].process.pid)
+        log = run_refused(workers[0], tmp_path / "first.log", alone, len(alone))
+        assert os.sched_getaffinity(workers[0].process.pid) == set(cores)
+        assert f"worker: {len(cores)} torch threads, cores {cores}" in log
+
+        [beside] = shares.start(["second"])
+        shares.started("second", workers[1].process.pid)
+        log = run_refused(workers[1], tmp_path / "second.log", beside, len(beside))
+        first_threads = [int(t.name) for t in Path(f"/proc/{workers[0].process.pid}/task").iterdir()]
+        first_cores = {core for thread in first_threads for core in os.sched_getaffinity(thread)}
+        second_cores = os.sched_getaffinity(workers[1].process.pid)
+        assert first_cores and second_cores and not first_cores & second_cores
+        assert first_cores | second_cores == set(cores)
+        assert f"worker: {len(second_cores)} torch threads, cores {sorted(second_cores)}" in log
+    finally:
+        for worker in workers:
+            worker.close()

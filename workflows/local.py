@@ -14,6 +14,7 @@ import select
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -100,14 +101,11 @@ def drive(
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise MoeloopError(f"cannot create the log folder {log_dir}: {error.strerror or error}") from None
-    groups = core_groups(config.local.parallelism)
-    pin_cores = config.local.pin_cores and hasattr(os, "sched_setaffinity")  # Linux only
-    environment = step_environment(len(groups[0]), pin_cores)
-
+    cores = CoreShares(available_cores(), config.local.pin_cores and hasattr(os, "sched_setaffinity"))  # Linux only
     workers: dict[str, StepWorker] = {}
     waiting = list(tasks)
-    # name -> (task, its process, when it started, which of the core groups it runs on)
-    running: dict[str, tuple[Task, subprocess.Popen | StepWorker, float, int]] = {}
+    # name -> (task, its process, when it started)
+    running: dict[str, tuple[Task, subprocess.Popen | StepWorker, float]] = {}
     finished: set[str] = set()
     executed: list[ExecutedTask] = []
     bar = tqdm(total=len(tasks), unit="step", disable=not progress, dynamic_ncols=True)
@@ -116,40 +114,49 @@ def drive(
     loop_started, iterations_done = time.time(), 0
     try:
         while waiting or running:
+            starting = []
             for task in [t for t in waiting if all(d in finished for d in t.dependencies)]:
-                if len(running) >= config.local.parallelism:
+                if len(running) + len(starting) >= config.local.parallelism:
                     break
                 slot = worker_slot(task) if config.local.workers else None
-                if slot and any(workers.get(slot) is p for _, p, _, _ in running.values()):
+                if slot and any(workers.get(slot) is p for _, p, _ in running.values()):
                     # A worker runs one command at a time: e.g. ahead of training, a shard's next iteration may
                     # be ready before its worker is free.
                     continue
+                if slot and slot in (worker_slot(t) for t in starting):
+                    continue
+                starting.append(task)
+            for task, share in zip(starting, cores.start([t.name for t in starting]), strict=True):
                 waiting.remove(task)
                 argv = local_argv(task, values)
                 log_path = log_dir / f"{task.name}.log"
                 log_path.write_bytes(b"")
-                taken = {group for _, _, _, group in running.values()}
-                group = next(i for i in range(len(groups)) if i not in taken)
-                pin = groups[group] if pin_cores else None
+                threads = max(1, len(share) // task.processes)  # a torchrun job's ranks split the share
+                environment = step_environment(threads, cores.pinned)
+                slot = worker_slot(task) if config.local.workers else None
                 if slot:
                     if slot not in workers or workers[slot].process.poll() is not None:
                         workers[slot] = StepWorker(environment)
-                    process = workers[slot].start(argv, log_path, pin)
+                    process = workers[slot].start(argv, log_path, share if cores.pinned else None, threads)
+                    cores.started(task.name, workers[slot].process.pid)
                 else:
                     with open(log_path, "wb") as log:
                         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
-                    if pin:  # before its imports are done: torch's threads and torchrun's ranks inherit it
-                        pin_process_tree(process.pid, pin)
-                running[task.name] = (task, process, time.time(), group)
+                    # Pinned before its imports are done: torch's threads and torchrun's ranks inherit it.
+                    cores.started(task.name, process.pid)
+                    if cores.pinned:
+                        pin_process_tree(process.pid, share)
+                running[task.name] = (task, process, time.time())
             if description != ", ".join(running):
                 description = ", ".join(running)
                 bar.set_description(description)
             time.sleep(POLL_SECONDS)
             heartbeat()
-            for name, (task, process, started, _) in list(running.items()):
+            for name, (task, process, started) in list(running.items()):
                 if process.poll() is None:
                     continue
                 del running[name]
+                cores.finished(name)
                 if process.poll() != 0:
                     raise MoeloopError(
                         f"step {name} failed: {failure_line(log_dir / f'{name}.log')} (log: {log_dir / f'{name}.log'})"
@@ -166,7 +173,7 @@ def drive(
                         eta = overall_eta(time.time() - loop_started, iterations_done, iterations_left)
                         bar.set_postfix_str(f"ETA {eta}")
     finally:
-        for _, process, _, _ in running.values():
+        for _, process, _ in running.values():
             process.terminate()
         for worker in workers.values():
             worker.close()
@@ -181,12 +188,62 @@ def overall_eta(elapsed: float, done: int, total: int) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def core_groups(parallelism: int) -> list[set[int]]:
-    """This process's cores in `parallelism` groups, one per step running at once (sharing cores only when there
-    are more steps than cores)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    size = max(1, len(cores) // parallelism)
-    return [set(cores[i * size : (i + 1) * size]) or {cores[i % len(cores)]} for i in range(parallelism)]
+def available_cores() -> list[int]:
+    """The cores this process may use (a container's cpuset), not 0..n-1."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def core_shares(cores: list[int], running: list[set[int]], starting: int) -> tuple[list[set[int]], list[set[int]]]:
+    """Cores for `starting` steps that start beside steps running on the `running` shares, as pods on nodes of
+    their own: an equal share of all the cores each (a step alone: all of them), from the free cores first (the
+    last step to start takes all that are left, so none idles), then taken from the largest running shares.
+    Returns the new shares and the running ones as they become (shrunk, never moved elsewhere). With more steps
+    than cores, a step shares the core fewest others run on."""
+    running = [set(share) for share in running]
+    target = max(1, len(cores) // (len(running) + starting))
+    shares: list[set[int]] = []
+    for index in range(starting):
+        used = set().union(*running, *shares)
+        free = [core for core in cores if core not in used]
+        share = set(free if index == starting - 1 else free[:target])
+        while len(share) < target and max(map(len, running + shares), default=0) > target:
+            largest = max(running + shares, key=len)
+            core = max(largest)
+            largest.remove(core)
+            share.add(core)
+        if not share:
+            load = Counter(core for other in running + shares for core in other)
+            share = {min(cores, key=lambda core: load[core])}
+        shares.append(share)
+    return shares, running
+
+
+class CoreShares:
+    """Which cores each running step has (`core_shares`). A step keeps its cores until it ends, but for the ones
+    that a step starting beside it takes: its process tree is then moved onto the rest (its thread count stays
+    what it started with). pinned False (`local.pin_cores` off, or not Linux): shares size the thread counts
+    only."""
+
+    def __init__(self, cores: list[int], pinned: bool):
+        self.cores, self.pinned = cores, pinned
+        self.shares: dict[str, set[int]] = {}
+        self.pids: dict[str, int] = {}
+
+    def start(self, names: list[str]) -> list[set[int]]:
+        shares, running = core_shares(self.cores, list(self.shares.values()), len(names))
+        for name, share in zip(list(self.shares), running, strict=True):
+            if share != self.shares[name] and self.pinned and name in self.pids:
+                pin_process_tree(self.pids[name], share)
+            self.shares[name] = share
+        self.shares.update(zip(names, shares, strict=True))
+        return shares
+
+    def started(self, name: str, pid: int) -> None:
+        self.pids[name] = pid
+
+    def finished(self, name: str) -> None:
+        self.shares.pop(name)
+        self.pids.pop(name, None)
 
 
 def step_environment(threads: int, pin_cores: bool) -> dict[str, str]:
@@ -253,10 +310,13 @@ class StepWorker:
         )
         self.returncode: int | None = 0
 
-    def start(self, argv: list[str], log: Path, cores: set[int] | None = None) -> StepWorker:
+    def start(
+        self, argv: list[str], log: Path, cores: set[int] | None = None, threads: int | None = None
+    ) -> StepWorker:
+        """Run argv next, its process tree on cores (None: where it is) with torch's threads (None: as they are)."""
         if cores is not None:
             pin_process_tree(self.process.pid, cores)
-        self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.process.stdin.write(json.dumps({"argv": argv, "log": str(log), "threads": threads}) + "\n")
         self.process.stdin.flush()
         self.returncode = None
         return self
@@ -294,5 +354,6 @@ def failure_line(log: Path) -> str:
 def describe_metrics(metrics: dict) -> str:
     parts = [f"iteration {metrics['iteration']:>3}: eval_reward_mean {metrics['eval_reward_mean']:.3f}"]
     if metrics.get("reward_mean") is not None:
-        parts.append(f"reward_mean {metrics['reward_mean']:.3f}  kl {metrics['kl']:.3f}  loss {metrics['loss']:+.3f}")
+        kl = "-" if metrics.get("kl") is None else f"{metrics['kl']:.3f}"
+        parts.append(f"reward_mean {metrics['reward_mean']:.3f}  kl {kl}  loss {metrics['loss']:+.3f}")
     return "  ".join(parts)

@@ -3,8 +3,9 @@
 A rollout shard's engine then stays loaded between iterations and only its weights are swapped
 (`steps.engines.engine.engine_for`), as a long-lived rollout pod would do. The commands are exactly the pods'
 commands (`python -m steps.<name> ...`); each request is one JSON line on stdin,
-{"argv": [...], "log": PATH}, and each reply one JSON line on stdout, {"returncode": N}. While a command
-runs, its output goes to its log file.
+{"argv": [...], "log": PATH, "threads": N or null}, and each reply one JSON line on stdout, {"returncode": N}.
+While a command runs, its output goes to its log file. The runner moves the worker onto the command's cores
+before it sends it; the worker sizes torch's threads to them (what the command starts inherits that size too).
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ def run_command(argv: list[str]) -> int:
     return 0
 
 
+def use_threads(threads: int) -> None:
+    """torch's intra-op threads for the next command, and OMP_NUM_THREADS for the processes it starts (a rollout
+    engine built by it; one kept from an earlier command keeps the threads it was built with)."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "all"
+    print(f"worker: {torch.get_num_threads()} torch threads, cores {cores}", flush=True)
+
+
 def main() -> None:
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     for line in sys.stdin:
@@ -44,6 +56,8 @@ def main() -> None:
             sys.stderr.flush()
             os.dup2(log.fileno(), sys.stdout.fileno())
             os.dup2(log.fileno(), sys.stderr.fileno())
+            if request.get("threads"):
+                use_threads(request["threads"])
             returncode = run_command(request["argv"])
             sys.stdout.flush()
             sys.stderr.flush()

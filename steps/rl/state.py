@@ -11,6 +11,7 @@ one mesh resumes at another. Publish makes the HF checkpoint, in the checkpoint'
 from __future__ import annotations
 
 import gc
+import math
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +83,17 @@ def reference_logprobs(
 ) -> torch.Tensor:
     """The reference policy's token logprobs of the batch (directory: checkpoint 0's HF folder), computed once per
     update, sharded as the trainer's policy; the reference is freed before the policy is loaded, so it adds nothing
-    to the update's peak memory (tests/test_cuda.py checks that on a GPU)."""
+    to the update's peak memory (tests/test_cuda.py checks that on a GPU). At kl_coef 0 only the rows that the kl
+    metric is measured on (`algorithm.kl_metric_samples`) are computed; the others are NaN."""
     settings = config.trainer
+    logprobs_BT = torch.full(batch.input_ids_BT.shape, math.nan, device=batch.input_ids_BT.device)
+    rows = len(batch.input_ids_BT) if config.algorithm.kl_coef > 0 else config.algorithm.kl_metric_samples
+    if rows == 0:
+        return logprobs_BT
     reference = load_trainer_model(directory, settings, parallel)[0]  # its optimizer, which holds it, dropped here
-    logprobs_BT = frozen_logprobs(
-        reference, batch, config.rollout.temperature, settings.max_tokens_per_microbatch, parallel
+    sample_b = torch.arange(min(rows, len(batch.input_ids_BT)), device=batch.input_ids_BT.device)
+    logprobs_BT[sample_b] = frozen_logprobs(
+        reference, batch.select(sample_b), config.rollout.temperature, settings.max_tokens_per_microbatch, parallel
     )
     del reference
     gc.collect()  # the model's reference cycles (hooks, FSDP state): freed now, not at the next collection

@@ -150,7 +150,8 @@ def policy_update(
 ) -> dict[str, Any]:
     """Advantages, then epochs x minibatches of clipped-surrogate steps of the policy (PPO: then as many clipped
     value-loss steps of the critic, over the same minibatches); returns what it measured (the same on all ranks).
-    ref_logprobs_BT: the reference policy's token logprobs of the batch (`steps.rl.state.reference_logprobs`)."""
+    ref_logprobs_BT: the reference policy's token logprobs of the batch (`steps.rl.state.reference_logprobs`); at
+    kl_coef 0, NaN rows are the ones not measured: the kl metric is the measured rows' (kl_samples of them)."""
     settings, algorithm = config.trainer, config.algorithm
     if (algorithm.name == "ppo") != (critic is not None):
         raise MoeloopError(f"algorithm {algorithm.name} {'needs' if critic is None else 'takes no'} critic")
@@ -164,6 +165,10 @@ def policy_update(
     if len(batch.rewards_B) < parallel.world_size:  # nothing left that every rank could take a share of
         return {**report, "optimizer_steps": 0, "response_tokens": int(batch.response_mask_BT.sum())}
     mask_BT = batch.response_mask_BT
+    measured_B = ~ref_logprobs_BT.isnan().any(1)
+    if algorithm.kl_coef > 0 and not measured_B.all():
+        raise MoeloopError("algorithm.kl_coef > 0 needs the reference policy's logprobs of every sample")
+    ref_logprobs_BT = ref_logprobs_BT.nan_to_num(0.0)  # unmeasured rows: they reach no loss at kl_coef 0
     replay = algorithm.routing_replay == "rollout"
     if replay and batch.routes_BTLK is None:
         raise MoeloopError("algorithm.routing_replay rollout needs the engine's recorded routed_experts")
@@ -175,7 +180,9 @@ def policy_update(
     old_logprobs_BT = frozen_logprobs(model, batch, temperature, budget, parallel, replay, old_health)
     old_routing = old_health.report(distributed=parallel.world_size > 1)
     log_ratio_BT = ref_logprobs_BT - old_logprobs_BT
-    report["kl"] = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT)
+    kl_mask_BT = mask_BT & measured_B.unsqueeze(1)
+    report["kl_samples"] = int(measured_B.sum())
+    report["kl"] = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, kl_mask_BT) if kl_mask_BT.any() else None
     # Engine vs trainer: mean |difference| and KL(behaviour || trainer), k3. With a stale behaviour policy
     # (rollout.max_staleness) it also measures how far the policy moved since the rollouts' checkpoint.
     behavior_gap_BT = old_logprobs_BT - batch.behavior_logprobs_BT
