@@ -106,19 +106,19 @@ def run_refused(worker: StepWorker, log: Path, cores: set[int] | None, threads: 
 def test_a_step_alone_gets_all_cores_and_threads_and_two_side_by_side_get_disjoint_ones(tmp_path: Path) -> None:
     """The runner's bookkeeping (CoreShares) and real workers: the first step runs alone, on every core with as
     many torch threads (read back from torch in the worker); a second starting beside it takes half of them, and
-    the first's whole process tree moves onto the other half."""
+    the first's whole process tree moves onto the other half, and its torch threads fit it again (SIGWINCH)."""
     cores = available_cores()
     shares = CoreShares(cores, pinned=True)
     workers = [StepWorker(step_environment(len(cores), pin_cores=True)) for _ in range(2)]
     try:
         [alone] = shares.start(["first"])
-        shares.started("first", workers[0].process.pid)
+        shares.started("first", workers[0].process.pid, worker=True)
         log = run_refused(workers[0], tmp_path / "first.log", alone, len(alone))
         assert os.sched_getaffinity(workers[0].process.pid) == set(cores)
         assert f"worker: {len(cores)} torch threads, cores {cores}" in log
 
         [beside] = shares.start(["second"])
-        shares.started("second", workers[1].process.pid)
+        shares.started("second", workers[1].process.pid, worker=True)
         log = run_refused(workers[1], tmp_path / "second.log", beside, len(beside))
         first_threads = [int(t.name) for t in Path(f"/proc/{workers[0].process.pid}/task").iterdir()]
         first_cores = {core for thread in first_threads for core in os.sched_getaffinity(thread)}
@@ -126,6 +126,12 @@ def test_a_step_alone_gets_all_cores_and_threads_and_two_side_by_side_get_disjoi
         assert first_cores and second_cores and not first_cores & second_cores
         assert first_cores | second_cores == set(cores)
         assert f"worker: {len(second_cores)} torch threads, cores {sorted(second_cores)}" in log
+        # The first worker, told its share shrank, runs as many torch threads as it has cores left.
+        shrunk = f"worker: {len(first_cores)} torch threads, cores {sorted(first_cores)} (share shrunk)"
+        deadline = time.monotonic() + 30
+        while shrunk not in (tmp_path / "first.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert shrunk in (tmp_path / "first.log").read_text()
     finally:
         for worker in workers:
             worker.close()

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -138,7 +139,7 @@ def drive(
                     if slot not in workers or workers[slot].process.poll() is not None:
                         workers[slot] = StepWorker(environment)
                     process = workers[slot].start(argv, log_path, share if cores.pinned else None, threads)
-                    cores.started(task.name, workers[slot].process.pid)
+                    cores.started(task.name, workers[slot].process.pid, worker=True)
                 else:
                     with open(log_path, "wb") as log:
                         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
@@ -220,30 +221,36 @@ def core_shares(cores: list[int], running: list[set[int]], starting: int) -> tup
 
 class CoreShares:
     """Which cores each running step has (`core_shares`). A step keeps its cores until it ends, but for the ones
-    that a step starting beside it takes: its process tree is then moved onto the rest (its thread count stays
-    what it started with). pinned False (`local.pin_cores` off, or not Linux): shares size the thread counts
-    only."""
+    that a step starting beside it takes: its process tree is then moved onto the rest, and a worker told to fit
+    its torch threads to them (SIGWINCH, `workflows.worker`); a plain process keeps the threads it started with.
+    pinned False (`local.pin_cores` off, or not Linux): shares size the thread counts only."""
 
     def __init__(self, cores: list[int], pinned: bool):
         self.cores, self.pinned = cores, pinned
         self.shares: dict[str, set[int]] = {}
         self.pids: dict[str, int] = {}
+        self.workers: set[str] = set()  # the steps that run in a StepWorker
 
     def start(self, names: list[str]) -> list[set[int]]:
         shares, running = core_shares(self.cores, list(self.shares.values()), len(names))
         for name, share in zip(list(self.shares), running, strict=True):
             if share != self.shares[name] and self.pinned and name in self.pids:
                 pin_process_tree(self.pids[name], share)
+                if name in self.workers:
+                    os.kill(self.pids[name], signal.SIGWINCH)
             self.shares[name] = share
         self.shares.update(zip(names, shares, strict=True))
         return shares
 
-    def started(self, name: str, pid: int) -> None:
+    def started(self, name: str, pid: int, worker: bool = False) -> None:
         self.pids[name] = pid
+        if worker:
+            self.workers.add(name)
 
     def finished(self, name: str) -> None:
         self.shares.pop(name)
         self.pids.pop(name, None)
+        self.workers.discard(name)
 
 
 def step_environment(threads: int, pin_cores: bool) -> dict[str, str]:

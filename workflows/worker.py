@@ -6,6 +6,9 @@ commands (`python -m steps.<name> ...`); each request is one JSON line on stdin,
 {"argv": [...], "log": PATH, "threads": N or null}, and each reply one JSON line on stdout, {"returncode": N}.
 While a command runs, its output goes to its log file. The runner moves the worker onto the command's cores
 before it sends it; the worker sizes torch's threads to them (what the command starts inherits that size too).
+When a step starting beside it takes some of those cores mid-command, the runner moves the worker onto the rest
+and sends it SIGWINCH (ignored by default, so one that comes early harms nothing), and the worker fits torch's
+threads to its cores again: two OpenMP threads of one step on one core would spin against each other.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -38,16 +42,30 @@ def run_command(argv: list[str]) -> int:
 
 def use_threads(threads: int) -> None:
     """torch's intra-op threads for the next command, and OMP_NUM_THREADS for the processes it starts (a rollout
-    engine built by it; one kept from an earlier command keeps the threads it was built with)."""
+    engine built by it; one kept from an earlier command keeps the threads it was built with). No more than the
+    worker's cores: a step that started meanwhile may have taken some."""
     import torch
 
+    if hasattr(os, "sched_getaffinity"):
+        threads = min(threads, len(os.sched_getaffinity(0)))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "all"
     print(f"worker: {torch.get_num_threads()} torch threads, cores {cores}", flush=True)
 
 
+def fit_threads_to_cores(signum: int, frame: object) -> None:
+    """SIGWINCH from the runner, which has moved this worker onto fewer cores: as many torch threads as it has
+    cores now (run between two bytecodes of the command, never inside one of torch's parallel regions)."""
+    if "torch" in sys.modules and hasattr(os, "sched_getaffinity"):
+        torch, cores = sys.modules["torch"], sorted(os.sched_getaffinity(0))
+        torch.set_num_threads(len(cores))
+        # os.write to the command's log, not print: the command may be inside a print of its own
+        os.write(2, f"worker: {torch.get_num_threads()} torch threads, cores {cores} (share shrunk)\n".encode())
+
+
 def main() -> None:
+    signal.signal(signal.SIGWINCH, fit_threads_to_cores)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     for line in sys.stdin:
         request = json.loads(line)
