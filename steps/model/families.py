@@ -17,13 +17,16 @@ Dense layers (DeepSeek-V3's first `first_k_dense_replace`) stay HF's modules: on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP, GptOssTopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, MixtralTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock, Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
@@ -91,7 +94,35 @@ class DeepseekV3Router(GroupLimitedSigmoidRouter, DeepseekV3TopkRouter):
     pass
 
 
-FusedRouter = SoftmaxTopKRouter | GroupLimitedSigmoidRouter  # what a `MoeBlock`'s gate is: HF's forward, `weights_of`
+class TopKSoftmaxRouter:
+    """GPT-OSS's routing, HF's forward as it is (logits from a linear layer with a bias; the top k logits; softmax
+    over those k, in the logits' dtype). A mixin before HF's router class, which this adds the replayed experts'
+    weights to."""
+
+    def weights_of(self, router_logits_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+        """The weights this routing gives experts_TK from router_logits_TE (the replayed experts' weights), in fp32:
+        softmax over their logits in the logits' dtype, as HF's forward, so the same experts weigh the same."""
+        logits_TK = router_logits_TE.gather(1, experts_TK)
+        return F.softmax(logits_TK, dim=1, dtype=logits_TK.dtype).float()
+
+
+class GptOssRouter(TopKSoftmaxRouter, GptOssTopKRouter):
+    pass
+
+
+# What a `MoeBlock`'s router is: HF's forward, and `weights_of`.
+FusedRouter = SoftmaxTopKRouter | GroupLimitedSigmoidRouter | TopKSoftmaxRouter
+Activation = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (gate_up_N2I, weight_N) -> hidden_NI
+
+
+def swiglu_of(experts: nn.Module) -> Activation:
+    """act(gate) * up over the gate columns, then the up ones, with the HF experts' act_fn (config.hidden_act)."""
+    return partial(kernels.swiglu, act_fn=experts.act_fn)
+
+
+def clamped_swiglu_of(experts: nn.Module) -> Activation:
+    """GPT-OSS's clamped SwiGLU over interleaved gate and up columns, with its experts' alpha and limit."""
+    return partial(kernels.clamped_swiglu, alpha=experts.alpha, limit=experts.limit)
 
 
 @dataclass(frozen=True)
@@ -102,23 +133,33 @@ class MoeFamily:
     sparse_block: type[nn.Module]  # HF's sparse MoE block, which `MoeBlock` replaces
     router: type[nn.Module]  # the router class in it: HF's, and the class routers are recognised by
     fused_router: type[FusedRouter]  # the subclass of router the replaced block routes with
+    router_attribute: str = "gate"  # the block's attribute holding its router
+    activation: Callable[[nn.Module], Activation] = swiglu_of  # the experts' activation, from HF's experts module
+    returns_router_scores: bool = False  # HF's block returns (output, top-k weights), not the output alone
     shared_expert: str | None = None  # the block's attribute holding its shared expert (an HF MLP), if any
     shared_expert_gate: str | None = None  # the block's attribute holding that expert's sigmoid gate, if gated
     checkpoint_block: str = "mlp"  # the block's module name in the checkpoint's tensor names
-    checkpoint_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down
+    # Per-expert gate, up, down; None: the checkpoint holds the fused tensors as HF holds them in memory (GPT-OSS).
+    checkpoint_experts: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     experts_attribute: str = "num_experts"  # the config's attribute holding the number of routed experts
 
     def per_expert_names(self, block: str, key: str, experts: range) -> list[list[str]] | None:
         """The checkpoint's tensors that the block's fused experts tensor key (the part of its name after block, the
         block's module name in memory) holds, expert by expert over experts: gate_up_proj [E, 2I, H] as each
         expert's gate and up projections [I, H], in that order; down_proj [E, H, I] as its down projection. None
-        where key is no fused experts tensor."""
+        where key is no fused experts tensor, or where the checkpoint holds the fused tensors (`fused_on_disk`)."""
+        if self.checkpoint_experts is None:
+            return None
         gate, up, down = (f"{self.stored_block(block)}.experts.{{}}.{name}.weight" for name in self.checkpoint_experts)
         if key == "experts.gate_up_proj":
             return [[gate.format(e), up.format(e)] for e in experts]
         if key == "experts.down_proj":
             return [[down.format(e)] for e in experts]
         return None
+
+    def fused_on_disk(self, key: str) -> bool:
+        """Whether the block's tensor key is an experts tensor the checkpoint holds fused, [E, ...] as in memory."""
+        return self.checkpoint_experts is None and key.startswith("experts.")
 
     def stored_name(self, block: str, key: str) -> str:
         """The checkpoint's name of the block's other tensor key (its router's, its shared expert's)."""
@@ -142,6 +183,10 @@ FAMILIES = (
     MoeFamily(
         "deepseek_v3", DeepseekV3MoE, DeepseekV3TopkRouter, DeepseekV3Router,
         shared_expert="shared_experts", experts_attribute="n_routed_experts",
+    ),
+    MoeFamily(
+        "gpt_oss", GptOssMLP, GptOssTopKRouter, GptOssRouter, router_attribute="router",
+        activation=clamped_swiglu_of, returns_router_scores=True, checkpoint_experts=None,
     ),
 )  # fmt: skip
 ROUTERS = tuple(family.router for family in FAMILIES)
