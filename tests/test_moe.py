@@ -58,7 +58,9 @@ def tiny_config(norm_topk_prob: bool = True, family: str = "qwen3_moe") -> Pretr
             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
         )  # fmt: skip
     elif family == "gpt_oss":  # biased router and experts, attention sinks; layers alternate a window of 4 and full
-        config = GptOssConfig(**shape, intermediate_size=16, num_local_experts=NUM_EXPERTS, head_dim=8, sliding_window=4)
+        config = GptOssConfig(
+            **shape, intermediate_size=16, num_local_experts=NUM_EXPERTS, head_dim=8, sliding_window=4
+        )
     elif family == "mixtral":
         config = MixtralConfig(**shape, intermediate_size=16, num_local_experts=NUM_EXPERTS, head_dim=8)
     elif family == "qwen2_moe":
@@ -143,7 +145,8 @@ def assert_same(
 def test_block_equals_hf_with_empty_experts(impl: str, family: str, norm_topk_prob: bool) -> None:
     """Forward and backward (input and every parameter gradient: router, experts, a shared expert and its gate)."""
     hf_block, x_BSH = skewed_block(norm_topk_prob, family=family)
-    tokens_per_expert_E = torch.bincount(router_of(hf_block)(x_BSH.reshape(-1, HIDDEN))[2].flatten(), minlength=NUM_EXPERTS)
+    experts_TK = router_of(hf_block)(x_BSH.reshape(-1, HIDDEN))[2]
+    tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=NUM_EXPERTS)
     assert tokens_per_expert_E[UNUSED_EXPERTS].tolist() == [0, 0] and tokens_per_expert_E.sum() == 3 * 40 * TOP_K
     block = MoeBlock.from_hf_block(copy.deepcopy(hf_block), LocalDispatcher(NUM_EXPERTS, None), impl)
     grad_BSH = torch.randn(x_BSH.shape, generator=torch.Generator().manual_seed(1))

@@ -82,8 +82,12 @@ def varlen_attention(
 AttentionInterface.register(VARLEN, varlen_attention)
 
 
-def causal_sdpa(query_nhLD: torch.Tensor, key_nkLD: torch.Tensor, value_nkLD: torch.Tensor, scale: float) -> torch.Tensor:
-    return F.scaled_dot_product_attention(query_nhLD, key_nkLD, value_nkLD, is_causal=True, scale=scale, enable_gqa=True)
+def causal_sdpa(
+    query_nhLD: torch.Tensor, key_nkLD: torch.Tensor, value_nkLD: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        query_nhLD, key_nkLD, value_nkLD, is_causal=True, scale=scale, enable_gqa=True
+    )
 
 
 def sink_attention(

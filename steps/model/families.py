@@ -1,17 +1,22 @@
 """The HF MoE architectures the trainer runs, each as a frozen `MoeFamily`: how its HF sparse block maps onto
 `steps.model.moe.MoeBlock`, and how its HF checkpoints name the experts on disk.
 
-What every family shares is the block's: a router returning (logits, top-k weights, top-k experts), experts held
-fused in memory as transformers 5 holds them, `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
-`experts.down_proj` [E, H, I], with the activation of the HF experts module (config.hidden_act). What differs is
+What every family shares is the block's: a router returning (logits, top-k weights, top-k experts), and experts held
+fused in memory as transformers 5 holds them, by default `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows)
+and `experts.down_proj` [E, H, I] with the activation of the HF experts module (config.hidden_act). What differs is
 a family's parameter:
-- the routing function: its router class, swapped for a subclass that routes with `steps.model.kernels` (the same
-  computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited sigmoid routing, with HF's own forward,
-  and gives the weights of recorded experts for routing replay;
+- the routing function: its router class (and the block's attribute holding it), swapped for a subclass that routes
+  with `steps.model.kernels` (the same computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited
+  sigmoid routing and GPT-OSS's biased top-k softmax, with HF's own forward, and gives the weights of recorded experts
+  for routing replay;
+- the experts' layout and activation, as HF's experts module declares them (`is_transposed`, `has_bias`): GPT-OSS's
+  `gate_up_proj` [E, H, 2I] (gate and up columns interleaved) and `down_proj` [E, I, H], each with a bias per
+  expert, and its clamped SwiGLU; its block also returns its routing weights beside its output;
 - its shared expert, if any, kept as HF's module (so as HF's parameter names), and its sigmoid gate, if gated;
 - the config attribute holding its routed expert count;
 - the names the experts have in its checkpoints on disk, which transformers converts on load and save: per expert,
-  gate, up and down projections (`{block}.experts.{e}.{gate}.weight`), the block itself possibly renamed.
+  gate, up and down projections (`{block}.experts.{e}.{gate}.weight`), the block itself possibly renamed; or, for
+  GPT-OSS, the fused tensors as in memory (an EP rank reads its experts' rows of them).
 Dense layers (DeepSeek-V3's first `first_k_dense_replace`) stay HF's modules: only the sparse blocks are replaced.
 """
 

@@ -127,7 +127,9 @@ def swiglu(
     return swiglu_eager(gate_up_N2I, weight_N, act_fn)
 
 
-def clamped_swiglu(gate_up_N2I: torch.Tensor, weight_N: torch.Tensor | None, alpha: float, limit: float) -> torch.Tensor:
+def clamped_swiglu(
+    gate_up_N2I: torch.Tensor, weight_N: torch.Tensor | None, alpha: float, limit: float
+) -> torch.Tensor:
     """GPT-OSS's activation, as HF's `GptOssExperts._apply_gate`: gate and up columns interleaved, the gate clamped
     above at limit, the up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate); times each row's weight
     when given. Eager (torch.compile fuses it where the block is compiled)."""

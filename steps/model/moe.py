@@ -8,10 +8,12 @@
 - tokens are permuted by expert (and, with expert parallelism, moved to the rank holding the expert) by a
   dispatcher from `steps.model.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
   summed per token (the routing weight folded into the SwiGLU output, before the linear down projection);
-- a family's shared expert (Qwen2-MoE's, DeepSeek-V3's) stays HF's module, replicated like the dense weights, its output (through
+- a family's expert biases (GPT-OSS's) are each row's expert's, added in the grouped path; its shared expert
+  (Qwen2-MoE's, DeepSeek-V3's) stays HF's module, replicated like the dense weights, its output (through
   its sigmoid gate, if gated) added to the routed experts';
 - parameters keep HF's names and fused layout, `experts.gate_up_proj` [e, 2I, H] and `experts.down_proj`
-  [e, H, I], holding only this EP rank's e = E / EP experts, so loading and publishing are slicing and gathering.
+  [e, H, I] (GPT-OSS: transposed, with biases), holding only this EP rank's e = E / EP experts, so loading and
+  publishing are slicing and gathering.
 """
 
 from __future__ import annotations
