@@ -143,10 +143,10 @@ class MoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.family = family
+        # Under the family's own attribute names, so their parameters keep HF's names (and HF's order: router first).
+        self.add_module(family.router_attribute, gate)
         self.experts = experts
         self.dispatcher = dispatcher
-        # Under the family's own attribute names, so their parameters keep HF's names.
-        self.add_module(family.router_attribute, gate)
         if family.shared_expert is not None:
             self.add_module(family.shared_expert, shared_expert)
         if family.shared_expert_gate is not None:
