@@ -58,6 +58,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from steps.model import kernels
 from steps.model.dispatch import make_dispatcher
+from steps.model.families import family_of_block
 from steps.model.moe import GroupedExperts, MoeBlock
 
 NOMINAL_DENSE_BF16 = 989.0  # TFLOP/s, H100/H200 SXM datasheet, dense
@@ -203,7 +204,7 @@ def dense_swiglu_step(pairs: int, H: int, I: int, device: torch.device) -> Calla
 def bare_rows(reference: nn.Module, pairs: int, E: int, H: int, device: torch.device) -> list[Row]:
     """Balanced, pre-permuted rows through the layer's own GroupedExperts: torch's grouped_mm and eager SwiGLU (the
     issue's reference), then with steps.model.kernels' kernels one by one (on CUDA)."""
-    experts = GroupedExperts.from_hf(reference.experts, 0, 1, "grouped_mm")
+    experts = GroupedExperts.from_hf(reference.experts, family_of_block(reference), 0, 1, "grouped_mm")
     x_NH = torch.randn(pairs, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_NH = torch.randn(pairs, H, device=device, dtype=torch.bfloat16)
     balanced_E = torch.full((E,), pairs // E, device=device, dtype=torch.int64)

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from steps.model.hf_shards import INDEX, SINGLE, SafetensorsWriter, StoredTensor, plan_shards
-from steps.model.families import FAMILIES
+from steps.model.families import FAMILIES, family_named
 from steps.model.policy import (
     build_tokenizer,
     hf_model_on_meta,
@@ -132,7 +132,7 @@ F32 = torch.float32
 
 
 def test_experts_are_stored_per_expert_in_the_fused_tensors_byte_order() -> None:
-    qwen3, _, mixtral, _ = FAMILIES
+    qwen3, _, mixtral, *_ = FAMILIES
     blocks = {"model.layers.3.mlp": (qwen3, range(2))}
     gate_up = stored_tensors("model.layers.3.mlp.experts.gate_up_proj", (2, 6, 4), blocks, F32)
     assert gate_up == [
@@ -206,11 +206,21 @@ def test_a_shard_holds_tensors_of_several_dtypes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_an_ep_rank_reads_only_its_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     """EP rank 1 of 2 reads, from HF's own save_pretrained of the family, experts [E / 2, E) and every other
-    tensor, fused as its `MoeBlock`s hold them."""
+    tensor, fused as its `MoeBlock`s hold them: per expert, or (GPT-OSS, whose checkpoints hold the experts fused)
+    the rows [E / 2, E) of each fused tensor."""
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(tiny_config(family=family))
     save_policy(hf_model, build_tokenizer(["abc"]), tmp_path / "hf")
     read: list[str] = []
+    sliced: list[tuple[str, int, int]] = []
+
+    class RecordingSlice:  # safetensors' slice of one tensor, recording the rows read
+        def __init__(self, name: str, rows: Any) -> None:
+            self.name, self.rows = name, rows
+
+        def __getitem__(self, rows: slice) -> torch.Tensor:
+            sliced.append((self.name, rows.start, rows.stop))
+            return self.rows[rows]
 
     class RecordingFile:  # safetensors' safe_open, recording the tensors read
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -230,14 +240,22 @@ def test_an_ep_rank_reads_only_its_experts(tmp_path: Path, monkeypatch: pytest.M
             read.append(name)
             return self.opened.get_tensor(name)
 
+        def get_slice(self, name: str) -> RecordingSlice:
+            return RecordingSlice(name, self.opened.get_slice(name))
+
     monkeypatch.setattr("steps.model.policy.safe_open", RecordingFile)
     rank1_of_2 = SimpleNamespace(size=lambda: 2, rank=lambda: 1)  # only its size and rank are read
     cpu = torch.device("cpu")
     model = shard_model(AutoModelForCausalLM, hf_model.config, "all_to_all", "grouped_mm", rank1_of_2, cpu)
     state = read_hf_shard(tmp_path / "hf", model, cpu)
 
-    experts_read = {int(name.split(".experts.")[1].split(".")[0]) for name in read if ".experts." in name}
-    assert experts_read == set(range(NUM_EXPERTS // 2, NUM_EXPERTS))
+    if family_named(family).checkpoint_experts is None:
+        experts = [name for name in hf_model.state_dict() if ".experts." in name]
+        assert sorted(sliced) == sorted((name, NUM_EXPERTS // 2, NUM_EXPERTS) for name in experts) and len(experts) == 8
+        assert not any(".experts." in name for name in read)
+    else:
+        experts_read = {int(name.split(".experts.")[1].split(".")[0]) for name in read if ".experts." in name}
+        assert experts_read == set(range(NUM_EXPERTS // 2, NUM_EXPERTS)) and not sliced
     assert len(read) == len(set(read))
     model.load_state_dict(state, strict=True)
     local = slice(NUM_EXPERTS // 2, NUM_EXPERTS)

@@ -622,7 +622,7 @@ def test_a_checkpoint_of_no_known_moe_family_is_refused_by_start_naming_the_fami
     one_line_error(
         result,
         f"model.checkpoint {folder}: model_type '{model_type}' is no MoE family moeloop trains"
-        " (it trains qwen3_moe, qwen2_moe, mixtral, deepseek_v3)",
+        " (it trains qwen3_moe, qwen2_moe, mixtral, deepseek_v3, gpt_oss)",
     )
     assert not run.exists()
 

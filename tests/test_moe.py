@@ -22,6 +22,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    GptOssConfig,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -32,7 +33,7 @@ from transformers import (
 from steps.errors import MoeloopError
 from steps.model import kernels
 from steps.model.dispatch import LocalDispatcher, make_dispatcher, sort_by_expert
-from steps.model.families import FAMILIES, family_of_config
+from steps.model.families import FAMILIES, family_of_block, family_of_config
 from steps.model.moe import GroupedExperts, MoeBlock, compile_decoder_layers, hf_state_dict, replace_moe_blocks
 
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 2, 32
@@ -56,6 +57,10 @@ def tiny_config(norm_topk_prob: bool = True, family: str = "qwen3_moe") -> Pretr
             first_k_dense_replace=1, norm_topk_prob=norm_topk_prob, q_lora_rank=16, kv_lora_rank=16,
             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
         )  # fmt: skip
+    elif family == "gpt_oss":  # biased router and experts, attention sinks; layers alternate a window of 4 and full
+        config = GptOssConfig(
+            **shape, intermediate_size=16, num_local_experts=NUM_EXPERTS, head_dim=8, sliding_window=4
+        )
     elif family == "mixtral":
         config = MixtralConfig(**shape, intermediate_size=16, num_local_experts=NUM_EXPERTS, head_dim=8)
     elif family == "qwen2_moe":
@@ -89,11 +94,16 @@ def skewed_block(
             parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
         offset_H = torch.randn(HIDDEN, generator=generator)
         offset_H *= 4 / offset_H.norm()
-        block.gate.weight[UNUSED_EXPERTS] = -2 * offset_H / offset_H.norm()
+        router_of(block).weight[UNUSED_EXPERTS] = -2 * offset_H / offset_H.norm()
         if family == "deepseek_v3":
             block.gate.e_score_correction_bias.copy_(0.1 * torch.randn(NUM_EXPERTS, generator=generator))
     x_BSH = torch.randn(3, 40, HIDDEN, generator=generator) + offset_H
     return block, x_BSH
+
+
+def router_of(block: torch.nn.Module) -> torch.nn.Module:
+    """The router of an HF sparse block of any family (GPT-OSS calls it `router`, the others `gate`)."""
+    return getattr(block, family_of_block(block).router_attribute)
 
 
 def forward_backward(
@@ -102,6 +112,8 @@ def forward_backward(
     """Output, input gradient and parameter gradients (by name) for upstream gradient grad_BSH (None: sum)."""
     x_BSH = x_BSH.clone().requires_grad_(True)
     out_BSH = block(x_BSH)
+    if isinstance(out_BSH, tuple):  # GPT-OSS's block returns its routing weights beside its output
+        out_BSH = out_BSH[0]
     if grad_BSH is None:
         out_BSH.sum().backward()
     else:
@@ -126,14 +138,15 @@ def assert_same(
     ("family", "norm_topk_prob"),
     [
         ("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", True), ("qwen2_moe", False), ("mixtral", True),
-        ("deepseek_v3", True), ("deepseek_v3", False),
+        ("deepseek_v3", True), ("deepseek_v3", False), ("gpt_oss", True),
     ],  # fmt: skip
 )
 @pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
 def test_block_equals_hf_with_empty_experts(impl: str, family: str, norm_topk_prob: bool) -> None:
     """Forward and backward (input and every parameter gradient: router, experts, a shared expert and its gate)."""
     hf_block, x_BSH = skewed_block(norm_topk_prob, family=family)
-    tokens_per_expert_E = torch.bincount(hf_block.gate(x_BSH)[2].flatten(), minlength=NUM_EXPERTS)
+    experts_TK = router_of(hf_block)(x_BSH.reshape(-1, HIDDEN))[2]
+    tokens_per_expert_E = torch.bincount(experts_TK.flatten(), minlength=NUM_EXPERTS)
     assert tokens_per_expert_E[UNUSED_EXPERTS].tolist() == [0, 0] and tokens_per_expert_E.sum() == 3 * 40 * TOP_K
     block = MoeBlock.from_hf_block(copy.deepcopy(hf_block), LocalDispatcher(NUM_EXPERTS, None), impl)
     grad_BSH = torch.randn(x_BSH.shape, generator=torch.Generator().manual_seed(1))
@@ -142,6 +155,9 @@ def test_block_equals_hf_with_empty_experts(impl: str, family: str, norm_topk_pr
     assert_same(ours, forward_backward(hf_block, x_BSH, grad_BSH))
     assert ours[2]["experts.gate_up_proj"][UNUSED_EXPERTS].abs().max() == 0
     assert ours[2]["experts.down_proj"][UNUSED_EXPERTS].abs().max() == 0
+    if family == "gpt_oss":  # the experts' biases, indexed by each row's expert
+        assert ours[2]["experts.down_proj_bias"][UNUSED_EXPERTS].abs().max() == 0
+        assert ours[2]["experts.down_proj_bias"].abs().min(1).values[:6].min() > 0
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -149,9 +165,9 @@ def test_weights_of_its_own_choice_are_the_routers_weights(family: str) -> None:
     """Routing replay's weights (`weights_of`) of the experts the router chose are the weights it gave them, to the
     bit (DeepSeek-V3: with a correction bias that chooses but does not weigh, and its routed scaling factor)."""
     hf_block, x_BSH = skewed_block(family=family)
-    gate = MoeBlock.from_hf_block(hf_block, LocalDispatcher(NUM_EXPERTS, None)).gate
+    gate = MoeBlock.from_hf_block(hf_block, LocalDispatcher(NUM_EXPERTS, None)).top_k_router
     with torch.no_grad():
-        router_logits_TE, weights_TK, experts_TK = gate(x_BSH)
+        router_logits_TE, weights_TK, experts_TK = gate(x_BSH.reshape(-1, HIDDEN))
         replayed_TK = gate.weights_of(router_logits_TE, experts_TK)
     assert torch.equal(replayed_TK.to(weights_TK.dtype), weights_TK)
     if family == "deepseek_v3":  # groups and bias change some choices from the top k; the weights are unbiased
@@ -291,9 +307,9 @@ def test_model_with_swapped_blocks_equals_hf(family: str) -> None:
 def test_expert_slices_and_hf_state_dict(family: str) -> None:
     """EP rank r of 4 holds experts [2r, 2r + 2) as copies; at EP = 1 the state dict loads into HF as it was."""
     hf_block, _ = skewed_block(family=family)
-    rank1_of_4 = GroupedExperts.from_hf(hf_block.experts, ep_rank=1, ep_size=4)
-    assert torch.equal(rank1_of_4.gate_up_proj, hf_block.experts.gate_up_proj[2:4])
-    assert torch.equal(rank1_of_4.down_proj, hf_block.experts.down_proj[2:4])
+    rank1_of_4 = GroupedExperts.from_hf(hf_block.experts, family_of_block(hf_block), ep_rank=1, ep_size=4)
+    for name, tensor in hf_block.experts.named_parameters():  # GPT-OSS's biases too
+        assert torch.equal(getattr(rank1_of_4, name), tensor[2:4]), name
     assert rank1_of_4.gate_up_proj.data_ptr() != hf_block.experts.gate_up_proj.data_ptr()
 
     torch.manual_seed(0)
@@ -754,3 +770,6 @@ def test_block_compiled_whole_equals_eager_on_cuda() -> None:
         assert error < 1e-2, f"{what}: relative error {error:.1e}"
     assert ours[2]["experts.gate_up_proj"][UNUSED_EXPERTS].abs().max() == 0
     assert ours[2]["experts.down_proj"][UNUSED_EXPERTS].abs().max() == 0
+    if family == "gpt_oss":  # the experts' biases, indexed by each row's expert
+        assert ours[2]["experts.down_proj_bias"][UNUSED_EXPERTS].abs().max() == 0
+        assert ours[2]["experts.down_proj_bias"].abs().min(1).values[:6].min() > 0

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen3MoeForCausalLM, Qwen3MoeForTokenClassification
+from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM, Qwen3MoeForTokenClassification
 
 from steps.model.attention import VARLEN
 from steps.model.logprobs import ChunkedTokenLogprobs, packed_token_logprobs, packed_token_values, use_logprob_head
@@ -48,11 +48,14 @@ def samples() -> tuple[list[list[int]], list[list[int]]]:
     return prompts, responses
 
 
-def test_packed_logprobs_and_gradients_equal_the_padded_batch() -> None:
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_packed_logprobs_and_gradients_equal_the_padded_batch(family: str) -> None:
+    """The padded batch through HF's own attention: SDPA; GPT-OSS's eager attention with sinks, and a window of 4
+    on alternate layers, shorter than most samples."""
     torch.manual_seed(0)
-    config = tiny_config()
-    config._attn_implementation = "sdpa"
-    padded_model = Qwen3MoeForCausalLM(config)
+    config = tiny_config(family=family)
+    config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"
+    padded_model = AutoModelForCausalLM.from_config(config)
     packed_model = copy.deepcopy(padded_model)
     use_logprob_head(packed_model)
     packed_model.config._attn_implementation = VARLEN

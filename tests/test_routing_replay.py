@@ -38,7 +38,7 @@ def save_models(folder: Path, family: str = "qwen3_moe") -> tuple[Path, Path]:
     save_policy(model, tokenizer, folder / "policy")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 parameter.add_(0.5 * parameter.std() * torch.randn_like(parameter))
     save_policy(model, tokenizer, folder / "perturbed")
     return folder / "policy", folder / "perturbed"
@@ -132,7 +132,7 @@ def test_a_perturbed_models_routes_are_used_token_by_token_and_the_router_still_
         assert torch.equal(experts_TK, want_experts_TK), layer
         torch.testing.assert_close(weights_TK, want_weights_TK, rtol=1e-6, atol=1e-7)
     (-logprobs_BT[batch.response_mask_BT].sum()).backward()
-    gates = [m.gate.weight for m in model.modules() if isinstance(m, MoeBlock)]
+    gates = [m.top_k_router.weight for m in model.modules() if isinstance(m, MoeBlock)]
     assert all(gate.grad is not None and gate.grad.abs().sum() > 0 for gate in gates)
 
 
@@ -148,7 +148,7 @@ def check_replay_under_ep(rank: int, world_size: int, policy: Path, batch: Exper
         want_experts_TK, _ = expected_routing(routes_bTLK[:, :, layer].reshape(-1, TOP_K), logits_TE.detach())
         assert torch.equal(experts_TK, want_experts_TK), layer
     (-logprobs_bT[batch.response_mask_BT[rows]].sum()).backward()
-    gates = [m.gate.weight for m in model.modules() if isinstance(m, MoeBlock)]
+    gates = [m.top_k_router.weight for m in model.modules() if isinstance(m, MoeBlock)]
     for gate, want_grad in zip(gates, want["gate_grads"], strict=True):
         dist.all_reduce(gate.grad)  # the routers are replicated: their gradient is the sum over the ranks' tokens
         torch.testing.assert_close(gate.grad, want_grad, rtol=1e-4, atol=1e-6)
@@ -164,7 +164,7 @@ def test_replay_under_ep2_routes_every_rank_to_the_recorded_experts(tmp_path: Pa
     (-logprobs_BT[batch.response_mask_BT].sum()).backward()
     want = {
         "logprobs_BT": logprobs_BT.detach(),
-        "gate_grads": [m.gate.weight.grad for m in model.modules() if isinstance(m, MoeBlock)],
+        "gate_grads": [m.top_k_router.weight.grad for m in model.modules() if isinstance(m, MoeBlock)],
     }
     run_ranks(check_replay_under_ep, 2, tmp_path, policy, batch, want)
 

@@ -9,11 +9,18 @@ not the microbatch's:
   causal (a real query sees no padding, which comes after it), exact.
 A call without cu_seqlens (a right-padded batch, as `steps.model.policy.token_logprobs` passes) is HF's causal SDPA
 over each row, exact for the real tokens for the same reason.
+
+Attention sinks (GPT-OSS: a learned logit per head that joins every query's softmax and is dropped after it) and
+sliding windows (GPT-OSS's alternate layers: a query sees its last `sliding_window` keys) are no flash varlen
+kernel's, nor SDPA's: a layer with either runs `sink_attention`, HF's eager computation over the padded rows, on
+every device (exact; on CUDA it costs each sample's full score matrix, not flash attention's memory).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,15 +47,23 @@ def varlen_attention(
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | None = None,
     max_length_k: int | None = None,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """HF's attention-function interface over one packed row: q [1, h, N, D], k and v [1, k, N, D] (k KV heads);
-    returns [1, N, h, D]. Letters: h query heads, k KV heads, N packed tokens, D head size."""
+    returns [1, N, h, D]. Letters: h query heads, k KV heads, N packed tokens, D head size. s_aux: the layer's
+    attention sinks [h] (GPT-OSS), sliding_window: its window, if any."""
+    exact = partial(sink_attention, sinks_h=s_aux, window=sliding_window)
     if cu_seq_lens_q is None:  # a right-padded batch: causal attention is exact for every row's real tokens
+        if s_aux is not None or sliding_window is not None:
+            return exact(query_1hND, key_1kND, value_1kND, scaling).transpose(1, 2), None
         return sdpa_attention_forward(module, query_1hND, key_1kND, value_1kND, None, dropout, scaling, is_causal=True)
     if max_length_q is None or query_1hND.shape[0] != 1:
         raise ValueError(f"{VARLEN} attention takes one packed row with its cu_seq_lens (steps.rl.packing.Microbatch)")
     query_NhD, key_NkD, value_NkD = (t[0].transpose(0, 1) for t in (query_1hND, key_1kND, value_1kND))
+    if s_aux is not None or sliding_window is not None:
+        return padded_attention(query_NhD, key_NkD, value_NkD, cu_seq_lens_q, scaling, exact).unsqueeze(0), None
     if not (query_NhD.is_cuda and query_NhD.dtype in (torch.bfloat16, torch.float16)):
         return padded_attention(query_NhD, key_NkD, value_NkD, cu_seq_lens_q, scaling).unsqueeze(0), None
     options: dict[str, Any] = {"scale": scaling, **_CAUSAL}
@@ -67,16 +82,56 @@ def varlen_attention(
 AttentionInterface.register(VARLEN, varlen_attention)
 
 
-def padded_attention(
-    query_NhD: torch.Tensor, key_NkD: torch.Tensor, value_NkD: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+def causal_sdpa(
+    query_nhLD: torch.Tensor, key_nkLD: torch.Tensor, value_nkLD: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """The exact path: each sample's tokens as a row of a right-padded batch [n, heads, L, D], causal SDPA, and
-    the real tokens back in packed order [N, h, D]."""
+    return F.scaled_dot_product_attention(
+        query_nhLD, key_nkLD, value_nkLD, is_causal=True, scale=scale, enable_gqa=True
+    )
+
+
+def sink_attention(
+    query_nhLD: torch.Tensor,
+    key_nkLD: torch.Tensor,
+    value_nkLD: torch.Tensor,
+    scale: float,
+    sinks_h: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention over right-padded rows with attention sinks and a sliding window (either may be None), as
+    HF's GPT-OSS eager attention computes it: the scores, each head's sink logit appended as one more column, the
+    row maximum subtracted, softmax, the sink's column dropped. A query sees keys (i - window, i]. [n, h, L, D]."""
+    groups = query_nhLD.shape[1] // key_nkLD.shape[1]
+    key_nhLD, value_nhLD = (t.repeat_interleave(groups, dim=1) for t in (key_nkLD, value_nkLD))
+    scores_nhLL = torch.matmul(query_nhLD, key_nhLD.transpose(2, 3)) * scale
+    query_L1 = torch.arange(scores_nhLL.shape[-1], device=scores_nhLL.device).unsqueeze(1)
+    seen_LL = query_L1 >= query_L1.T  # key j <= query i
+    if window is not None:
+        seen_LL &= query_L1.T > query_L1 - window
+    scores_nhLL = scores_nhLL.masked_fill(~seen_LL, torch.finfo(scores_nhLL.dtype).min)
+    if sinks_h is not None:
+        sinks_nhL1 = sinks_h.reshape(1, -1, 1, 1).expand(*scores_nhLL.shape[:-1], 1).to(scores_nhLL.dtype)
+        scores_nhLL = torch.cat([scores_nhLL, sinks_nhL1], dim=-1)
+    scores_nhLL = scores_nhLL - scores_nhLL.max(dim=-1, keepdim=True).values
+    probs_nhLL = F.softmax(scores_nhLL, dim=-1, dtype=scores_nhLL.dtype)[..., : key_nhLD.shape[2]]
+    return torch.matmul(probs_nhLL.to(value_nhLD.dtype), value_nhLD)
+
+
+def padded_attention(
+    query_NhD: torch.Tensor,
+    key_NkD: torch.Tensor,
+    value_NkD: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    attention: Callable[..., torch.Tensor] = causal_sdpa,
+) -> torch.Tensor:
+    """The exact path: each sample's tokens as a row of a right-padded batch [n, heads, L, D], causal attention
+    (SDPA, or `sink_attention`), and the real tokens back in packed order [N, h, D]."""
     lengths = cu_seqlens.diff().tolist()
     padded = [
         torch.nn.utils.rnn.pad_sequence(t.split(lengths), batch_first=True).transpose(1, 2)
         for t in (query_NhD, key_NkD, value_NkD)
     ]
-    out_nhLD = F.scaled_dot_product_attention(*padded, is_causal=True, scale=scale, enable_gqa=True)
+    out_nhLD = attention(*padded, scale)
     out_nLhD = out_nhLD.transpose(1, 2)
     return torch.cat([out_nLhD[i, :length] for i, length in enumerate(lengths)])

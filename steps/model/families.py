@@ -1,31 +1,38 @@
 """The HF MoE architectures the trainer runs, each as a frozen `MoeFamily`: how its HF sparse block maps onto
 `steps.model.moe.MoeBlock`, and how its HF checkpoints name the experts on disk.
 
-What every family shares is the block's: a router returning (logits, top-k weights, top-k experts), experts held
-fused in memory as transformers 5 holds them, `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
-`experts.down_proj` [E, H, I], with the activation of the HF experts module (config.hidden_act). What differs is
+What every family shares is the block's: a router returning (logits, top-k weights, top-k experts), and experts held
+fused in memory as transformers 5 holds them, by default `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows)
+and `experts.down_proj` [E, H, I] with the activation of the HF experts module (config.hidden_act). What differs is
 a family's parameter:
-- the routing function: its router class, swapped for a subclass that routes with `steps.model.kernels` (the same
-  computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited sigmoid routing, with HF's forward's
-  operations, and gives the experts it picks from router logits (router health), and the weights of recorded experts
-  (replay);
+- the routing function: its router class (and the block's attribute holding it), swapped for a subclass that routes
+  with `steps.model.kernels` (the same computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited
+  sigmoid routing and GPT-OSS's biased top-k softmax, with HF's forward's operations, and gives the experts it picks
+  from router logits (router health), and the weights of recorded experts (replay);
 - how it balances its load: the Switch aux loss, or (DeepSeek-V3) its correction bias, moved after each step;
+- the experts' layout and activation, as HF's experts module declares them (`is_transposed`, `has_bias`): GPT-OSS's
+  `gate_up_proj` [E, H, 2I] (gate and up columns interleaved) and `down_proj` [E, I, H], each with a bias per
+  expert, and its clamped SwiGLU; its block also returns its routing weights beside its output;
 - its shared expert, if any, kept as HF's module (so as HF's parameter names), and its sigmoid gate, if gated;
 - the config attribute holding its routed expert count;
 - the names the experts have in its checkpoints on disk, which transformers converts on load and save: per expert,
-  gate, up and down projections (`{block}.experts.{e}.{gate}.weight`), the block itself possibly renamed.
+  gate, up and down projections (`{block}.experts.{e}.{gate}.weight`), the block itself possibly renamed; or, for
+  GPT-OSS, the fused tensors as in memory (an EP rank reads its experts' rows of them).
 Dense layers (DeepSeek-V3's first `first_k_dense_replace`) stay HF's modules: only the sparse blocks are replaced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP, GptOssTopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, MixtralTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock, Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
@@ -132,7 +139,46 @@ class DeepseekV3Router(GroupLimitedSigmoidRouter, DeepseekV3TopkRouter):
     pass
 
 
-FusedRouter = SoftmaxTopKRouter | GroupLimitedSigmoidRouter  # a `MoeBlock`'s gate: HF's forward, `choose`, `weights_of`
+class TopKSoftmaxRouter:
+    """GPT-OSS's routing, HF's forward as it is (logits from a linear layer with a bias; the top k logits; softmax
+    over those k, in the logits' dtype). A mixin before HF's router class, which this adds the replayed experts'
+    weights to."""
+
+    top_k: int
+
+    def choose(self, router_logits_TE: torch.Tensor) -> torch.Tensor:
+        """The experts HF's forward picks from router_logits_TE, [T, K]: the top k logits."""
+        return torch.topk(router_logits_TE, self.top_k, dim=-1).indices
+
+    def probabilities(self, router_logits_TE: torch.Tensor) -> torch.Tensor:
+        """The router's fp32 distribution over the experts, [T, E] (router health's entropy): the softmax over all
+        of them, of which the routing weights are the top k's renormalised."""
+        return F.softmax(router_logits_TE, dtype=torch.float, dim=-1)
+
+    def weights_of(self, router_logits_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+        """The weights this routing gives experts_TK from router_logits_TE (the replayed experts' weights), in fp32:
+        softmax over their logits in the logits' dtype, as HF's forward, so the same experts weigh the same."""
+        logits_TK = router_logits_TE.gather(1, experts_TK)
+        return F.softmax(logits_TK, dim=1, dtype=logits_TK.dtype).float()
+
+
+class GptOssRouter(TopKSoftmaxRouter, GptOssTopKRouter):
+    pass
+
+
+# What a `MoeBlock`'s router is: HF's forward, `choose`, `probabilities` and `weights_of`.
+FusedRouter = SoftmaxTopKRouter | GroupLimitedSigmoidRouter | TopKSoftmaxRouter
+Activation = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (gate_up_N2I, weight_N) -> hidden_NI
+
+
+def swiglu_of(experts: nn.Module) -> Activation:
+    """act(gate) * up over the gate columns, then the up ones, with the HF experts' act_fn (config.hidden_act)."""
+    return partial(kernels.swiglu, act_fn=experts.act_fn)
+
+
+def clamped_swiglu_of(experts: nn.Module) -> Activation:
+    """GPT-OSS's clamped SwiGLU over interleaved gate and up columns, with its experts' alpha and limit."""
+    return partial(kernels.clamped_swiglu, alpha=experts.alpha, limit=experts.limit)
 
 
 @dataclass(frozen=True)
@@ -143,10 +189,14 @@ class MoeFamily:
     sparse_block: type[nn.Module]  # HF's sparse MoE block, which `MoeBlock` replaces
     router: type[nn.Module]  # the router class in it: HF's, and the class routers are recognised by
     fused_router: type[FusedRouter]  # the subclass of router the replaced block routes with
+    router_attribute: str = "gate"  # the block's attribute holding its router
+    activation: Callable[[nn.Module], Activation] = swiglu_of  # the experts' activation, from HF's experts module
+    returns_router_scores: bool = False  # HF's block returns (output, top-k weights), not the output alone
     shared_expert: str | None = None  # the block's attribute holding its shared expert (an HF MLP), if any
     shared_expert_gate: str | None = None  # the block's attribute holding that expert's sigmoid gate, if gated
     checkpoint_block: str = "mlp"  # the block's module name in the checkpoint's tensor names
-    checkpoint_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down
+    # Per-expert gate, up, down; None: the checkpoint holds the fused tensors as HF holds them in memory (GPT-OSS).
+    checkpoint_experts: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     experts_attribute: str = "num_experts"  # the config's attribute holding the number of routed experts
     aux_loss: bool = True  # whether its HF model trains with the Switch load-balancing loss (router_aux_loss_coef)
     # The default `trainer.router_bias_update_rate` of a family whose router has a correction bias, which
@@ -157,13 +207,19 @@ class MoeFamily:
         """The checkpoint's tensors that the block's fused experts tensor key (the part of its name after block, the
         block's module name in memory) holds, expert by expert over experts: gate_up_proj [E, 2I, H] as each
         expert's gate and up projections [I, H], in that order; down_proj [E, H, I] as its down projection. None
-        where key is no fused experts tensor."""
+        where key is no fused experts tensor, or where the checkpoint holds the fused tensors (`fused_on_disk`)."""
+        if self.checkpoint_experts is None:
+            return None
         gate, up, down = (f"{self.stored_block(block)}.experts.{{}}.{name}.weight" for name in self.checkpoint_experts)
         if key == "experts.gate_up_proj":
             return [[gate.format(e), up.format(e)] for e in experts]
         if key == "experts.down_proj":
             return [[down.format(e)] for e in experts]
         return None
+
+    def fused_on_disk(self, key: str) -> bool:
+        """Whether the block's tensor key is an experts tensor the checkpoint holds fused, [E, ...] as in memory."""
+        return self.checkpoint_experts is None and key.startswith("experts.")
 
     def stored_name(self, block: str, key: str) -> str:
         """The checkpoint's name of the block's other tensor key (its router's, its shared expert's)."""
@@ -188,6 +244,10 @@ FAMILIES = (
         "deepseek_v3", DeepseekV3MoE, DeepseekV3TopkRouter, DeepseekV3Router,
         shared_expert="shared_experts", experts_attribute="n_routed_experts", aux_loss=False,
         bias_update_rate=0.001,  # the DeepSeek-V3 report's gamma (section 2.1.2)
+    ),
+    MoeFamily(
+        "gpt_oss", GptOssMLP, GptOssTopKRouter, GptOssRouter, router_attribute="router",
+        activation=clamped_swiglu_of, returns_router_scores=True, checkpoint_experts=None,
     ),
 )  # fmt: skip
 ROUTERS = tuple(family.router for family in FAMILIES)

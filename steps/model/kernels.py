@@ -5,11 +5,13 @@
   no [T, K, H] intermediate; elsewhere `index_select` then `sum`.
 - `expand_rows(x_TH, token_N, row_of_TK)`: its adjoint, each token copied to its K rows (the permutation, and
   the backward of the combine). CUDA: one Triton pass that reads each token once; elsewhere `index_select`.
-- `grouped_linear(x_NK, weight_eOK, offs_e)`: F.linear per group of rows (the experts' GEMMs). Hopper GPUs,
-  bf16: a persistent Triton grouped GEMM through TMA, forward and input gradient; elsewhere `F.grouped_mm`.
+- `grouped_linear(x_NK, weight_eOK, offs_e)`: F.linear per group of rows (the experts' GEMMs; weights in
+  nn.Linear's layout or transposed, as GPT-OSS holds them). Hopper GPUs, bf16: a persistent Triton grouped GEMM
+  through TMA, forward and input gradient; elsewhere `F.grouped_mm`.
 - `swiglu(gate_up_N2I, weight_N, act_fn)`: `act(gate) * up * weight`, the routing weight folded in. CUDA with
   SiLU: one Triton pass forward, and one backward that also sums the weight's gradient (fp32 inside, rounded
-  once), instead of ~10 eager kernels each way; elsewhere (and for other activations) eager.
+  once), instead of ~10 eager kernels each way; elsewhere (and for other activations) eager. GPT-OSS's clamped
+  SwiGLU over interleaved gate and up columns: `clamped_swiglu`, eager.
 
 The Triton kernels are custom ops (`moeloop::...`), which a `torch.compile`'d graph (the whole MoE block with
 the local dispatcher) calls as they are. Triton (`steps.model.triton_kernels`) is imported on first CUDA use only.
@@ -125,6 +127,18 @@ def swiglu(
     return swiglu_eager(gate_up_N2I, weight_N, act_fn)
 
 
+def clamped_swiglu(
+    gate_up_N2I: torch.Tensor, weight_N: torch.Tensor | None, alpha: float, limit: float
+) -> torch.Tensor:
+    """GPT-OSS's activation, as HF's `GptOssExperts._apply_gate`: gate and up columns interleaved, the gate clamped
+    above at limit, the up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate); times each row's weight
+    when given. Eager (torch.compile fuses it where the block is compiled)."""
+    gate_NI = gate_up_N2I[..., ::2].clamp(max=limit)
+    up_NI = gate_up_N2I[..., 1::2].clamp(min=-limit, max=limit)
+    hidden_NI = (up_NI + 1) * (gate_NI * torch.sigmoid(gate_NI * alpha))
+    return hidden_NI if weight_N is None else hidden_NI * weight_N.unsqueeze(1).to(hidden_NI.dtype)
+
+
 def swiglu_eager(
     gate_up_N2I: torch.Tensor, weight_N: torch.Tensor | None, act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu
 ) -> torch.Tensor:
@@ -218,15 +232,19 @@ GROUPED_MM_CONFIG = (128, 256, 64, 8, 3)
 GROUPED_MM_TRITON_MIN_FLOPS = 3e11
 
 
-def grouped_linear(x_NK: torch.Tensor, weight_eOK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
-    """F.linear per group of rows: out_NO[r] = x_NK[r] @ weight_eOK[g]^T for the rows r of group g, where offs_e
-    holds each group's end row (int32, as grouped_mm's offs; empty groups allowed).
+def grouped_linear(
+    x_NK: torch.Tensor, weight_eXY: torch.Tensor, offs_e: torch.Tensor, linear_layout: bool = True
+) -> torch.Tensor:
+    """F.linear per group of rows: out_NO[r] = x_NK[r] @ weight[g]^T for the rows r of group g, where offs_e
+    holds each group's end row (int32, as grouped_mm's offs; empty groups allowed). weight_eXY holds nn.Linear
+    weights [e, O, K] (linear_layout) or their transposes [e, K, O] (GPT-OSS's experts: x @ weight[g]).
 
     On Hopper GPUs in bf16, for calls large enough (`grouped_mm_triton_runs`): the Triton grouped GEMM
     (`grouped_mm_triton`, its weight gradient through grouped_mm); elsewhere `F.grouped_mm`.
     """
+    weight_eOK = weight_eXY if linear_layout else weight_eXY.transpose(1, 2)
     if grouped_mm_triton_runs(x_NK, weight_eOK):
-        return grouped_mm_triton(x_NK, weight_eOK, offs_e, True)
+        return grouped_mm_triton(x_NK, weight_eXY, offs_e, linear_layout)
     return grouped_linear_torch(x_NK, weight_eOK, offs_e)
 
 

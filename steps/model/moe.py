@@ -8,10 +8,12 @@
 - tokens are permuted by expert (and, with expert parallelism, moved to the rank holding the expert) by a
   dispatcher from `steps.model.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
   summed per token (the routing weight folded into the SwiGLU output, before the linear down projection);
-- a family's shared expert (Qwen2-MoE's, DeepSeek-V3's) stays HF's module, replicated like the dense weights, its output (through
+- a family's expert biases (GPT-OSS's) are each row's expert's, added in the grouped path; its shared expert
+  (Qwen2-MoE's, DeepSeek-V3's) stays HF's module, replicated like the dense weights, its output (through
   its sigmoid gate, if gated) added to the routed experts';
 - parameters keep HF's names and fused layout, `experts.gate_up_proj` [e, 2I, H] and `experts.down_proj`
-  [e, H, I], holding only this EP rank's e = E / EP experts, so loading and publishing are slicing and gathering.
+  [e, H, I] (GPT-OSS: transposed, with biases), holding only this EP rank's e = E / EP experts, so loading and
+  publishing are slicing and gathering.
 """
 
 from __future__ import annotations
@@ -29,21 +31,37 @@ from torch.distributed.tensor import DTensor
 from steps.errors import MoeloopError
 from steps.model import kernels
 from steps.model.dispatch import TokenDispatcher
-from steps.model.families import FusedRouter, MoeFamily, family_of_block
+from steps.model.families import Activation, FusedRouter, MoeFamily, family_of_block
 
 ExpertsImpl = Literal["grouped_mm", "loop"]
 
 
 class GroupedExperts(nn.Module):
-    """One EP rank's e experts in HF's fused layout, run on rows grouped by expert (grouped GEMMs or a loop)."""
+    """One EP rank's e experts in HF's fused layout of the family, run on rows grouped by expert (grouped GEMMs or a
+    loop).
+
+    The layout is the HF experts module's own (its `is_transposed` and `has_bias`): nn.Linear's, gate_up_proj
+    [e, 2I, H] and down_proj [e, H, I]; or GPT-OSS's transposed one, gate_up_proj [e, H, 2I] and down_proj
+    [e, I, H], with biases gate_up_proj_bias [e, 2I] and down_proj_bias [e, H]. The family's activation reads the
+    gate and up columns where the family puts them (`MoeFamily.activation`).
+    """
 
     def __init__(
-        self, gate_up_proj_eIH: torch.Tensor, down_proj_eHI: torch.Tensor, act_fn: nn.Module, impl: ExpertsImpl
+        self,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        activation: Activation,
+        impl: ExpertsImpl,
+        transposed: bool = False,
+        biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(gate_up_proj_eIH)  # [e, 2I, H]: gate rows, then up rows
-        self.down_proj = nn.Parameter(down_proj_eHI)  # [e, H, I]
-        self.act_fn = act_fn
+        self.gate_up_proj = nn.Parameter(gate_up_proj)
+        self.down_proj = nn.Parameter(down_proj)
+        gate_up_bias, down_bias = (nn.Parameter(b) for b in biases) if biases is not None else (None, None)
+        self.gate_up_proj_bias, self.down_proj_bias = gate_up_bias, down_bias  # [e, 2I], [e, H]; or None
+        self.activation = activation
+        self.transposed = transposed
         self.impl = impl
         # The dtype the GEMMs run in when it is not the parameters' own: FSDP2's mixed precision computes with bf16
         # copies of fp32 parameters (steps.model.sharding); None: the parameters' dtype.
@@ -51,17 +69,14 @@ class GroupedExperts(nn.Module):
 
     @classmethod
     def from_hf(
-        cls, experts: nn.Module, ep_rank: int, ep_size: int, impl: ExpertsImpl = "grouped_mm"
+        cls, experts: nn.Module, family: MoeFamily, ep_rank: int, ep_size: int, impl: ExpertsImpl = "grouped_mm"
     ) -> GroupedExperts:
         """EP rank ep_rank of ep_size takes experts [r * E / ep_size, (r + 1) * E / ep_size), copied."""
         num_local = experts.num_experts // ep_size
         local = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
-        return cls(
-            experts.gate_up_proj.detach()[local].clone(),
-            experts.down_proj.detach()[local].clone(),
-            experts.act_fn,
-            impl,
-        )
+        names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")[: 4 if experts.has_bias else 2]
+        gate_up, down, *biases = (getattr(experts, name).detach()[local].clone() for name in names)
+        return cls(gate_up, down, family.activation(experts), impl, experts.is_transposed, (*biases,) or None)
 
     @property
     def traceable(self) -> bool:
@@ -75,21 +90,42 @@ class GroupedExperts(nn.Module):
         """Rows grouped by expert through their experts; with weight_N, each row's output scaled by its weight.
 
         The weight multiplies the SwiGLU output (I wide) before the down projection, which is linear, so this is
-        the weighted expert output without an H-wide multiply. On CUDA the SwiGLU is a Triton kernel, and so are the
-        grouped GEMMs' forward and input gradient on Hopper in bf16 for large calls (`steps.model.kernels`).
+        the weighted expert output without an H-wide multiply; a down projection's bias is weighted on its own. On
+        CUDA the SwiGLU is a Triton kernel, and so are the grouped GEMMs' forward and input gradient on Hopper in
+        bf16 for large calls (`steps.model.kernels`). Biases are each row's expert's, indexed by row.
         """
+        expert_N = None if self.gate_up_proj_bias is None else expert_of_rows(tokens_per_expert_e, x_NH.shape[0])
         if self.impl == "grouped_mm":
             offs_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)  # end row of each expert; empty groups ok
-            gate_up_N2I = kernels.grouped_linear(x_NH, self.gate_up_proj, offs_e)
-            hidden_NI = kernels.swiglu(gate_up_N2I, weight_N, self.act_fn)
-            return kernels.grouped_linear(hidden_NI, self.down_proj, offs_e)
-        splits = tokens_per_expert_e.tolist()
-        weights = weight_N.split(splits) if weight_N is not None else [None] * len(splits)
-        outputs = []
-        for expert, (x_nH, weight_n) in enumerate(zip(x_NH.split(splits), weights, strict=True)):
-            gate_up_n2I = F.linear(x_nH, self.gate_up_proj[expert])
-            outputs.append(F.linear(kernels.swiglu(gate_up_n2I, weight_n, self.act_fn), self.down_proj[expert]))
-        return torch.cat(outputs)
+            gate_up_N2I = kernels.grouped_linear(x_NH, self.gate_up_proj, offs_e, not self.transposed)
+            if self.gate_up_proj_bias is not None and expert_N is not None:
+                gate_up_N2I = gate_up_N2I + self.gate_up_proj_bias[expert_N]
+            hidden_NI = self.activation(gate_up_N2I, weight_N)
+            y_NH = kernels.grouped_linear(hidden_NI, self.down_proj, offs_e, not self.transposed)
+        else:
+            splits = tokens_per_expert_e.tolist()
+            weights = weight_N.split(splits) if weight_N is not None else [None] * len(splits)
+            outputs = []
+            for expert, (x_nH, weight_n) in enumerate(zip(x_NH.split(splits), weights, strict=True)):
+                gate_up_n2I = self.linear(x_nH, self.gate_up_proj[expert])
+                if self.gate_up_proj_bias is not None:
+                    gate_up_n2I = gate_up_n2I + self.gate_up_proj_bias[expert]
+                outputs.append(self.linear(self.activation(gate_up_n2I, weight_n), self.down_proj[expert]))
+            y_NH = torch.cat(outputs)
+        if self.down_proj_bias is None or expert_N is None:
+            return y_NH
+        bias_NH = self.down_proj_bias[expert_N]
+        return y_NH + (bias_NH if weight_N is None else bias_NH * weight_N.unsqueeze(1).to(bias_NH.dtype))
+
+    def linear(self, x_nK: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One expert's projection: F.linear for nn.Linear's layout, x @ weight for the transposed one."""
+        return x_nK @ weight if self.transposed else F.linear(x_nK, weight)
+
+
+def expert_of_rows(tokens_per_expert_e: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The local expert of each row of rows grouped by expert (num_rows of them: no device sync to size it)."""
+    experts_e = torch.arange(tokens_per_expert_e.numel(), device=tokens_per_expert_e.device)
+    return torch.repeat_interleave(experts_e, tokens_per_expert_e, output_size=num_rows)
 
 
 class MoeBlock(nn.Module):
@@ -107,10 +143,10 @@ class MoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.family = family
-        self.gate = gate
+        # Under the family's own attribute names, so their parameters keep HF's names (and HF's order: router first).
+        self.add_module(family.router_attribute, gate)
         self.experts = experts
         self.dispatcher = dispatcher
-        # Under the family's own attribute names, so their parameters keep HF's names.
         if family.shared_expert is not None:
             self.add_module(family.shared_expert, shared_expert)
         if family.shared_expert_gate is not None:
@@ -125,7 +161,7 @@ class MoeBlock(nn.Module):
         family.
 
         The router module is taken over as it is (same parameter, and an already installed router-logit hook
-        keeps recording), its class swapped in place for the family's fused router, so block.gate routes with our
+        keeps recording), its class swapped in place for the family's fused router, so HF's block routes with our
         kernel from now on too; the experts are this rank's slice of the fused tensors, copied; a shared expert
         and its gate are taken over as they are.
         """
@@ -134,29 +170,38 @@ class MoeBlock(nn.Module):
             raise MoeloopError(f"{type(block).__name__} is no sparse MoE block of a known family")
         if getattr(block, "jitter_noise", 0.0):  # Mixtral's training-time input noise, off in its released configs
             raise MoeloopError(f"router_jitter_noise {block.jitter_noise} is not supported; set it to 0")
-        experts = GroupedExperts.from_hf(block.experts, dispatcher.ep_rank, dispatcher.ep_size, experts_impl)
-        block.gate.__class__ = family.fused_router
+        experts = GroupedExperts.from_hf(block.experts, family, dispatcher.ep_rank, dispatcher.ep_size, experts_impl)
+        gate = getattr(block, family.router_attribute)
+        gate.__class__ = family.fused_router
         shared = [getattr(block, name) if name else None for name in (family.shared_expert, family.shared_expert_gate)]
-        return cls(family, block.gate, experts, dispatcher, *shared)
+        return cls(family, gate, experts, dispatcher, *shared)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    @property
+    def top_k_router(self) -> FusedRouter:
+        """The family's router module, registered under its HF attribute name (`gate`; GPT-OSS's `router`)."""
+        return getattr(self, self.family.router_attribute)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The block's output; with the top-k routing weights beside it where HF's block returns them (GPT-OSS)."""
         if self.dispatcher.traceable and self.experts.traceable:  # torch.compile takes the whole block
-            return self.route_and_run(hidden_states)
-        return self.route_and_run_eager(hidden_states)
+            y, weights_TK = self.route_and_run(hidden_states)
+        else:
+            y, weights_TK = self.route_and_run_eager(hidden_states)
+        return (y, weights_TK) if self.family.returns_router_scores else y
 
-    def route_and_run(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def route_and_run(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
-        router_logits_TE, topk_weights_TK, topk_idx_TK = self.gate(x_TH)
+        router_logits_TE, topk_weights_TK, topk_idx_TK = self.top_k_router(x_TH)
         if self.replay_TK is not None:
             topk_weights_TK, topk_idx_TK = replay_routing(
-                self.gate, router_logits_TE, topk_weights_TK, topk_idx_TK, self.replay_TK
+                self.top_k_router, router_logits_TE, topk_weights_TK, topk_idx_TK, self.replay_TK
             )
         expert_x_NH, tokens_per_expert_e, meta = self.dispatcher.dispatch(x_TH, topk_idx_TK, topk_weights_TK)
         expert_y_NH = self.experts(expert_x_NH, tokens_per_expert_e, meta.weight_N)  # weighted in the SwiGLU
         y_TH = self.dispatcher.combine(expert_y_NH, meta)
         if self.family.shared_expert is not None:
             y_TH = y_TH + self.shared_output(x_TH)
-        return y_TH.reshape(hidden_states.shape)
+        return y_TH.reshape(hidden_states.shape), topk_weights_TK
 
     def shared_output(self, x_TH: torch.Tensor) -> torch.Tensor:
         """The shared expert's output, every token's, scaled by its sigmoid gate where the family has one."""
@@ -168,18 +213,19 @@ class MoeBlock(nn.Module):
     # Out of torch.compile (a compiled layer graph-breaks around the block): EP dispatchers, which sync with the host
     # for split sizes and call collectives or DeepEP; and experts that do not trace (fp32 grouped_mm, the loop).
     @torch.compiler.disable
-    def route_and_run_eager(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def route_and_run_eager(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_and_run(hidden_states)
 
-    def gather_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All E experts, (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as HF holds them in memory.
+    def gather_experts(self) -> dict[str, torch.Tensor]:
+        """All E experts' tensors by name in the block (`experts.gate_up_proj` ...), as HF holds them in memory.
 
         Collective over the EP group (and, under FSDP2, over the dp ranks that shard this EP slice): every rank must
         call it.
         """
         group = self.dispatcher.ep_group
-        gate_up_proj, down_proj = (unsharded(p.detach()) for p in (self.experts.gate_up_proj, self.experts.down_proj))
-        return gather_over(gate_up_proj, group), gather_over(down_proj, group)
+        return {
+            f"experts.{name}": gather_over(unsharded(p.detach()), group) for name, p in self.experts.named_parameters()
+        }
 
 
 def unsharded(tensor: torch.Tensor) -> torch.Tensor:
@@ -255,7 +301,7 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {key: unsharded(value) for key, value in model.state_dict().items()}
     for name, module in model.named_modules():
         if isinstance(module, MoeBlock):
-            state[f"{name}.experts.gate_up_proj"], state[f"{name}.experts.down_proj"] = module.gather_experts()
+            state.update({f"{name}.{key}": value for key, value in module.gather_experts().items()})
     return state
 
 

@@ -171,9 +171,11 @@ def read_hf_shard(
 ) -> dict[str, torch.Tensor]:
     """model's state dict, less the keys in skip, from the HF checkpoint: every MoE block's local experts fused as
     `GroupedExperts` holds them (gate_up_proj [e, 2I, H] from the per-expert gate and up projections [I, H],
-    down_proj [e, H, I]), every tensor under the name its family's checkpoints give it.
+    down_proj [e, H, I]; or the rows of the local experts of a checkpoint's fused tensors, GPT-OSS's), every tensor
+    under the name its family's checkpoints give it.
 
-    Reads only those tensors (safe_open reads tensor by tensor), from one file or an index of shards.
+    Reads only those tensors, and of a fused experts tensor only those rows (safe_open reads tensor by tensor, and
+    slices), from one file or an index of shards.
     """
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -185,6 +187,7 @@ def read_hf_shard(
     keys = [key for key in model.state_dict() if key not in skip]
     expert_keys = {key: names for key in keys if (names := per_expert_names(key, layout)) is not None}
     name_of = {key: stored_name(key, layout) for key in keys if key not in expert_keys}
+    rows_of = {name_of[key]: rows for key in name_of if (rows := fused_expert_rows(key, layout)) is not None}
     wanted = [*name_of.values(), *(name for parts in expert_keys.values() for names in parts for name in names)]
     missing = [name for name in wanted if name not in file_of]
     if missing:
@@ -195,7 +198,10 @@ def read_hf_shard(
     tensors: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         with safe_open(path, "pt", device=str(device)) as file:
-            tensors.update({name: file.get_tensor(name).float() for name in names})
+            for name in names:
+                rows = rows_of.get(name)
+                tensor = file.get_tensor(name) if rows is None else file.get_slice(name)[rows.start : rows.stop]
+                tensors[name] = tensor.float()
     state = {key: tensors.pop(name) for key, name in name_of.items()}
     for fused, parts in expert_keys.items():
         state[fused] = torch.stack([torch.cat([tensors[name] for name in names]) for names in parts])
@@ -232,6 +238,13 @@ def per_expert_names(key: str, blocks: SparseBlocks) -> list[list[str]] | None:
     holds, expert by expert (`MoeFamily.per_expert_names`); None where key is no fused experts tensor."""
     found = block_of(key, blocks)
     return None if found is None else blocks[found[0]][0].per_expert_names(*found, blocks[found[0]][1])
+
+
+def fused_expert_rows(key: str, blocks: SparseBlocks) -> range | None:
+    """The experts (rows) the model holds of a fused experts tensor that the checkpoint stores fused as well
+    (`MoeFamily.fused_on_disk`); None for any other tensor."""
+    found = block_of(key, blocks)
+    return blocks[found[0]][1] if found is not None and blocks[found[0]][0].fused_on_disk(found[1]) else None
 
 
 def stored_name(key: str, blocks: SparseBlocks) -> str:
