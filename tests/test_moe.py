@@ -708,17 +708,24 @@ def test_grouped_linear_equals_grouped_mm_on_cuda() -> None:
     del rows_NK
     if not hopper:
         pytest.skip("the Triton grouped GEMM needs TMA (Hopper or newer)")
-    results = []
+    # nn.Linear weights [e, O, K] and their transposes [e, K, O] (GPT-OSS's experts), each against grouped_mm.
     triton_linear = partial(kernels.grouped_mm_triton, b_transposed=True)
-    for fn in (triton_linear, kernels.grouped_linear_torch):
-        x, weight = x_NK.clone().requires_grad_(True), weight_eOK.clone().requires_grad_(True)
-        out_NO = fn(x, weight, offs_e)
-        out_NO.backward(grad_NO)
-        results.append((out_NO.detach(), x.grad, weight.grad))
-    for what, ours, reference in zip(("out", "x.grad", "weight.grad"), *results, strict=True):
-        error = float((ours.float() - reference.float()).norm() / reference.float().norm())
-        assert error < 1e-2, f"{what}: relative error {error:.1e}"
-    assert results[0][2][[0, 3]].abs().max() == 0
+    triton_transposed = partial(kernels.grouped_mm_triton, b_transposed=False)
+    for layout, triton_fn, weight_in in [
+        ("linear", triton_linear, weight_eOK),
+        ("transposed", triton_transposed, weight_eOK.transpose(1, 2).contiguous()),
+    ]:
+        results = []
+        for fn, start in ((triton_fn, weight_in), (kernels.grouped_linear_torch, weight_eOK)):
+            x, weight = x_NK.clone().requires_grad_(True), start.clone().requires_grad_(True)
+            out_NO = fn(x, weight, offs_e)
+            out_NO.backward(grad_NO)
+            weight_grad = weight.grad if start is weight_eOK else weight.grad.transpose(1, 2)
+            results.append((out_NO.detach(), x.grad, weight_grad))
+        for what, ours, reference in zip(("out", "x.grad", "weight.grad"), *results, strict=True):
+            error = float((ours.float() - reference.float()).norm() / reference.float().norm())
+            assert error < 1e-2, f"{layout} {what}: relative error {error:.1e}"
+        assert results[0][2][[0, 3]].abs().max() == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -751,12 +758,13 @@ def test_compiled_decoder_layers_equal_eager_on_cuda() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_block_compiled_whole_equals_eager_on_cuda() -> None:
-    """The bf16 block compiled whole by inductor (what compile_decoder_layers compiles at EP = 1) against the same
-    block eager, on the skewed inputs whose unused experts make empty groups: output, input and parameter
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_block_compiled_whole_equals_eager_on_cuda(family: str) -> None:
+    """Every family's bf16 block compiled whole by inductor (what compile_decoder_layers compiles at EP = 1) against
+    the same block eager, on the skewed inputs whose unused experts make empty groups: output, input and parameter
     gradients within bf16 rounding (relative error < 1e-2; both run the same Triton kernels and grouped GEMMs,
     inductor fuses the router and the permutation), and exactly zero gradients for the unused experts."""
-    hf_block, x_BSH = skewed_block()
+    hf_block, x_BSH = skewed_block(family=family)
     hf_block, x_BSH = hf_block.to("cuda", torch.bfloat16), x_BSH.to("cuda", torch.bfloat16)
     grad_BSH = torch.randn(x_BSH.shape, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
     block = MoeBlock.from_hf_block(hf_block, LocalDispatcher(NUM_EXPERTS, None), "grouped_mm")
