@@ -16,7 +16,7 @@ from steps.engines.engine import TransformersEngine, VLLMEngine, engine_for, rel
 from steps.errors import MoeloopError
 from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
 from steps.storage.run import RunStorage
-from tests.conftest import REPO
+from tests.conftest import REPO, eval_reward_gain
 from workflows.dag import run_uri
 from workflows.local import run_local
 
@@ -70,10 +70,7 @@ def test_the_deepseek_v3_demo_learns(tmp_path: Path, monkeypatch: pytest.MonkeyP
     )
     uri = run_uri(config, str(tmp_path / "runs"))
     run_local(config, uri, tmp_path / "logs", progress=False)
-    storage = RunStorage(uri)
-    start = storage.read_json(storage.metrics(0))["eval_reward_mean"]
-    last = storage.read_json(storage.metrics(config.iterations))["eval_reward_mean"]
-    print(f"tiny-deepseek-v3 eval_reward_mean: SFT {start:.3f} -> iteration {config.iterations} {last:.3f}")
+    start, last = eval_reward_gain(RunStorage(uri), config.iterations, "tiny-deepseek-v3")
     assert last >= start + 0.2
 
 

@@ -585,7 +585,7 @@ def test_a_checkpoint_that_does_not_load_is_one_line_with_one_prefix_and_nothing
 @pytest.mark.slow
 def test_a_checkpoint_whose_experts_do_not_split_over_ep_is_refused_by_start(tmp_path: Path) -> None:
     from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
-    from steps.config import TinyQwen3Moe
+    from steps.config_model import TinyQwen3Moe
 
     tokenizer = build_tokenizer(["abcdefgh="])
     folder = tmp_path / "hf-model"

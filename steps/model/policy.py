@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from steps.config import TinyDeepseekV3, TinyMixtral, TinyModelConfig, TinyQwen2Moe, TinyShape
+from steps.config_model import TinyDeepseekV3, TinyMixtral, TinyModelConfig, TinyQwen2Moe, TinyShape
 from steps.errors import MoeloopError
 from steps.model.dispatch import make_dispatcher
 from steps.model.families import MoeFamily, family_of_block, family_of_config, num_experts
