@@ -1,5 +1,6 @@
-"""`python -m steps.reward_model --like CONFIG --out DIR` builds a tiny random MoE reward model (of model.tiny's family) with the demo's
-character tokenizer: noise as a reward, for showing that the path runs end to end (configs/tiny-ppo-rm.yaml).
+"""`python -m steps.reward_model --like CONFIG --out DIR` builds a tiny random MoE reward model (of
+model.tiny's family) with the demo's character tokenizer: noise as a reward, for showing that the path runs end to
+end (configs/tiny-ppo-rm.yaml).
 The reward models themselves (scoring, committing into a run, loading) are in steps/rewards/models.py.
 """
 

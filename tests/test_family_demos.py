@@ -65,9 +65,8 @@ def test_the_deepseek_v3_demo_learns(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """The loop issue's measure on configs/tiny-deepseek-v3.yaml cut to ITERATIONS of its 24 iterations and
     PROMPTS prompts each: greedy eval_reward_mean beats the SFT checkpoint's by 0.2."""
     monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
-    config = demo_config(
-        "tiny-deepseek-v3.yaml", iterations=ITERATIONS, rollout={"engine": "transformers", "prompts_per_iteration": PROMPTS}
-    )
+    rollout = {"engine": "transformers", "prompts_per_iteration": PROMPTS}
+    config = demo_config("tiny-deepseek-v3.yaml", iterations=ITERATIONS, rollout=rollout)
     uri = run_uri(config, str(tmp_path / "runs"))
     run_local(config, uri, tmp_path / "logs", progress=False)
     start, last = eval_reward_gain(RunStorage(uri), config.iterations, "tiny-deepseek-v3")

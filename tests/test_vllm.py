@@ -12,7 +12,14 @@ import torch
 from steps.engines.engine import Completion, Sampling, TransformersEngine, VLLMEngine, engine_for, release_engine
 from steps.model.hf_shards import INDEX
 from steps.config import load_config
-from steps.model.policy import build_tiny_model, build_tokenizer, load_policy, pack_sequences, save_policy, token_logprobs
+from steps.model.policy import (
+    build_tiny_model,
+    build_tokenizer,
+    load_policy,
+    pack_sequences,
+    save_policy,
+    token_logprobs,
+)
 from steps.publish import publish
 from steps.reward import reward
 from steps.start import start

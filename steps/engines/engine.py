@@ -336,8 +336,8 @@ def engine_for(checkpoint_dir: Path, settings: RolloutConfig, record_routing: bo
     global _kept
     architecture = json.loads((checkpoint_dir / "config.json").read_text())
     key = json.dumps(
-        [resolve_engine(settings.engine, architecture), settings.vllm.model_dump(), settings.transformers_dtype, record_routing,
-         architecture],  # fmt: skip
+        [resolve_engine(settings.engine, architecture), settings.vllm.model_dump(), settings.transformers_dtype,
+         record_routing, architecture],  # fmt: skip
         sort_keys=True,
     )
     if _kept is not None and _kept[0] == key:
