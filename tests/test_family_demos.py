@@ -20,8 +20,9 @@ from tests.conftest import REPO, eval_reward_gain
 from workflows.dag import run_uri
 from workflows.local import run_local
 
-# The fewest iterations and prompts per iteration with which the DeepSeek-V3 demo learns (measured: see the test).
-ITERATIONS, PROMPTS = 8, 192
+# The DeepSeek-V3 demo learns in these: greedy eval_reward_mean went 0.400 (SFT) -> 0.594 after 10, 0.639 after 11,
+# 0.674 after 12, 0.711 after 14 iterations of 192 prompts (one run, seed 0; fewer prompts not measured).
+ITERATIONS, PROMPTS = 12, 192
 FAMILY_DEMOS = ["tiny-qwen2-moe.yaml", "tiny-mixtral.yaml", "tiny-deepseek-v3.yaml"]
 
 
