@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from steps.config_cluster import ClusterConfig, Strict
+from steps.config_model import TinyModelConfig, TinyQwen3Moe
 from steps.errors import MoeloopError
 from steps.inputs import check_location, load_yaml, read_limited
 
@@ -22,35 +23,6 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_ITERATIONS = 999_999
 RUN_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 MAX_RUN_NAME = 42  # Argo names <run_name>-xxxxx and moeloop-run-<run_name> stay under Kubernetes' 63
-
-
-class TinyModelConfig(Strict):
-    """Architecture of the Qwen3-MoE policy the start step builds when no checkpoint is given."""
-
-    hidden_size: int = Field(64, gt=0)
-    intermediate_size: int = Field(128, gt=0)
-    moe_intermediate_size: int = Field(64, gt=0)
-    num_hidden_layers: int = Field(2, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
-    num_key_value_heads: int = Field(2, gt=0)
-    head_dim: int = Field(32, gt=0)
-    num_experts: int = Field(8, gt=0)
-    num_experts_per_tok: int = Field(2, gt=0)
-    max_position_embeddings: int = Field(64, gt=0)
-    router_aux_loss_coef: float = Field(0.001, ge=0)
-
-    @model_validator(mode="after")
-    def _shape(self) -> TinyModelConfig:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads"
-                f" {self.num_key_value_heads}"
-            )
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok {self.num_experts_per_tok} is more than num_experts {self.num_experts}"
-            )
-        return self
 
 
 class SFTConfig(Strict):
@@ -64,7 +36,7 @@ class SFTConfig(Strict):
 class ModelConfig(Strict):
     # An existing HF checkpoint (folder or URI) to start from; None builds and SFTs the tiny model.
     checkpoint: str | None = None
-    tiny: TinyModelConfig = TinyModelConfig()
+    tiny: TinyModelConfig = TinyQwen3Moe()
     sft: SFTConfig = SFTConfig()
 
     @field_validator("checkpoint")

@@ -1,5 +1,6 @@
-"""`python -m steps.reward_model --like CONFIG --out DIR` builds a tiny random Qwen3-MoE reward model with the demo's
-character tokenizer: noise as a reward, for showing that the path runs end to end (configs/tiny-ppo-rm.yaml).
+"""`python -m steps.reward_model --like CONFIG --out DIR` builds a tiny random MoE reward model (of
+model.tiny's family) with the demo's character tokenizer: noise as a reward, for showing that the path runs end to
+end (configs/tiny-ppo-rm.yaml).
 The reward models themselves (scoring, committing into a run, loading) are in steps/rewards/models.py.
 """
 
@@ -9,7 +10,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import Qwen3MoeForSequenceClassification
+from transformers import AutoModelForSequenceClassification
 
 from steps.common import quiet_libraries
 from steps.config import MoeloopConfig, load_config
@@ -19,13 +20,13 @@ from steps.storage.prompts import read_prompt_file
 
 
 def build_tiny_reward_model(config: MoeloopConfig, directory: Path, seed: int = 0) -> None:
-    """A random Qwen3-MoE sequence classifier of the config's tiny shape, with the character tokenizer the start
+    """A random sequence classifier of the config's tiny family and shape, with the character tokenizer the start
     step builds for the same prompts (so it reads the policy's text)."""
     records = read_prompt_file(config.task.train_prompts) + read_prompt_file(config.task.eval_prompts)
     tokenizer = build_tokenizer([r["prompt"] + r.get("answer", "") for r in records])
     model_config = tiny_model_config(config.model.tiny, tokenizer, num_labels=1)
     torch.manual_seed(seed)
-    save_policy(Qwen3MoeForSequenceClassification(model_config), tokenizer, directory)
+    save_policy(AutoModelForSequenceClassification.from_config(model_config), tokenizer, directory)
 
 
 def main() -> None:

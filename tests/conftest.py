@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from steps.config import MoeloopConfig, load_config
+from steps.storage.run import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,6 +44,14 @@ def small_config(iterations: int = 2, **sections: dict) -> MoeloopConfig:
                 data[section][key] = value
     data["iterations"] = iterations
     return MoeloopConfig.model_validate(data)
+
+
+def eval_reward_gain(storage: RunStorage, iterations: int, name: str) -> tuple[float, float]:
+    """The loop issue's measure: greedy eval_reward_mean of the SFT checkpoint and at iteration iterations (printed)."""
+    start = storage.read_json(storage.metrics(0))["eval_reward_mean"]
+    last = storage.read_json(storage.metrics(iterations))["eval_reward_mean"]
+    print(f"{name} eval_reward_mean: SFT {start:.3f} -> iteration {iterations} {last:.3f}")
+    return start, last
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from steps.config import TinyModelConfig
+from steps.config_model import TinyQwen3Moe
 from steps.engines.engine import Sampling, TransformersEngine, engine_for, release_engine
 from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
 from tests.conftest import small_config
@@ -14,7 +14,7 @@ from tests.conftest import small_config
 
 def checkpoint(directory: Path, seed: int) -> Path:
     tokenizer = build_tokenizer(["abcdefgh="])
-    save_policy(build_tiny_model(TinyModelConfig(), tokenizer, seed=seed), tokenizer, directory)
+    save_policy(build_tiny_model(TinyQwen3Moe(), tokenizer, seed=seed), tokenizer, directory)
     return directory
 
 

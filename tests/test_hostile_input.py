@@ -585,11 +585,11 @@ def test_a_checkpoint_that_does_not_load_is_one_line_with_one_prefix_and_nothing
 @pytest.mark.slow
 def test_a_checkpoint_whose_experts_do_not_split_over_ep_is_refused_by_start(tmp_path: Path) -> None:
     from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
-    from steps.config import TinyModelConfig
+    from steps.config_model import TinyQwen3Moe
 
     tokenizer = build_tokenizer(["abcdefgh="])
     folder = tmp_path / "hf-model"
-    save_policy(build_tiny_model(TinyModelConfig(num_experts=8), tokenizer, seed=0), tokenizer, folder)
+    save_policy(build_tiny_model(TinyQwen3Moe(num_experts=8), tokenizer, seed=0), tokenizer, folder)
     changes = {"model.checkpoint": str(folder), "trainer.world_size": 3, "trainer.expert_parallel": 3}
     config = write_config(tmp_path / "configs", tiny_config(run_name=unique_run_name(), **changes))
     run = tmp_path / "root" / "run"

@@ -359,7 +359,7 @@ def test_ppo_demo_learns(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     0.2 (measured after 16: 0.770 and 0.764; over 24, 0.818 and 0.851)."""
     from steps.config import MoeloopConfig, load_config
     from steps.reward_model import build_tiny_reward_model
-    from tests.conftest import REPO
+    from tests.conftest import REPO, eval_reward_gain
     from workflows.dag import run_uri
     from workflows.local import run_local
 
@@ -373,9 +373,7 @@ def test_ppo_demo_learns(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     uri = run_uri(config, str(tmp_path / "runs"))
     run_local(config, uri, tmp_path / "logs", progress=False)
     storage = RunStorage(uri)
-    start = storage.read_json(storage.metrics(0))["eval_reward_mean"]
-    last = storage.read_json(storage.metrics(config.iterations))["eval_reward_mean"]
-    print(f"{name} eval_reward_mean: SFT {start:.3f} -> iteration {config.iterations} {last:.3f}")
+    start, last = eval_reward_gain(storage, config.iterations, name)
     assert storage.is_committed(storage.critic(config.iterations))
     if config.reward.models:
         assert storage.read_json(storage.report(config.iterations, "reward"))["reward_model_0_mean"] != 0

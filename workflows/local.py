@@ -55,6 +55,11 @@ def preflight(config: MoeloopConfig) -> None:
         from steps.engines.engine import check_routes_recordable
 
         check_routes_recordable(config.rollout.engine, record_routing=True)
+    if config.rollout.engine == "vllm" and config.model.checkpoint is None:  # the tiny model's fields are HF's
+        from steps.engines.engine import vllm_refusal
+
+        if (refusal := vllm_refusal({"model_type": config.model.tiny.family, **config.model.tiny.model_dump()})):
+            raise MoeloopError(refusal)
     check_prompts(config, read_prompt_file(config.task.train_prompts), config.task.train_prompts)
     read_prompt_file(config.task.eval_prompts)
     reward_functions(config.reward)

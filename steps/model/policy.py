@@ -22,12 +22,13 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
 )
 
-from steps.config import TinyModelConfig
+from steps.config_model import (
+    TinyDeepseekV3, TinyGptOss, TinyMixtral, TinyModelConfig, TinyQwen2Moe, TinyShape,
+)
 from steps.errors import MoeloopError
 from steps.model.dispatch import make_dispatcher
 from steps.model.families import MoeFamily, family_of_block, family_of_config, num_experts
@@ -47,35 +48,69 @@ def build_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS)
 
 
-def tiny_model_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, **extra: Any) -> Qwen3MoeConfig:
-    """The Qwen3-MoE config of the tiny shape over the tokenizer's vocabulary (the policy's, or with extra
+def tiny_model_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, **extra: Any) -> PretrainedConfig:
+    """The HF config of the tiny shape's family over the tokenizer's vocabulary (the policy's, or with extra
     settings such as num_labels, a reward model's that reads the same text)."""
-    return Qwen3MoeConfig(
+    return AutoConfig.for_model(
+        shape.family,
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        moe_intermediate_size=shape.moe_intermediate_size,
         num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        num_experts=shape.num_experts,
         num_experts_per_tok=shape.num_experts_per_tok,
         max_position_embeddings=shape.max_position_embeddings,
-        router_aux_loss_coef=shape.router_aux_loss_coef,
-        norm_topk_prob=True,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **tiny_family_fields(shape),
         **extra,
     )
 
 
-def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3MoeForCausalLM:
+def tiny_family_fields(shape: TinyModelConfig) -> dict[str, Any]:
+    """The tiny shape's family-specific fields in the names its family's HF config gives them."""
+    if isinstance(shape, TinyDeepseekV3):
+        own = [name for name in TinyDeepseekV3.model_fields if name not in TinyShape.model_fields and name != "family"]
+        return {
+            **{name: getattr(shape, name) for name in own},
+            "num_key_value_heads": shape.num_attention_heads,  # multi-head latent attention: as many kv heads as heads
+            "n_routed_experts": shape.num_experts,
+            "intermediate_size": shape.intermediate_size,
+            "moe_intermediate_size": shape.moe_intermediate_size,
+            # HF routes DeepSeek-V3 one way and its config does not say which; vLLM reads these (else it routes by
+            # softmax, without the correction bias), as DeepSeek-V3's published config.json has them.
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+        }
+    softmax = {
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "router_aux_loss_coef": shape.router_aux_loss_coef,
+    }
+    if isinstance(shape, TinyMixtral):  # its experts' width is its intermediate_size; it always renormalises
+        return {**softmax, "intermediate_size": shape.moe_intermediate_size, "num_local_experts": shape.num_experts}
+    if isinstance(shape, TinyGptOss):  # as Mixtral's names; its layers alternate the window and full attention
+        return {
+            **softmax, "intermediate_size": shape.moe_intermediate_size, "num_local_experts": shape.num_experts,
+            "sliding_window": shape.sliding_window,
+        }  # fmt: skip
+    routed = {
+        **softmax,
+        "intermediate_size": shape.intermediate_size,
+        "moe_intermediate_size": shape.moe_intermediate_size,
+        "num_experts": shape.num_experts,
+        "norm_topk_prob": True,
+    }
+    if isinstance(shape, TinyQwen2Moe):
+        return {**routed, "shared_expert_intermediate_size": shape.shared_expert_intermediate_size}
+    return routed
+
+
+def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.nn.Module:
     config = tiny_model_config(shape, tokenizer)
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config)
 
 
 def load_policy(
