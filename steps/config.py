@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from steps.config_cluster import ClusterConfig, Strict
-from steps.config_model import TinyModelConfig, TinyQwen3Moe
+from steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe
 from steps.errors import MoeloopError
 from steps.inputs import check_location, load_yaml, read_limited
 
@@ -377,12 +377,25 @@ def check_expert_split(num_experts: int, expert_parallel: int, where: str) -> No
 
 def describe_validation_error(error: ValidationError) -> str:
     first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
+    where, family = error_location(first["loc"])
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = "unknown key"
+    if first["type"] == "union_tag_invalid":  # model.tiny.family
+        where, message = f"{where}.family", f"{first['ctx']['tag']!r} is none of {first['ctx']['expected_tags']}"
+    if family:
+        message += f" (model.tiny.family {family})"
     more = len(error.errors()) - 1
     return (f"{where}: {message}" if where else message) + (f" (and {more} more)" if more else "")
+
+
+def error_location(loc: tuple[int | str, ...]) -> tuple[str, str | None]:
+    """An error's dotted key path as the YAML spells it, and the tiny model's family where the path is in its shape:
+    pydantic puts the tag of `model.tiny`'s union (the family) after `model.tiny`, a key no config has."""
+    parts = [str(part) for part in loc]
+    if parts[:2] == ["model", "tiny"] and len(parts) > 2 and parts[2] in TINY_FAMILIES:
+        return ".".join(parts[:2] + parts[3:]), parts[2]
+    return ".".join(parts), None
 
 
 def parse_config_text(data: bytes, source: str) -> MoeloopConfig:

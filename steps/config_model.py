@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
@@ -123,3 +123,5 @@ TinyModelConfig = Annotated[
     | Annotated[TinyGptOss, Tag("gpt_oss")],
     Discriminator(tiny_family),
 ]
+# The union's tags, the families a tiny model can be of.
+TINY_FAMILIES = tuple(get_args(shape)[1].tag for shape in get_args(get_args(TinyModelConfig)[0]))

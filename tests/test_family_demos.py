@@ -75,7 +75,9 @@ def test_the_deepseek_v3_demo_learns(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert last >= start + 0.2
 
 
-@pytest.mark.parametrize(("name", "family"), [("tiny-deepseek-v3.yaml", "deepseek_v3"), ("tiny-gpt-oss.yaml", "gpt_oss")])
+@pytest.mark.parametrize(
+    ("name", "family"), [("tiny-deepseek-v3.yaml", "deepseek_v3"), ("tiny-gpt-oss.yaml", "gpt_oss")]
+)
 def test_vllm_refuses_the_demo_models_it_cannot_run_and_auto_takes_transformers(
     name: str, family: str, tmp_path: Path
 ) -> None:

@@ -126,6 +126,14 @@ CONFIG_CASES = [
         id="kv-heads",
     ),
     pytest.param(
+        {"model.tiny.n_group": 2},
+        "model.tiny.n_group: unknown key (model.tiny.family qwen3_moe)",
+        id="other-family-key",
+    ),
+    pytest.param(
+        {"model.tiny.family": "llama"}, "model.tiny.family: 'llama' is none of 'qwen3_moe', 'qwen2_moe'", id="family"
+    ),
+    pytest.param(
         {"model.tiny.num_experts_per_tok": 9}, "num_experts_per_tok 9 is more than num_experts 8", id="top-k"
     ),
     pytest.param(
