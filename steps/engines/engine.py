@@ -188,6 +188,7 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, checkpoint_dir: Path, settings: VLLMConfig, record_routing: bool = False):
+        check_routes_recordable("vllm", record_routing)  # before the checkpoint is read: it needs none
         refusal = vllm_refusal(json.loads((checkpoint_dir / "config.json").read_text()))
         if refusal is not None:
             raise MoeloopError(refusal)
@@ -197,7 +198,6 @@ class VLLMEngine:
             raise MoeloopError(f"rollout.engine is 'vllm' but vllm does not import: {error}") from None
         from transformers import PreTrainedTokenizerFast
 
-        check_routes_recordable("vllm", record_routing)
         on_gpu = torch.cuda.is_available()
         if not on_gpu and settings.kv_cache_bytes is None:
             raise MoeloopError("rollout.vllm.kv_cache_bytes must be set when vLLM runs on CPU")
