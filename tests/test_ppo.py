@@ -355,8 +355,8 @@ def test_ppo_update_with_ep2_equals_one_process(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["tiny-ppo.yaml", "tiny-ppo-rm.yaml"])
 def test_ppo_demo_learns(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop issue's measure on the PPO demo, and on the PPO demo with a reward model (a random one built here,
-    as its config says), cut to 16 of their 24 iterations: greedy eval_reward_mean beats the SFT checkpoint's by
-    0.2 (measured after 16: 0.770 and 0.764; over 24, 0.818 and 0.851)."""
+    as its config says), cut to 12 of their 24 iterations: greedy eval_reward_mean beats the SFT checkpoint's by
+    0.2 (SFT 0.509; measured after 12: 0.776 and 0.745, after 16: 0.766 and 0.782; over 24, 0.818 and 0.851)."""
     from steps.config import MoeloopConfig, load_config
     from steps.reward_model import build_tiny_reward_model
     from tests.conftest import REPO, eval_reward_gain
@@ -365,7 +365,7 @@ def test_ppo_demo_learns(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
     data = load_config(REPO / "configs" / name).model_dump()
-    data["iterations"] = 16
+    data["iterations"] = 12
     for model in data["reward"]["models"]:
         model["path"] = str(tmp_path / "reward-model")
         build_tiny_reward_model(MoeloopConfig.model_validate(data), Path(model["path"]))
