@@ -1,6 +1,6 @@
 # make install: the project and its dependencies into .venv (idempotent; quick when nothing changed)
 # make demo:    the demo loop on configs/tiny.yaml, locally on CPU
-# make test:    the test suite (slow end-to-end tests included)
+# make test:    the test suite (slow end-to-end tests included), on TEST_WORKERS processes (default 2)
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/moeloop run configs/tiny.yaml
 
+# Two workers, one test file each at a time (module fixtures stay shared), the files with slow tests first (tests/
+# conftest.py), so that the longest are not left for the end; most tests run processes and leave a core idle.
+TEST_WORKERS ?= 2
 test: install
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 clean:
 	rm -rf $(VENV) .moeloop runs

@@ -267,6 +267,14 @@ def test_ep2_update_equals_one_process(tmp_path: Path, family: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", [name for name in FAMILY_NAMES if name != "qwen3_moe"])
+def test_ep4_and_dp2_x_ep2_updates_equal_one_process(tmp_path: Path, family: str) -> None:
+    """Every other family on the 4-process meshes of the test below (which also runs DP 4 and checks the
+    checkpoint, with Qwen3-MoE)."""
+    spawn(4, [(4, False), (2, True)], reference(tmp_path, family))
+
+
+@pytest.mark.slow
 def test_ep4_dp2_x_ep2_and_dp4_updates_equal_one_process_and_ep4_checkpoint_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
