@@ -74,24 +74,6 @@ def no_engine_left_behind() -> Iterator[None]:
     release_engine()
 
 
-
-# The files that take longest (measured under `make test`: the demos' learning runs, the fault injection), run
-# first; then the other files with slow tests, then the rest: with --no-loadscope-reorder the two workers take the
-# files in this order, so the end of the run is short files filling in, not one long file alone.
-LONGEST_FILES = ("test_ppo.py", "test_demo.py", "test_family_demos.py", "test_storage_faults.py", "test_async.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    files_with_slow = {item.path for item in items if item.get_closest_marker("slow")}
-
-    def order(item: pytest.Item) -> tuple[int, int]:
-        if item.path.name in LONGEST_FILES:
-            return 0, LONGEST_FILES.index(item.path.name)
-        return (1 if item.path in files_with_slow else 2), 0
-
-    items.sort(key=order)  # stable: a file's tests keep their order
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (`make test` runs 2 workers) a worker's in-process torch takes one core's share of
     intra-op threads, so that the two workers do not run four OpenMP threads on two cores."""

@@ -6,6 +6,7 @@ the working directory in the test's folder (step logs land there) and the repo o
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -449,18 +450,20 @@ def loop_config(tmp_path: Path, reward: str, **changes: Any) -> Path:
     data["reward"] = {"functions": [{"path": reward}]}
     data["trainer"] = {"minibatch_size": 8}
     data["eval"] = {"max_prompts": 4}
-    data["local"] = {"parallelism": 1}  # start, the rollouts, reward, ...: in that order (eval-0 after publish)
+    data["local"] = {"parallelism": 1}  # start, eval-0, the rollouts, reward, ...: in that order
     for dotted, value in {**small_task(tmp_path / "data"), **changes}.items():
         set_dotted(data, dotted, value)
     return write_config(tmp_path / "configs", data)
 
 
 def assert_stopped_before_publish(run: Path) -> None:
-    """LATEST still at the start's checkpoint, no later checkpoint, no metrics (at parallelism 1 eval-0 waits for
-    iteration 1's publish: workflows/local.py:urgency)."""
+    """LATEST still at the start's checkpoint, no later checkpoint, every metrics file valid JSON."""
     assert json.loads((run / "LATEST").read_text())["iteration"] == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter-000000"]
-    assert not list(run.glob("metrics/*"))
+    metrics = sorted((run / "metrics").glob("*.json"))
+    assert [p.name for p in metrics] == ["iter-000000.json"], "eval-0 ran before the fault: its metrics are there"
+    for path in metrics:
+        assert math.isfinite(strict_json(path)["eval_reward_mean"])
     for path in (run / "reports").rglob("*.json"):
         strict_json(path)
     assert not any(".tmp-" in name for name in snapshot(run))

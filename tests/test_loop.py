@@ -69,9 +69,6 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: P
     def slot(name: str) -> str:
         return re.sub(r"^it(\d+)-", r"slot\1-", name)
 
-    # The loop's steps take the free slots before an evaluation: iteration 1's rollouts never wait for eval-0.
-    started = {t.name: t.started_at for t in executed}
-    assert max(started["it1-rollout-0"], started["it1-rollout-1"]) <= started["eval-0"]
     iterations = [t for t in executed if t.name not in ("start", "eval-0")]
     assert {
         slot(t.name): tuple(sorted(slot(d) if d.startswith("it") else "plan" for d in t.dependencies))

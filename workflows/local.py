@@ -121,7 +121,7 @@ def drive(
     try:
         while waiting or running:
             starting = []
-            for task in sorted((t for t in waiting if all(d in finished for d in t.dependencies)), key=urgency):
+            for task in [t for t in waiting if all(d in finished for d in t.dependencies)]:
                 if len(running) + len(starting) >= config.local.parallelism:
                     break
                 slot = worker_slot(task) if config.local.workers else None
@@ -185,14 +185,6 @@ def drive(
             worker.close()
         bar.close()
     return executed
-
-
-def urgency(task: Task) -> tuple[int, bool]:
-    """The order ready tasks take free slots in: by the iteration they lead to, the loop's own steps before an
-    evaluation, which nothing waits for. Evaluation i counts towards iteration i+1, so the first rollouts never
-    wait for eval-0, and at `local.parallelism` 1 an evaluation runs once the next iteration's steps are done."""
-    evaluation = task.step == EVALUATE
-    return task.iteration + evaluation, evaluation
 
 
 def overall_eta(elapsed: float, done: int, total: int) -> str:
