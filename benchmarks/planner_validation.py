@@ -1,13 +1,17 @@
-"""The capacity planner against the loop: from one short calibration run, predict the iteration period of three
-longer runs whose shards, staleness and batch differ, then run them and compare.
+"""The capacity planner against the loop: from a short calibration, predict the iteration period of three longer
+runs whose shards, staleness and batch differ, then run them and compare.
 
-    python benchmarks/planner_validation.py [--calibration-iterations 4] [--iterations 8] [--engine vllm]
+    python benchmarks/planner_validation.py [--calibration-iterations 5] [--iterations 10] [--engine vllm] [--keep DIR]
 
 Every run is the demo (configs/tiny.yaml) through `moeloop run`, with 10 SFT steps, 64 eval prompts and the
-local runner's defaults (2 slots on pinned cores, long-lived workers). The prediction is `moeloop plan
-CALIBRATION --target T --format json`, T stating only the other run's batch, shards and staleness; the measured
-period is the mean of `iteration_seconds` over each run's iterations after its first 2 + max_staleness. Prints
-Markdown. The run folders live in a temporary directory removed at the end.
+local runner's defaults (2 slots on pinned cores, long-lived workers). The calibration is two short runs of one
+batch and shard, one synchronous and one at staleness 1: the local runner gives the train step both cores in the
+first and one in the second (it starts beside publish), and how a step's speed grows with its cores is measured
+only where it ran at both (`steps/capacity/rates.py:core_scaling`). The prediction is `moeloop plan CALIBRATION
+--also CALIBRATION-AHEAD --target T --format json`, T stating only the other run's batch, shards and staleness;
+the measured period is the mean of `iteration_seconds` over each run's iterations after its first 2 +
+max_staleness. Prints Markdown. The run folders live in a temporary directory removed at the end (`--keep DIR`:
+in DIR, kept).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 # (name, rollout shards, max_staleness, prompts per iteration, samples per prompt)
 CALIBRATION = ("calibration", 1, 0, 192, 16)
+CALIBRATION_AHEAD = ("calibration-ahead", 1, 1, 192, 16)
 VALIDATION = (
     ("two-shards", 2, 0, 256, 16),
     ("ahead-by-one", 1, 1, 384, 8),
@@ -74,20 +79,26 @@ def measured_period(run: Path, iterations: int, staleness: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--calibration-iterations", type=int, default=4)
-    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--calibration-iterations", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--engine", default="vllm", choices=["transformers", "vllm"])
+    parser.add_argument("--keep", type=Path, help="run in this (new) folder and keep the runs, to plan from again")
     args = parser.parse_args()
+    if args.keep:
+        args.keep.mkdir(parents=True)  # new: a folder with runs in it would be resumed, not measured
 
     with tempfile.TemporaryDirectory(prefix="moeloop-plan-validation-") as temporary:
-        folder = Path(temporary)
+        folder = args.keep.resolve() if args.keep else Path(temporary)
         environment = {**os.environ, "MOELOOP_CACHE": str(folder / "cache"), "PYTHONPATH": str(REPO)}
         load = os.getloadavg()[0]
         started = time.perf_counter()
-        calibration = write_config(folder, CALIBRATION, args.calibration_iterations, args.engine)
-        moeloop("run", str(calibration), "--root", str(folder / "runs"), "--no-progress", environment=environment)
+        short = args.calibration_iterations
+        for run, iterations in ((CALIBRATION, short), (CALIBRATION_AHEAD, short + 1)):  # staleness 1 skips one more
+            calibration = write_config(folder, run, iterations, args.engine)
+            moeloop("run", str(calibration), "--root", str(folder / "runs"), "--no-progress", environment=environment)
         calibration_run = folder / "runs" / f"plan-{CALIBRATION[0]}"
-        own = json.loads(moeloop("plan", str(calibration_run), "--format", "json", environment=environment))
+        also = ("--also", str(folder / "runs" / f"plan-{CALIBRATION_AHEAD[0]}"))
+        own = json.loads(moeloop("plan", str(calibration_run), *also, "--format", "json", environment=environment))
         rows = []
         for run in VALIDATION:
             name, shards, staleness, prompts, samples = run
@@ -102,7 +113,14 @@ def main() -> None:
             )
             plan = json.loads(
                 moeloop(
-                    "plan", str(calibration_run), "--target", str(target), "--format", "json", environment=environment
+                    "plan",
+                    str(calibration_run),
+                    *also,
+                    "--target",
+                    str(target),
+                    "--format",
+                    "json",
+                    environment=environment,
                 )
             )
             config = write_config(folder, run, args.iterations, args.engine)
@@ -111,9 +129,12 @@ def main() -> None:
             rows.append((run, plan["best"]["period_seconds"], plan["best"]["critical_path"], measured))
         wall = time.perf_counter() - started
 
+    scaling = {name.removeprefix("core_scaling."): f["value"] for name, f in own["inputs"].items() if "scaling" in name}
     print(
-        f"calibration: {CALIBRATION[3]} prompts x {CALIBRATION[4]}, 1 shard, staleness 0,"
-        f" {args.calibration_iterations} iterations; its own period predicted"
+        f"calibration: {CALIBRATION[3]} prompts x {CALIBRATION[4]}, 1 shard, staleness 0 and 1,"
+        f" {args.calibration_iterations} and {args.calibration_iterations + 1} iterations; core scaling fitted"
+        f" {', '.join(f'{step} {value:.2f}' for step, value in scaling.items())};"
+        " the synchronous run's own period predicted"
         f" {own['calibration']['predicted_period_seconds']:.2f} s, measured"
         f" {own['calibration']['measured_period_seconds']:.2f} s. Engine {args.engine}, {os.cpu_count()} cores,"
         f" 1-minute load {load:.1f} before and {os.getloadavg()[0]:.1f} after, {wall / 60:.1f} min in all.\n"

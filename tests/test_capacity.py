@@ -15,6 +15,9 @@ from steps.capacity.inputs import plan_inputs
 from steps.capacity.memory import BF16, FP32, predict_train_peak_bytes
 from steps.capacity.models import FAMILIES, model_config, parameter_counts, shape_from_hf_config
 from steps.capacity.options import make_plan
+from steps.capacity.rates import STEPS, fit_core_scaling
+from steps.capacity.schedule import GraphTask, Job, play
+from steps.cores import held_cores
 from steps.errors import MoeloopError
 from workflows.cli import plan_dag
 
@@ -222,16 +225,58 @@ def test_spot_retry_from_the_interruption_rate_and_the_shard_size(tmp_path: Path
 
 
 def test_local_runner_slots_delay_a_shard_behind_the_evaluation(tmp_path: Path) -> None:
-    """Locally (tiny.yaml: 2 slots, a worker per shard and per step), 2 shards, synchronous. A shard generates
-    40 prompts x 10 x 400 = 160,000 tokens at 16,000 tokens/s: 10 s. After publish N, eval N and shard 0 of N+1
-    take the slots (eval comes first in the DAG's order); shard 1 starts when eval ends. Period = 5 + eval 5
-    + 5 + rollout 10 + 5 + reward 1 + 5 + train 20 + 5 + publish 2 = 63 s, not the 53 s of pools with room."""
+    """Locally (tiny.yaml: 2 slots, a worker per shard and per step; 2 cores), 2 shards, synchronous; the rates are
+    per core, the step times core-seconds. A shard generates 40 prompts x 10 x 400 = 160,000 tokens at 16,000
+    tokens/s: 10 core-s. After publish N, eval N and shard 0 of N+1 take the slots and a core each (eval comes
+    first in the DAG's order): eval ends at 5 + 5, and shard 1 starts on its core, 5 + 10 later, while shard 0 ends
+    at 15 (a step keeps its share: shard 1 does not get shard 0's core). Alone, reward, train and publish run on
+    both cores: period = 25 + 5 + reward 1 / 2 + 5 + train 20 / 2 + 5 + publish 2 / 2 = 51.5 s."""
     stated = rates(16000, 0, 0.00125, 20000, 0, 2) | {"evaluate_seconds": 5}
-    best = stated_plan(tmp_path, 0, stated, gpu="local", shards=2).best
+    plan = stated_plan(tmp_path, 0, stated, gpu="local", shards=2, cores=2)
+    best = plan.best
     assert best.step_seconds == pytest.approx({"rollout": 10, "reward": 1, "train": 20, "publish": 2, "evaluate": 5})
-    assert best.period == pytest.approx(63)
+    assert best.period == pytest.approx(51.5)
     assert best.critical_path == "publish -> evaluate ~> rollout -> reward -> train -> publish"
     assert best.cost_per_iteration is None and best.train_memory is None
+    assert plan.setup.figures["local_cores"].source.startswith("stated: ")
+
+
+def test_local_steps_run_at_the_cores_they_hold() -> None:
+    """2 cores. Train (10 core-s) and publish (1) start together, a core each; publish ends at 1 and the rollout
+    after it (2 core-s) starts on its core, to 3; train keeps its one core and ends at 10. Replaying the played
+    spans gives back each job's core-seconds."""
+
+    def job(name: str, seconds: float, *after: str) -> Job:
+        return Job(GraphTask(name, name, 1, after, name), 0.0, seconds, ("slots",))
+
+    jobs = [job("train", 10), job("publish", 1), job("rollout", 2, "publish")]
+    schedule = play(jobs, {"slots": 2}, cores=2)
+    assert schedule.ends == pytest.approx({"publish": 1, "rollout": 3, "train": 10})
+    spans = {name: (schedule.begins[name], schedule.ends[name]) for name in schedule.ends}
+    held = held_cores(spans, 2)
+    assert {name: held[name] * (end - start) for name, (start, end) in spans.items()} == pytest.approx(
+        {"train": 10, "publish": 1, "rollout": 2}
+    )
+    one = play(jobs, {"slots": 2}, cores=1)  # one core shared by train and publish, then by train and the rollout
+    assert one.ends == pytest.approx({"publish": 2, "rollout": 6, "train": 13})
+    assert play(jobs, {"slots": 2}).ends == pytest.approx({"publish": 1, "rollout": 3, "train": 10})  # a node each
+
+
+def test_core_scaling_is_fitted_where_a_step_ran_at_several_shares_and_assumed_linear_otherwise() -> None:
+    """Seconds per unit 10 on one core and 10 / 2 ** 0.3 on two: speed grows as cores ** 0.3."""
+    points = [(math.log(c), math.log(10 / c**0.3)) for c in (1.0, 1.0, 2.0, 2.0, 1.5)]
+    fitted = fit_core_scaling("train", points)
+    assert fitted.value == pytest.approx(0.3) and fitted.source.startswith("fitted: 5 train samples at 1.00-2.00")
+    assumed = fit_core_scaling("rollout", [(math.log(1.0), 1.0), (math.log(1.1), 0.9)])
+    assert assumed.value == 1 and assumed.source.startswith("assumed: linear in cores")
+    # Faster on fewer cores (noise) is not a negative exponent, nor faster than linear above 1.
+    assert fit_core_scaling("reward", [(0.0, 1.0), (math.log(2), 1.2)]).value == 0
+    assert fit_core_scaling("publish", [(0.0, 1.0), (math.log(2), 1.0 - 2 * math.log(2))]).value == 1
+
+
+def test_runs_pooled_with_a_config_are_refused() -> None:
+    with pytest.raises(MoeloopError, match=r"is a config, not a run: runs to pool with it \(--also\) need a run"):
+        plan_inputs(str(REPO / "configs" / "tiny.yaml"), None, plan_dag, ("elsewhere/run",))
 
 
 def test_best_under_a_deadline_and_a_budget(tmp_path: Path) -> None:
@@ -305,6 +350,13 @@ def test_a_plan_from_a_run_uses_its_measured_rates_and_holds_its_own_setup_again
     for name in ("rollout_tokens_per_second_per_gpu", "train_tokens_per_second_per_gpu", "start_seconds.train"):
         assert setup.figures[name].source.startswith("measured: reports/iter-000003..000004/")
         assert setup.figures[name].value > 0
+    # Measured by the local runner: per core, the shares replayed; pooled with a run, the medians stay.
+    rate = setup.figures["train_tokens_per_second_per_gpu"]
+    assert rate.unit == "tokens/s per core" and "the local runner's shares of" in rate.source
+    assert {f"core_scaling.{step}" for step in STEPS} | {"local_cores"} <= set(setup.figures)
+    pooled, _, _ = plan_inputs(measured_run, None, plan_dag, (measured_run,))
+    assert pooled.figures["train_tokens_per_second_per_gpu"].value == pytest.approx(rate.value)
+    assert "(median of 4 iterations of 2 runs)" in pooled.figures["train_tokens_per_second_per_gpu"].source
     plan = make_plan(setup, None, None, own, measured_period)
     predicted, measured = plan.calibration
     assert measured.value > 0 and predicted.period > 0

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
-from workflows import local
-from workflows.local import CoreShares, StepWorker, available_cores, core_shares, pin_process_tree, step_environment
+from steps import cores as cores_module
+from steps.cores import SharedCores, available_cores, core_shares, held_cores, speed
+from workflows.local import CoreShares, StepWorker, pin_process_tree, step_environment
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 
@@ -37,7 +40,7 @@ def test_core_shares_give_a_step_alone_all_cores_and_side_by_side_steps_disjoint
 
 
 def test_available_cores_are_this_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local.os, "sched_getaffinity", lambda pid: {6, 4}, raising=False)
+    monkeypatch.setattr(cores_module.os, "sched_getaffinity", lambda pid: {6, 4}, raising=False)
     assert available_cores() == [4, 6]
 
 
@@ -101,6 +104,31 @@ def run_refused(worker: StepWorker, log: Path, cores: set[int] | None, threads: 
     return log.read_text()
 
 
+def test_shared_cores_track_the_shares_as_steps_start_and_end() -> None:
+    """A step keeps what is left of its share until it ends; freed cores wait for the next step to start
+    (`SharedCores`'s docstring says why they do not go to the running ones)."""
+    shares = SharedCores([0, 1, 2, 3])
+    assert shares.start(["train"]) == [{0, 1, 2, 3}]
+    assert shares.start(["publish"]) == [{2, 3}] and shares.shares["train"] == {0, 1}
+    assert shares.start(["rollout"]) == [{1}] and shares.shares["train"] == {0}
+    assert shares.speed("train") == 1 and shares.speed("rollout") == 1
+    shares.finished("publish")
+    assert shares.shares == {"train": {0}, "rollout": {1}}
+    assert shares.start(["eval"]) == [{2, 3}]  # the free cores first
+
+
+def test_speed_splits_a_core_among_the_steps_on_it() -> None:
+    assert speed({0}, [{0}, {0}, {1}]) == 0.5
+    assert speed({0, 1}, [{0, 1}, {1}]) == 1.5
+
+
+def test_held_cores_replays_the_shares_over_the_steps_spans() -> None:
+    """Train alone on 2 cores from 0 s; publish starts beside it at 2 s and takes one, which train does not get
+    back when publish ends: 2 s x 2 + 8 s x 1 = 12 core-seconds over 10 s."""
+    held = held_cores({"train": (0.0, 10.0), "publish": (2.0, 3.0), "eval": (10.0, 11.0)}, 2)
+    assert held == pytest.approx({"train": 1.2, "publish": 1.0, "eval": 2.0})
+
+
 @linux_only
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_a_step_alone_gets_all_cores_and_threads_and_two_side_by_side_get_disjoint_ones(tmp_path: Path) -> None:
@@ -135,3 +163,26 @@ def test_a_step_alone_gets_all_cores_and_threads_and_two_side_by_side_get_disjoi
     finally:
         for worker in workers:
             worker.close()
+
+
+@linux_only
+def test_a_share_change_while_torch_is_imported_is_applied_once_the_import_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGWINCH can come while a worker is still importing torch: the handler must not touch the half-made module
+    (that failed a step with 'partially initialized module torch'); the next use_threads fits the threads."""
+    import torch
+
+    from workflows import worker
+
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # use_threads sets it
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # partly initialised: no functions yet
+    worker.fit_threads_to_cores(signal.SIGWINCH, None)
+    assert worker.refit_pending
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    threads = torch.get_num_threads()
+    try:
+        worker.use_threads(1)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0)) and not worker.refit_pending
+    finally:
+        torch.set_num_threads(threads)

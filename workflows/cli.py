@@ -185,7 +185,7 @@ def command_plan(args: argparse.Namespace) -> None:
     for flag, value in (("--budget", args.budget), ("--deadline", args.deadline)):
         if value is not None and value <= 0:
             raise MoeloopError(f"{flag} must be positive, not {value:g}")
-    setup, own, measured_period = plan_inputs(args.source, args.target, plan_dag)
+    setup, own, measured_period = plan_inputs(args.source, args.target, plan_dag, tuple(args.also))
     plan = make_plan(setup, args.budget, args.deadline, own, measured_period)
     print(json.dumps(plan_json(plan), indent=2) if args.format == "json" else plan_table(plan))
 
@@ -271,6 +271,13 @@ def parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("source", help="a run's URI (its measured rates), or a config YAML (rates stated in --target)")
     plan.add_argument("--target", help="a target YAML: model, GPU, prices, batch, stated rates, options to weigh")
+    plan.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="RUN",
+        help="another run of the same model on the same machine, its measurements pooled with RUN's (repeatable)",
+    )
     plan.add_argument("--budget", type=float, help="dollars for the run's iterations: the fastest option within it")
     plan.add_argument("--deadline", type=float, help="hours for the run's iterations: the cheapest option within it")
     plan.add_argument("--format", choices=["table", "json"], default="table")

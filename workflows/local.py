@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from steps.config import MoeloopConfig
+from steps.cores import SharedCores, available_cores
 from steps.errors import MoeloopError
 from steps.observe.trackers import check_trackers
 from steps.rewards.functions import reward_functions
@@ -194,57 +194,24 @@ def overall_eta(elapsed: float, done: int, total: int) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def available_cores() -> list[int]:
-    """The cores this process may use (a container's cpuset), not 0..n-1."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-
-
-def core_shares(cores: list[int], running: list[set[int]], starting: int) -> tuple[list[set[int]], list[set[int]]]:
-    """Cores for `starting` steps that start beside steps running on the `running` shares, as pods on nodes of
-    their own: an equal share of all the cores each (a step alone: all of them), from the free cores first (the
-    last step to start takes all that are left, so none idles), then taken from the largest running shares.
-    Returns the new shares and the running ones as they become (shrunk, never moved elsewhere). With more steps
-    than cores, a step shares the core fewest others run on."""
-    running = [set(share) for share in running]
-    target = max(1, len(cores) // (len(running) + starting))
-    shares: list[set[int]] = []
-    for index in range(starting):
-        used = set().union(*running, *shares)
-        free = [core for core in cores if core not in used]
-        share = set(free if index == starting - 1 else free[:target])
-        while len(share) < target and max(map(len, running + shares), default=0) > target:
-            largest = max(running + shares, key=len)
-            core = max(largest)
-            largest.remove(core)
-            share.add(core)
-        if not share:
-            load = Counter(core for other in running + shares for core in other)
-            share = {min(cores, key=lambda core: load[core])}
-        shares.append(share)
-    return shares, running
-
-
-class CoreShares:
-    """Which cores each running step has (`core_shares`). A step keeps its cores until it ends, but for the ones
-    that a step starting beside it takes: its process tree is then moved onto the rest, and a worker told to fit
-    its torch threads to them (SIGWINCH, `workflows.worker`); a plain process keeps the threads it started with.
-    pinned False (`local.pin_cores` off, or not Linux): shares size the thread counts only."""
+class CoreShares(SharedCores):
+    """The runner's core shares, applied: when a step starting beside others takes some of their cores, their
+    process trees are moved onto the rest, and a worker told to fit its torch threads to them (SIGWINCH,
+    `workflows.worker`); a plain process keeps the threads it started with. pinned False (`local.pin_cores` off,
+    or not Linux): shares size the thread counts only."""
 
     def __init__(self, cores: list[int], pinned: bool):
-        self.cores, self.pinned = cores, pinned
-        self.shares: dict[str, set[int]] = {}
+        super().__init__(cores)
+        self.pinned = pinned
         self.pids: dict[str, int] = {}
         self.workers: set[str] = set()  # the steps that run in a StepWorker
 
     def start(self, names: list[str]) -> list[set[int]]:
-        shares, running = core_shares(self.cores, list(self.shares.values()), len(names))
-        for name, share in zip(list(self.shares), running, strict=True):
-            if share != self.shares[name] and self.pinned and name in self.pids:
-                pin_process_tree(self.pids[name], share)
-                if name in self.workers:
-                    os.kill(self.pids[name], signal.SIGWINCH)
-            self.shares[name] = share
-        self.shares.update(zip(names, shares, strict=True))
+        before = dict(self.shares)
+        shares = super().start(names)
+        for name, share in before.items():
+            if share != self.shares[name]:
+                self.move(name)
         return shares
 
     def started(self, name: str, pid: int, worker: bool = False) -> None:
@@ -253,9 +220,15 @@ class CoreShares:
             self.workers.add(name)
 
     def finished(self, name: str) -> None:
-        self.shares.pop(name)
+        super().finished(name)
         self.pids.pop(name, None)
         self.workers.discard(name)
+
+    def move(self, name: str) -> None:
+        if self.pinned and name in self.pids:
+            pin_process_tree(self.pids[name], self.shares[name])
+            if name in self.workers:
+                os.kill(self.pids[name], signal.SIGWINCH)
 
 
 def step_environment(threads: int, pin_cores: bool) -> dict[str, str]:

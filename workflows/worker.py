@@ -40,14 +40,21 @@ def run_command(argv: list[str]) -> int:
     return 0
 
 
+refit_pending = False  # a SIGWINCH that came while torch was still being imported
+
+
 def use_threads(threads: int) -> None:
     """torch's intra-op threads for the next command, and OMP_NUM_THREADS for the processes it starts (a rollout
     engine built by it; one kept from an earlier command keeps the threads it was built with). No more than the
-    worker's cores: a step that started meanwhile may have taken some."""
+    worker's cores: a step that started meanwhile may have taken some; as many as them if the share changed while
+    torch was being imported."""
+    global refit_pending
     import torch
 
     if hasattr(os, "sched_getaffinity"):
-        threads = min(threads, len(os.sched_getaffinity(0)))
+        held = len(os.sched_getaffinity(0))
+        threads = held if refit_pending else min(threads, held)
+    refit_pending = False
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "all"
@@ -56,12 +63,19 @@ def use_threads(threads: int) -> None:
 
 def fit_threads_to_cores(signum: int, frame: object) -> None:
     """SIGWINCH from the runner, which has moved this worker onto fewer cores: as many torch threads as it has
-    cores now (run between two bytecodes of the command, never inside one of torch's parallel regions)."""
-    if "torch" in sys.modules and hasattr(os, "sched_getaffinity"):
-        torch, cores = sys.modules["torch"], sorted(os.sched_getaffinity(0))
-        torch.set_num_threads(len(cores))
-        # os.write to the command's log, not print: the command may be inside a print of its own
-        os.write(2, f"worker: {torch.get_num_threads()} torch threads, cores {cores} (share shrunk)\n".encode())
+    cores now (run between two bytecodes of the command, never inside one of torch's parallel regions). While
+    torch is still being imported (partly initialised), `use_threads` does it once the import is done."""
+    global refit_pending
+    if not hasattr(os, "sched_getaffinity"):
+        return
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "set_num_threads") or not hasattr(torch, "get_num_threads"):
+        refit_pending = True
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    torch.set_num_threads(len(cores))
+    # os.write to the command's log, not print: the command may be inside a print of its own
+    os.write(2, f"worker: {torch.get_num_threads()} torch threads, cores {cores} (share shrunk)\n".encode())
 
 
 def main() -> None:

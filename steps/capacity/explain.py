@@ -51,7 +51,8 @@ def _best_lines(plan: Plan) -> list[str]:
     pools = ", ".join(p for p in _pools(plan, best) if p != "-")
     lines = [
         f"best ({plan.constraint}): {pools}, staleness {best.option.staleness}: {best.period:.1f} s/iteration, {run}",
-        "  step seconds: " + ", ".join(f"{step} {s:.1f}" for step, s in best.step_seconds.items()),
+        f"  step seconds{' on one core' if setup.local else ''}: "
+        + ", ".join(f"{step} {s:.1f}" for step, s in best.step_seconds.items()),
     ]
     if best.train_memory is not None:
         terms = ", ".join(f"{name} {size / GIB:.1f}" for name, size in best.train_memory.terms.items())

@@ -33,6 +33,7 @@ from steps.capacity.options import Option, Setup, TasksFor, pick_expert_parallel
 from steps.capacity.rates import STEPS, Figure, Measured, measure_run
 from steps.capacity.target import LOCAL, Instance, Target, load_prices, load_target
 from steps.config import MoeloopConfig, load_config
+from steps.cores import available_cores
 from steps.errors import MoeloopError
 
 # The rates every step time uses, with their units; then those that add a term only when known.
@@ -76,26 +77,33 @@ def is_config_file(source: str) -> bool:
 
 
 def plan_inputs(
-    source: str, target_path: str | None, tasks_for: TasksFor
+    source: str, target_path: str | None, tasks_for: TasksFor, also: tuple[str, ...] = ()
 ) -> tuple[Setup, Option | None, Figure | None]:
     """The setup the options share; and, when the target is the run's own (model, hardware and batch), the run's
-    own option with its measured period, to hold the plan against."""
+    own option with its measured period, to hold the plan against. `also`: more runs to pool with the source's
+    measurements (`measure_run`)."""
     target = load_target(target_path)
+    cores = Figure(target.cores, "cores", f"stated: {target_path} cores") if target.cores else None
+    cores = cores or Figure(len(available_cores()), "cores", "this machine: the cores this process may use")
     measured = None
     if is_config_file(source):
+        if also:
+            raise MoeloopError(f"{source} is a config, not a run: runs to pool with it (--also) need a run to plan")
         config = load_config(source)
     else:
 
         def own_dag(c: MoeloopConfig) -> list:
             return tasks_for(c, c.rollout.num_shards, c.rollout.max_staleness, c.iterations)
 
-        measured = measure_run(source, own_dag)
+        measured = measure_run(source, own_dag, int(cores.value) if target.measured_on == LOCAL else None, also)
         config = measured.config
     shape, model = _model(target, config, measured, source)
     run_shape = shape_from_hf_config(measured.model_config, f"{source}/checkpoints/iter-000000") if measured else None
     sources = Sources(target, target_path or "the target", config, measured, shape, run_shape)
     device = None if target.gpu == LOCAL else gpu(target.gpu)
     figures = _batch_figures(sources) | _size_figures(sources)
+    if device is None:
+        figures |= {"local_cores": cores} | _core_scaling(sources)
     figures |= _rate_figures(sources, device, figures["prompt_tokens"].value + figures["response_tokens"].value)
     instance = prices = prices_source = None
     if device is not None:
@@ -154,6 +162,15 @@ def _batch_figures(s: Sources) -> dict[str, Figure]:
             )
         figures |= stated or {name: s.measured.figures[name]}
     return figures
+
+
+def _core_scaling(s: Sources) -> dict[str, Figure]:
+    """How each step's speed grows with its cores on the local runner: fitted from the runs measured here, else
+    assumed linear."""
+    if s.measured is not None and s.target.measured_on == LOCAL:
+        return {name: f for name, f in s.measured.figures.items() if name.startswith("core_scaling.")}
+    assumed = Figure(1.0, "exponent", "assumed: linear in cores (no run measured)")
+    return {f"core_scaling.{step}": assumed for step in STEPS}
 
 
 def _size_figures(s: Sources) -> dict[str, Figure]:

@@ -11,10 +11,12 @@ A step's time is its fixed overhead plus its work over its rate:
                     + prompts x G x (prompt + response tokens) x epochs / (tokens/s per GPU x train GPUs)
     publish       = checkpoint GB x publish s/GB
 
-and every step also pays its start-up before it. Spot: with r reclaims per instance-hour on n rollout nodes, an
-iteration's shards (R seconds each) lose one with probability 1 - exp(-r n R / 3600); that shard restarts from
-scratch, so it ends (interrupted on average halfway) R / 2 + the restart later. The rollout time carries that
-expected value.
+and every step also pays its start-up before it. Locally the rates are per core and these are seconds on one core,
+which the schedule plays at c ** a times that speed on the c cores' worth a step holds (`core_scaling`).
+
+Spot: with r reclaims per instance-hour on n rollout nodes, an iteration's shards (R seconds each) lose one with
+probability 1 - exp(-r n R / 3600); that shard restarts from scratch, so it ends (interrupted on average halfway)
+R / 2 + the restart later. The rollout time carries that expected value.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from steps.capacity.hardware import GPU
 from steps.capacity.memory import GIB, TrainMemory, predict_train_peak_bytes
 from steps.capacity.models import ModelShape, ParameterCounts, parameter_counts
-from steps.capacity.rates import Figure
+from steps.capacity.rates import STEPS, Figure
 from steps.capacity.schedule import GraphTask, Job, busy_share, critical_path, period, play
 from steps.capacity.target import Instance, Search, Trainer
 from steps.config import MoeloopConfig
@@ -144,8 +146,9 @@ def step_seconds(setup: Setup, option: Option) -> tuple[dict[str, float], float]
         lost = 1 - math.exp(-v("spot_interruptions_per_hour") * option.rollout_nodes * shard / 3600)
         spot = lost * (shard / 2 + v("spot_restart_seconds"))
     reward_gpus = option.reward_nodes * setup.prices.gpus if setup.reward_on_gpu and setup.prices else 1
+    train_gpus = 1 if setup.local else option.train_gpus  # locally: per core, the cores played by the schedule
     train = v("train_overhead_seconds") + setup.tokens * v("epochs") / (
-        v("train_tokens_per_second_per_gpu") * option.train_gpus
+        v("train_tokens_per_second_per_gpu") * train_gpus
     )
     if "trainer_state_seconds_per_gb" in setup.figures:
         train += v("trainer_state_gb") * v("trainer_state_seconds_per_gb") / max(1, option.train_nodes)
@@ -195,7 +198,11 @@ def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) ->
     else:
         pools = {"rollout": option.rollout_shards, "train": 1} | ({"reward": 1} if setup.reward_on_gpu else {})
         capacity = pools
-    schedule = play(jobs, capacity)
+    if setup.local:
+        scaling = {step: setup.value(f"core_scaling.{step}") for step in STEPS}
+        schedule = play(jobs, capacity, int(setup.value("local_cores")), scaling)
+    else:
+        schedule = play(jobs, capacity)
     busy = {pool: busy_share(schedule, pool, size, first, last) for pool, size in pools.items()}
     cost = None
     if setup.prices is not None:

@@ -11,17 +11,17 @@ each pool serves one iteration at a time, so
     period = max((start-ups + rollout + reward + train + publish) / (s + 1), rollout, reward, train, publish)
 
 (each term with its own start-up). Playing the DAG out gives the same figure there and also covers what the
-formula does not: the local runner's few slots, shared by rollouts, evaluation and training. The critical path
+formula does not: the local runner's few slots and cores, shared by rollouts, evaluation and training. The critical path
 is the cycle that sets the period, found by following from the last publish back to whatever each task waited
 for last, until a step repeats.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 
+from steps.cores import SharedCores
 from steps.errors import MoeloopError
 
 EPSILON = 1e-9
@@ -55,9 +55,14 @@ class Schedule:
     waited_for: dict[str, tuple[str, str]]  # job -> (what it waited on last: "after" or a resource, that job)
 
 
-def play(jobs: list[Job], capacity: dict[str, int]) -> Schedule:
+def play(
+    jobs: list[Job], capacity: dict[str, int], cores: int | None = None, scaling: dict[str, float] | None = None
+) -> Schedule:
     """Run the jobs (a DAG in topological order) on resources of the given capacity; a resource not in
-    `capacity` has room for everyone."""
+    `capacity` has room for everyone. `cores`: the jobs share that many cores as the local runner shares them
+    (`steps.cores`): a job's `seconds` are then one core's seconds, run at c ** a times that pace on the c cores'
+    worth it holds (a: its step's `scaling`, default 1), c shrinking when a job starts beside it; its start-up
+    runs at the wall clock's pace. None: every job at its own pace."""
     order = {job.task.name: index for index, job in enumerate(jobs)}
     by_name = {job.task.name: job for job in jobs}
     waiting_on = {job.task.name: len(job.task.dependencies) for job in jobs}
@@ -68,10 +73,13 @@ def play(jobs: list[Job], capacity: dict[str, int]) -> Schedule:
     ready = sorted((name for name, count in waiting_on.items() if not count), key=order.get)
     held: dict[str, int] = defaultdict(int)
     released: dict[str, tuple[float, str]] = {}  # resource -> (when, by whom) it was last freed
-    running: list[tuple[float, int, str]] = []
+    shared = SharedCores(list(range(cores))) if cores else None
+    exponent = scaling or {}
+    left: dict[str, list[float]] = {}  # running job -> [start-up left, seconds of its run left]
     begins, ends, waited_for = {}, {}, {}
     now = 0.0
-    while ready or running:
+    while ready or left:
+        starting = []
         for name in list(ready):
             job = by_name[name]
             if any(held[r] >= capacity[r] for r in job.needs if r in capacity):
@@ -80,8 +88,8 @@ def play(jobs: list[Job], capacity: dict[str, int]) -> Schedule:
             for resource in job.needs:
                 held[resource] += 1
             begins[name] = now
-            ends[name] = now + job.start_seconds + job.seconds
-            heapq.heappush(running, (ends[name], order[name], name))
+            left[name] = [job.start_seconds, job.seconds]
+            starting.append(name)
             after = max(job.task.dependencies, key=lambda d: ends[d], default=None)
             if after is not None and ends[after] >= now - EPSILON:
                 waited_for[name] = ("after", after)
@@ -89,13 +97,25 @@ def play(jobs: list[Job], capacity: dict[str, int]) -> Schedule:
                 freed = [(r, released[r][1]) for r in job.needs if r in released and released[r][0] >= now - EPSILON]
                 if freed:
                     waited_for[name] = freed[0]
-        if not running:
+        if shared and starting:
+            shared.start(starting)
+        if not left:
             raise MoeloopError(f"the schedule is stuck: {ready[0]} never gets {by_name[ready[0]].needs}")
-        now, _, name = heapq.heappop(running)
-        finished = [name]
-        while running and running[0][0] <= now + EPSILON:
-            finished.append(heapq.heappop(running)[2])
+        pace = {
+            name: shared.speed(name) ** exponent.get(by_name[name].task.step, 1.0) if shared else 1.0 for name in left
+        }
+        until = {name: start + run / pace[name] for name, (start, run) in left.items()}
+        step = min(until.values())
+        now += step
+        finished = [name for name in sorted(left, key=order.get) if until[name] <= step + EPSILON]
+        for name, (start, run) in left.items():
+            startup = min(start, step)
+            left[name] = [start - startup, run - (step - startup) * pace[name]]
         for name in finished:
+            del left[name]
+            ends[name] = now
+            if shared:
+                shared.finished(name)
             for resource in by_name[name].needs:
                 held[resource] -= 1
                 released[resource] = (now, name)

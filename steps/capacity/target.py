@@ -42,7 +42,8 @@ class Trainer(Strict):
 
 
 class StatedRates(Strict):
-    """Rates for the target's model on the target's GPU, stated by the user. Each one replaces the run's."""
+    """Rates for the target's model on the target's GPU, stated by the user. Each one replaces the run's. For the
+    local runner, per core: "per GPU" is per core, and seconds are core-seconds (`steps.capacity.rates`)."""
 
     rollout_tokens_per_second_per_gpu: float | None = Field(None, gt=0)  # all of a shard's sequences together
     rollout_sequence_tokens_per_second: float | None = Field(None, gt=0)  # one sequence's decoding speed
@@ -76,6 +77,7 @@ class Target(Strict):
     instance: str | None = None  # of the prices table; None: its first instance of the target's GPU
     iterations: int | None = Field(None, gt=0)  # the run's length, for --budget and --deadline
     rollout_gpus_per_shard: int | None = Field(None, gt=0)  # vLLM's tensor_parallel_size
+    cores: int | None = Field(None, gt=0)  # the local runner's cores, where measured and planned; None: this machine's
     batch: Batch = Batch()
     trainer: Trainer = Trainer()
     rates: StatedRates = StatedRates()
