@@ -19,8 +19,9 @@ batch, shard count or train size can be planned from them:
   schedule's to predict, not the step's.
 
 Measured by the local runner, the steps shared the machine's cores (`steps.cores`): a step beside another ran on
-part of them. There each figure is per core (a rate over the cores' worth the step held, seconds as
-core-seconds), the shares replayed over the reports' stamps, so that a plan can play them on other shares.
+part of them. There each figure is one core's (a rate over c ** a for the c cores' worth the step held, seconds
+times c ** a, with a the step's core scaling fitted across the runs), the shares replayed over the reports'
+stamps, so that a plan can play them on other shares.
 """
 
 from __future__ import annotations

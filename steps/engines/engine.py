@@ -189,7 +189,8 @@ class VLLMEngine:
 
     def __init__(self, checkpoint_dir: Path, settings: VLLMConfig, record_routing: bool = False):
         check_routes_recordable("vllm", record_routing)  # before the checkpoint is read: it needs none
-        refusal = vllm_refusal(json.loads((checkpoint_dir / "config.json").read_text()))
+        hf_config = json.loads((checkpoint_dir / "config.json").read_text())
+        refusal = vllm_refusal(hf_config)
         if refusal is not None:
             raise MoeloopError(refusal)
         try:
@@ -198,7 +199,10 @@ class VLLMEngine:
             raise MoeloopError(f"rollout.engine is 'vllm' but vllm does not import: {error}") from None
         from transformers import PreTrainedTokenizerFast
 
+        from steps.model.families import family_named
+
         on_gpu = torch.cuda.is_available()
+        attention_backend = None if on_gpu else family_named(hf_config.get("model_type")).vllm_cpu_attention_backend
         if not on_gpu and settings.kv_cache_bytes is None:
             raise MoeloopError("rollout.vllm.kv_cache_bytes must be set when vLLM runs on CPU")
         if record_routing:
@@ -218,6 +222,7 @@ class VLLMEngine:
             max_num_seqs=settings.max_num_seqs,
             max_model_len=settings.max_model_len,
             enforce_eager=settings.enforce_eager,
+            attention_backend=attention_backend,
             tensor_parallel_size=settings.tensor_parallel_size,
             enable_expert_parallel=settings.enable_expert_parallel,
             enable_sleep_mode=settings.sleep_after_rollout,

@@ -126,12 +126,18 @@ def padded_attention(
     attention: Callable[..., torch.Tensor] = causal_sdpa,
 ) -> torch.Tensor:
     """The exact path: each sample's tokens as a row of a right-padded batch [n, heads, L, D], causal attention
-    (SDPA, or `sink_attention`), and the real tokens back in packed order [N, h, D]."""
-    lengths = cu_seqlens.diff().tolist()
-    padded = [
-        torch.nn.utils.rnn.pad_sequence(t.split(lengths), batch_first=True).transpose(1, 2)
-        for t in (query_NhD, key_NkD, value_NkD)
-    ]
-    out_nhLD = attention(*padded, scale)
-    out_nLhD = out_nhLD.transpose(1, 2)
-    return torch.cat([out_nLhD[i, :length] for i, length in enumerate(lengths)])
+    (SDPA, or `sink_attention`), and the real tokens back in packed order [N, h, D]. Padding and unpadding are one
+    index_copy and one index_select each: a per-sample pad and slice had a backward of one full-size zero tensor
+    per sample (most of a tiny model's update on CPU)."""
+    lengths_n = cu_seqlens.diff()
+    num_samples, longest = len(lengths_n), int(lengths_n.max())
+    sample_N = torch.repeat_interleave(torch.arange(num_samples, device=cu_seqlens.device), lengths_n)
+    offset_N = torch.arange(len(sample_N), device=cu_seqlens.device) - cu_seqlens[sample_N]
+    padded_row_N = sample_N * longest + offset_N  # each packed token's row of the padded [n * L] batch
+
+    def pad(tokens_NxD: torch.Tensor) -> torch.Tensor:
+        rows = tokens_NxD.new_zeros(num_samples * longest, *tokens_NxD.shape[1:])
+        return rows.index_copy(0, padded_row_N, tokens_NxD).unflatten(0, (num_samples, longest)).transpose(1, 2)
+
+    out_nhLD = attention(pad(query_NhD), pad(key_NkD), pad(value_NkD), scale)
+    return out_nhLD.transpose(1, 2).flatten(0, 1).index_select(0, padded_row_N)

