@@ -21,12 +21,11 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/moeloop run configs/tiny.yaml
 
-# Two workers, one test file each at a time (a file's module fixtures are built once). xdist's own order (files
-# with the most tests first) pairs the long demo runs with short tests; two demos side by side, each runner sizing its
-# steps' threads to all the cores, took twice as long each (test_demo_loop_learns: 1272 s against 616 s).
+# Two workers, one test file each at a time (a file's module fixtures are built once), each pinned to its own
+# share of the cores (tests/conftest.py), in the order tests/conftest.py:LONGEST_FILES gives: the long loops first.
 TEST_WORKERS ?= 2
 test: install
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 clean:
 	rm -rf $(VENV) .moeloop runs

@@ -14,6 +14,7 @@ import pytest
 
 from steps import cores as cores_module
 from steps.cores import SharedCores, available_cores, core_shares, held_cores, speed
+from tests.conftest import MACHINE_CORES
 from workflows.local import CoreShares, StepWorker, pin_process_tree, step_environment
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
@@ -78,8 +79,8 @@ def test_pinning_moves_a_process_its_threads_and_its_children() -> None:
 
 
 @linux_only
-def test_a_worker_runs_each_command_on_the_cores_given(tmp_path: Path) -> None:
-    first, last = ({core} for core in (min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))))
+def test_a_worker_runs_each_command_on_the_cores_given(tmp_path: Path, all_machine_cores: list[int]) -> None:
+    first, last = ({core} for core in (min(all_machine_cores), max(all_machine_cores)))
     worker = StepWorker(step_environment(1, pin_cores=True))
     try:
         for cores in (first, last):
@@ -130,8 +131,10 @@ def test_held_cores_replays_the_shares_over_the_steps_spans() -> None:
 
 
 @linux_only
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
-def test_a_step_alone_gets_all_cores_and_threads_and_two_side_by_side_get_disjoint_ones(tmp_path: Path) -> None:
+@pytest.mark.skipif(len(MACHINE_CORES) < 2, reason="needs 2 cores")
+def test_a_step_alone_gets_all_cores_and_threads_and_two_side_by_side_get_disjoint_ones(
+    tmp_path: Path, all_machine_cores: list[int]
+) -> None:
     """The runner's bookkeeping (CoreShares) and real workers: the first step runs alone, on every core with as
     many torch threads (read back from torch in the worker); a second starting beside it takes half of them, and
     the first's whole process tree moves onto the other half, and its torch threads fit it again (SIGWINCH)."""
