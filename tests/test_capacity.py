@@ -403,3 +403,24 @@ def test_plan_cli_json_and_bad_input_exit_codes(measured_run: str, tmp_path: Pat
         failed = plan(*args)
         assert failed.returncode == 2
         assert failed.stderr.count("\n") == 1 and message in failed.stderr
+
+
+def test_the_readmes_qwen3_30b_plan_is_what_the_command_prints() -> None:
+    """The plan both READMEs show is the output of the command they give, row for row: a change to the planner
+    that moves a figure fails here until the READMEs say it."""
+    import subprocess
+    import sys
+
+    command = "moeloop plan configs/eks.yaml --target configs/plan-qwen3-30b-h200.yaml --deadline 24"
+    done = subprocess.run(
+        [sys.executable, "-m", "workflows.cli", *command.split()[1:]], capture_output=True, text=True, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.splitlines()
+    option_rows = [line for line in printed if "node(s)" in line and not line.startswith("best")]
+    assert len(option_rows) >= 3
+    for readme in (REPO / "README.md", REPO / "steps" / "capacity" / "README.md"):
+        text = readme.read_text()
+        assert command in text, readme
+        shown = [line for line in text.splitlines() if line in option_rows or line.startswith("best (")]
+        assert shown == [*option_rows, next(line for line in printed if line.startswith("best ("))], readme

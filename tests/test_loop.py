@@ -142,9 +142,28 @@ def test_workers_run_each_step_as_a_fresh_process_does(
             # start, evaluate, reward, train, publish and one per rollout shard: 7 processes for 14 tasks.
             assert len(started) == 7
             assert all(worker.process.poll() is not None for worker in started)  # none outlives the run
+            check_warmed_workers(tmp_path / f"logs-{workers}", config)
     assert len(started) == 7
     assert outputs[True] == outputs[False]
     assert any(path.endswith(".safetensors") for path in outputs[True])
+
+
+def check_warmed_workers(log_dir: Path, config) -> None:
+    """Every worker but start's imported its step's module before its first command (warm-SLOT.log), and ran
+    every command of its slot: the pid each command's log names is the warmed worker's."""
+    warmed = {}
+    for log in log_dir.glob("warm-*.log"):
+        lines = log.read_text().splitlines()
+        slot = log.stem.removeprefix("warm-")
+        module = "steps.rollout" if slot.startswith("rollout-") else f"steps.{slot}"
+        imported = [line for line in lines if re.fullmatch(rf"worker (\d+): imported {module} in [\d.]+ s", line)]
+        assert imported, (log, lines)
+        warmed[slot] = imported[0].split()[1].rstrip(":")
+    assert set(warmed) == {"evaluate", "reward", "train", "publish", "rollout-0", "rollout-1"}
+    for task in loop_tasks(config):
+        if task.name != "start":
+            first = (log_dir / f"{task.name}.log").read_text().splitlines()[0]
+            assert first.startswith(f"worker {warmed[local.worker_slot(task)]}: -m steps."), (task.name, first)
 
 
 def test_published_checkpoint_loads_with_the_trainers_logits(run_root: Path, tmp_path: Path) -> None:

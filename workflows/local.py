@@ -7,6 +7,7 @@ task of iterations before LATEST is done, and every step skips work whose output
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -109,6 +110,8 @@ def drive(
         raise MoeloopError(f"cannot create the log folder {log_dir}: {error.strerror or error}") from None
     cores = CoreShares(available_cores(), config.local.pin_cores and hasattr(os, "sched_setaffinity"))  # Linux only
     workers: dict[str, StepWorker] = {}
+    if config.local.workers:
+        workers = warm_workers(config, tasks, values, log_dir, step_environment(len(cores.cores), cores.pinned))
     waiting = list(tasks)
     # name -> (task, its process, when it started)
     running: dict[str, tuple[Task, subprocess.Popen | StepWorker, float]] = {}
@@ -181,8 +184,7 @@ def drive(
     finally:
         for _, process, _ in running.values():
             process.terminate()
-        for worker in workers.values():
-            worker.close()
+        close_workers(list(workers.values()))
         bar.close()
     return executed
 
@@ -268,6 +270,33 @@ def pin_process_tree(pid: int, cores: set[int]) -> None:
                 continue  # exited meanwhile
 
 
+def warm_workers(
+    config: MoeloopConfig, tasks: list[Task], values: dict[str, str], log_dir: Path, environment: dict[str, str]
+) -> dict[str, StepWorker]:
+    """A worker for every slot but start's, each told at once to import what its first command will (its log:
+    warm-SLOT.log), so that the imports run while start and the SFT do, not on the first iteration's critical path."""
+    workers: dict[str, StepWorker] = {}
+    for task in tasks:
+        slot = worker_slot(task)
+        if slot is None or slot in workers or task.step == START:
+            continue
+        workers[slot] = StepWorker(environment)
+        workers[slot].warm(warm_modules(config, task, values), log_dir / f"warm-{slot}.log")
+    return workers
+
+
+def warm_modules(config: MoeloopConfig, task: Task, values: dict[str, str]) -> list[str]:
+    """The step's module, and for the steps that build a model the modules they import lazily: the policy's
+    (transformers), and for a rollout that runs on vLLM, vLLM (the largest import)."""
+    modules = ["torch", local_argv(task, values)[2]]  # the worker itself sizes torch's threads for each command
+    if task.step in (ROLLOUT, EVALUATE):
+        modules.append("steps.model.policy")
+    vllm = config.rollout.engine == "vllm" or (config.rollout.engine == "auto" and importlib.util.find_spec("vllm"))
+    if task.step == ROLLOUT and vllm:
+        modules.append("vllm")
+    return modules
+
+
 def worker_slot(task: Task) -> str | None:
     """The long-lived worker that runs the task: one per rollout shard (shard k of every iteration, so its engine
     stays loaded) and one per other step, so no iteration pays the imports again. None for a torchrun job of
@@ -306,6 +335,11 @@ class StepWorker:
         self.returncode = None
         return self
 
+    def warm(self, modules: list[str], log: Path) -> None:
+        """Have it import modules now, its output into log; no reply comes (a command sent meanwhile waits)."""
+        self.process.stdin.write(json.dumps({"warm": modules, "log": str(log)}) + "\n")
+        self.process.stdin.flush()
+
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
@@ -319,11 +353,20 @@ class StepWorker:
         self.process.terminate()
 
     def close(self) -> None:
-        self.process.stdin.close()
+        close_workers([self])
+
+
+def close_workers(workers: list[StepWorker], timeout: float = 60) -> None:
+    """End the workers together: each one's input closed first, then each awaited (a worker's exit can take
+    seconds, its engine's shutdown included), killed if it has not exited within timeout seconds of the first."""
+    for worker in workers:
+        worker.process.stdin.close()
+    deadline = time.monotonic() + timeout
+    for worker in workers:
         try:
-            self.process.wait(timeout=60)
+            worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            worker.process.kill()
 
 
 def failure_line(log: Path) -> str:

@@ -4,7 +4,9 @@ A rollout shard's engine then stays loaded between iterations and only its weigh
 (`steps.engines.engine.engine_for`), as a long-lived rollout pod would do. The commands are exactly the pods'
 commands (`python -m steps.<name> ...`); each request is one JSON line on stdin,
 {"argv": [...], "log": PATH, "threads": N or null}, and each reply one JSON line on stdout, {"returncode": N}.
-While a command runs, its output goes to its log file. The runner moves the worker onto the command's cores
+While a command runs, its output goes to its log file. A request {"warm": [MODULE, ...], "log": PATH} imports
+the modules (the step's, and the engine's it will build) and has no reply: the runner sends it as it starts the
+worker, long before the worker's first command, so a step's imports are done while the steps before it run. The runner moves the worker onto the command's cores
 before it sends it; the worker sizes torch's threads to them (what the command starts inherits that size too).
 When a step starting beside it takes some of those cores mid-command, the runner moves the worker onto the rest
 and sends it SIGWINCH (ignored by default, so one that comes early harms nothing), and the worker fits torch's
@@ -18,7 +20,10 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from steps.errors import run_cli
 
@@ -78,21 +83,47 @@ def fit_threads_to_cores(signum: int, frame: object) -> None:
     os.write(2, f"worker: {torch.get_num_threads()} torch threads, cores {cores} (share shrunk)\n".encode())
 
 
+def warm(modules: list[str]) -> None:
+    """Import modules ahead of the commands that need them. One that fails to import is left to the command, whose
+    own import then fails with its exit code."""
+    for module in modules:
+        started = time.perf_counter()
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - the command reports it
+            traceback.print_exc()
+            continue
+        print(f"worker {os.getpid()}: imported {module} in {time.perf_counter() - started:.1f} s", flush=True)
+
+
+@contextmanager
+def output_to(log_path: str) -> Iterator[None]:
+    """This process's stdout and stderr into log_path (appended) for the duration."""
+    with open(log_path, "ab") as log:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log.fileno(), sys.stdout.fileno())
+        os.dup2(log.fileno(), sys.stderr.fileno())
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
 def main() -> None:
     signal.signal(signal.SIGWINCH, fit_threads_to_cores)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     for line in sys.stdin:
         request = json.loads(line)
-        with open(request["log"], "ab") as log:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(log.fileno(), sys.stdout.fileno())
-            os.dup2(log.fileno(), sys.stderr.fileno())
+        with output_to(request["log"]):
+            if "warm" in request:
+                warm(request["warm"])
+                continue
+            print(f"worker {os.getpid()}: {' '.join(request['argv'][1:3])}", flush=True)
             if request.get("threads"):
                 use_threads(request["threads"])
             returncode = run_command(request["argv"])
-            sys.stdout.flush()
-            sys.stderr.flush()
         replies.write(json.dumps({"returncode": returncode}) + "\n")
         replies.flush()
 
