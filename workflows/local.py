@@ -181,6 +181,11 @@ def drive(
                         iterations_done += 1
                         eta = overall_eta(time.time() - loop_started, iterations_done, iterations_left)
                         bar.set_postfix_str(f"ETA {eta}")
+    except BaseException:
+        # A failed or interrupted run ends its warming workers too, without waiting for their imports.
+        for worker in workers.values():
+            worker.terminate()
+        raise
     finally:
         for _, process, _ in running.values():
             process.terminate()
