@@ -66,3 +66,20 @@ def test_handoff_projection_is_the_hand_computed_one() -> None:
     assert period(seconds, train, 0) == pytest.approx(expected["commit"] + handoff + train)
     assert period(seconds, train, 1) == pytest.approx(expected["state fetch"] + train + expected["commit"])
     assert f"| {MODELS[0].name} | 8 | 32 | 46 | 30 | 24 | 42 | 198 |" in defaults.stdout
+
+
+def test_trl_benchmark_measures_a_curve_as_its_table_defines() -> None:
+    """benchmarks/trl_grpo.py's measures, on a hand-made curve (the benchmark itself needs TRL's own environment)."""
+    from benchmarks.trl_grpo import measures
+
+    evals = [0.50, 0.60, 0.69, 0.71, 0.74, 0.76, 0.75]  # SFT, then iterations 1-6
+    curve = [{"iteration": i, "eval_reward_mean": e, "seconds": 10.0 + 4.0 * i} for i, e in enumerate(evals)]
+    figures = measures(curve, total=40.0, cores=1.5)
+    assert figures["seconds to SFT + 0.20"] == 22.0  # iteration 3 (0.71) is the first at 0.70 or above
+    assert figures["seconds to SFT + 0.25"] == 30.0  # iteration 5
+    assert figures["total seconds, 6 iterations"] == 40.0
+    assert figures["seconds per iteration, iterations 5-6"] == 4.0
+    assert figures["mean eval over iterations 2-6"] == pytest.approx((0.69 + 0.71 + 0.74 + 0.76 + 0.75) / 5)
+    assert figures["CPU cores used, on average"] == 1.5
+    unreached = measures(curve[:3], total=20.0, cores=1.0)
+    assert unreached["seconds to SFT + 0.20"] is None

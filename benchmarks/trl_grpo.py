@@ -1,0 +1,164 @@
+"""moeloop against TRL's GRPOTrainer on the demo, one after the other, from the same SFT checkpoint (issue 25).
+
+TRL lives in an environment of its own, never moeloop's (its versions are the ones this table was made with):
+
+    python3 -m venv /tmp/trl-env
+    /tmp/trl-env/bin/pip install torch==2.13.0 transformers==5.19.0 trl==1.16.0
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/trl_grpo.py --trl-python /tmp/trl-env/bin/python \\
+        [--seeds 0 1 2] [--engines transformers vllm] [--iterations 24] [--keep DIR]
+
+For each seed: the demo's SFT (`python -m steps.start` on configs/tiny.yaml at that seed) makes one checkpoint;
+then each moeloop engine runs `moeloop run` on configs/tiny.yaml with `model.checkpoint` that checkpoint, and
+TRL runs `benchmarks/trl_contender.py` on it, one process after the other on the otherwise idle machine. Both
+clocks start when their process is launched. moeloop's time of an iteration is when its checkpoint was
+published (reports' publish `ended_at`); TRL's when that iteration's last optimizer step ended, its
+evaluations (run inside its loop) taken out. "SFT + d" is the first iteration whose greedy eval on the 256
+held-out prompts reaches the SFT checkpoint's own eval (iteration 0) + d. CPU cores used: the process tree's
+user + system seconds over its wall seconds. Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+GAINS = (0.20, 0.25)
+
+
+def demo_config(folder: Path, name: str, seed: int, iterations: int, **changes: object) -> Path:
+    config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    config.update(run_name=name, seed=seed, iterations=iterations)
+    config["task"] = {key: str(REPO / "configs" / path) for key, path in config["task"].items()}
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        config[section][key] = value
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def timed(command: list[str], environment: dict[str, str], log: Path) -> tuple[float, float]:
+    """Run command to its end (its output in log); returns (when it was launched, its tree's CPU cores used)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    launched = time.time()
+    with open(log, "wb") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=environment, cwd=REPO, check=False)
+    wall = time.time() - launched
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command[:4])} ... failed (exit {done.returncode}): see {log}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return launched, cpu / wall
+
+
+def moeloop_curve(run: Path, launched: float) -> tuple[list[dict], float]:
+    """Per iteration: its eval and when its checkpoint was published, from the run's committed files."""
+    curve = []
+    for metrics_file in sorted((run / "metrics").glob("iter-*.json")):
+        metrics = json.loads(metrics_file.read_text())
+        i = metrics["iteration"]
+        published = (
+            json.loads((run / "reports" / f"iter-{i:06d}" / "publish.json").read_text())["ended_at"] if i else launched
+        )
+        curve.append({"iteration": i, "eval_reward_mean": metrics["eval_reward_mean"], "seconds": published - launched})
+    return curve, max(point["seconds"] for point in curve)
+
+
+def measures(curve: list[dict], total: float, cores: float) -> dict[str, float | None]:
+    sft = curve[0]["eval_reward_mean"]
+    found = {}
+    for gain in GAINS:
+        reached = [p["seconds"] for p in curve if p["iteration"] and p["eval_reward_mean"] >= sft + gain - 1e-12]
+        found[f"seconds to SFT + {gain:.2f}"] = reached[0] if reached else None
+    by_iteration = {p["iteration"]: p for p in curve}
+    last = max(by_iteration)
+    steady = [by_iteration[i]["seconds"] - by_iteration[i - 1]["seconds"] for i in range(5, last + 1)]
+    tail = [by_iteration[i]["eval_reward_mean"] for i in range(max(1, last - 4), last + 1)]
+    return {
+        **found,
+        f"total seconds, {last} iterations": total,
+        f"seconds per iteration, iterations 5-{last}": statistics.mean(steady) if steady else None,
+        f"mean eval over iterations {max(1, last - 4)}-{last}": statistics.mean(tail),
+        "SFT eval": sft,
+        "CPU cores used, on average": cores,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trl-python", required=True, help="the python of TRL's own environment")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--engines", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"])
+    parser.add_argument("--iterations", type=int, default=24)
+    parser.add_argument("--keep", type=Path, help="run in this (new) folder and keep everything")
+    args = parser.parse_args()
+    if args.keep:
+        args.keep.mkdir(parents=True)
+
+    with tempfile.TemporaryDirectory(prefix="moeloop-trl-") as temporary:
+        folder = args.keep.resolve() if args.keep else Path(temporary)
+        environment = {**os.environ, "MOELOOP_CACHE": str(folder / "cache"), "PYTHONPATH": str(REPO)}
+        contenders = [f"moeloop ({engine})" for engine in args.engines] + ["TRL"]
+        results: dict[str, list[dict]] = {name: [] for name in contenders}
+        load = os.getloadavg()[0]
+        for seed in args.seeds:
+            sft_config = demo_config(folder, f"sft-{seed}", seed, args.iterations)
+            sft_run = folder / "runs" / f"sft-{seed}"
+            start = [sys.executable, "-m", "steps.start", "--run", str(sft_run), "--iteration", "0"]
+            timed([*start, "--config", str(sft_config)], environment, folder / f"sft-{seed}.log")
+            checkpoint = sft_run / "checkpoints" / "iter-000000"
+            for engine in args.engines:
+                name = f"moeloop-{engine}-{seed}"
+                config = demo_config(
+                    folder, name, seed, args.iterations, model__checkpoint=str(checkpoint), rollout__engine=engine
+                )
+                command = [sys.executable, "-m", "workflows.cli", "run", str(config), "--root", str(folder / "runs")]
+                launched, cores = timed([*command, "--no-progress"], environment, folder / f"{name}.log")
+                curve, total = moeloop_curve(folder / "runs" / name, launched)
+                results[f"moeloop ({engine})"].append(measures(curve, total, cores))
+            out = folder / f"trl-{seed}.json"
+            contender = [args.trl_python, str(REPO / "benchmarks" / "trl_contender.py"), "--seed", str(seed)]
+            contender += ["--checkpoint", str(checkpoint), "--iterations", str(args.iterations), "--out", str(out)]
+            launched = time.time()
+            _, cores = timed([*contender, "--started-at", str(launched)], environment, folder / f"trl-{seed}.log")
+            trl = json.loads(out.read_text())
+            results["TRL"].append(measures(trl["iterations"], trl["seconds"], cores))
+
+    print(
+        f"seeds {args.seeds}, {args.iterations} iterations of 192 prompts x 16, {os.cpu_count()} cores, 1-minute load"
+        f" {load:.1f} before; moeloop's contenders by `rollout.engine`.\n"
+    )
+    print("| measure | " + " | ".join(contenders) + " |")
+    print("|---|" + "---|" * len(contenders))
+    for measure in results["TRL"][0]:
+        cells = [
+            " / ".join("-" if r[measure] is None else f"{r[measure]:.3g}" for r in results[name]) for name in contenders
+        ]
+        print(f"| {measure} | " + " | ".join(cells) + " |")
+    print()
+    for gain in GAINS:
+        key = f"seconds to SFT + {gain:.2f}"
+        trl = [r[key] for r in results["TRL"]]
+        for engine in args.engines:
+            ours = [r[key] for r in results[f"moeloop ({engine})"]]
+            if None in ours or None in trl:
+                print(f"- {key}, moeloop ({engine}): not reached by every contender in every seed")
+                continue
+            wins = sum(o < t for o, t in zip(ours, trl, strict=True))
+            ratio = statistics.median(trl) / statistics.median(ours)
+            print(f"- {key}, moeloop ({engine}): ahead in {wins} of {len(ours)} seeds; TRL median / ours {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
