@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from steps.config import MoeloopConfig, parse_config_text
-from steps.errors import ArgumentParser, MoeloopError
+from steps.errors import ArgumentParser, MoeloopError, print_line
 from steps.outputs import write_outputs
 from steps.storage.run import RunStorage
 
@@ -67,5 +67,5 @@ def quiet_libraries() -> None:
 
 def print_json(report: dict[str, Any]) -> None:
     """Print the step's report as one JSON line; under Argo also write its scalars as output parameters."""
-    print(json.dumps(report, sort_keys=True))
+    print_line(json.dumps(report, sort_keys=True))
     write_outputs(report)

@@ -6,7 +6,7 @@ import argparse
 import errno
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, TextIO
 
 
 class MoeloopError(Exception):
@@ -37,20 +37,29 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"error: {self.prog}: {message} (see --help)\n")
 
 
+def print_line(text: str, stream: TextIO | None = None) -> None:
+    """text and its newline in one write (to stream, default stdout). print writes them apart, and unbuffered
+    (PYTHONUNBUFFERED, which CI machines often set) each is a write of its own: two torchrun ranks printing at
+    once then ran their lines together (`...no-such-runerror: run does not exist ...`)."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def run_cli(main: Callable[[], None]) -> None:
     """Run a step's main, turning a MoeloopError (or a full disk, an unwritable path) into `error: ...` on
     stderr and exit code 2."""
     try:
         main()
     except MoeloopError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print_line(f"error: {error}", sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except OSError as error:
         if error.errno not in ENVIRONMENT_ERRNOS:
             raise
         where = f": {error.filename}" if error.filename else ""
-        print(f"error: {error.strerror}{where}", file=sys.stderr)
+        print_line(f"error: {error.strerror}{where}", sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print_line("error: interrupted", sys.stderr)
         sys.exit(EXIT_INTERRUPTED)

@@ -850,3 +850,31 @@ def test_the_runner_quotes_a_torchrun_steps_own_error_line(tmp_path: Path) -> No
 
     assert result.returncode != 0 and "=====" in result.stderr
     assert failure_line(log) == f"run does not exist (no config.yaml): {run}"
+
+
+def test_a_steps_report_and_error_lines_are_each_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unbuffered (PYTHONUNBUFFERED), print writes a line and its newline apart, and two torchrun ranks' lines
+    then ran together on their shared stream (the test above failed so): each line is one write."""
+    from steps.common import print_json
+    from steps.errors import run_cli
+
+    class Writes(list):
+        def write(self, text: str) -> int:
+            self.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    out, err = Writes(), Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    print_json({"skipped": "already committed"})
+
+    def refuse() -> None:
+        raise MoeloopError("run does not exist")
+
+    with pytest.raises(SystemExit):
+        run_cli(refuse)
+    assert out == ['{"skipped": "already committed"}\n']
+    assert err == ["error: run does not exist\n"]
