@@ -39,7 +39,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def print_line(text: str, stream: TextIO | None = None) -> None:
     """text and its newline in one write (to stream, default stdout). print writes them apart, and unbuffered
-    (PYTHONUNBUFFERED, which CI machines often set) each is a write of its own: two torchrun ranks printing at
+    (PYTHONUNBUFFERED, which the development machine sets) each is a write of its own: two torchrun ranks printing at
     once then ran their lines together (`...no-such-runerror: run does not exist ...`)."""
     stream = sys.stdout if stream is None else stream
     stream.write(text + "\n")
