@@ -7,7 +7,8 @@ commands (`python -m steps.<name> ...`); each request is one JSON line on stdin,
 While a command runs, its output goes to its log file. A request {"warm": [MODULE, ...], "log": PATH} imports
 the modules (the step's, and the engine's it will build) and has no reply: the runner sends it as it starts the
 worker, long before the worker's first command, so a step's imports are done while the steps before it run.
-The runner moves the worker onto the command's cores before it sends it; the worker sizes torch's threads to them (what the command starts inherits that size too).
+The runner moves the worker onto the command's cores before it sends it; the worker sizes torch's threads to
+them (what the command starts inherits that size too).
 When a step starting beside it takes some of those cores mid-command, the runner moves the worker onto the rest
 and sends it SIGWINCH (ignored by default, so one that comes early harms nothing), and the worker fits torch's
 threads to its cores again: two OpenMP threads of one step on one core would spin against each other.
