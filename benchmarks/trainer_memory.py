@@ -10,10 +10,16 @@ prompt, the rest response), one minibatch. Each layer count runs in a fresh proc
    over the batch computed once (`steps.rl.batch.frozen_logprobs`), then freed;
 2. the policy (the same weights) as the trainer holds it (`steps.rl.state.prepare_trainer_model`:
    trainer.precision bf16, fp32 master weights and AdamW moments; the moments in host memory with --offload), its
-   old logprobs, and one optimizer step of `steps.rl.update.actor_steps` over packed microbatches.
+   old logprobs, and --steps optimizer steps of `steps.rl.update.actor_steps` over packed microbatches, each over
+   the whole batch. Two by default: AdamW makes its moments at the first step, so only from the second on is the
+   backward's peak the one of a train step of several minibatches.
 The weights are made in memory (random, HF's init scale) instead of read from safetensors, which would need the
-model on disk first; everything else is the train step's own code. Peak: `torch.cuda.max_memory_allocated` over
-all of it, and the reference pass's alone.
+model on disk first; everything else is the train step's own code. Peaks: the tensors
+(`torch.cuda.max_memory_allocated`) over all of it, and the reference pass's alone; the GPU's, which decides what
+fits: the caching allocator's peak reservation (`max_memory_reserved`, fragmentation included) plus what the
+process holds outside it (the CUDA context, library workspaces: the device's used memory less the reservation).
+Beside them, what the memory model (`steps.capacity.memory`, the check `start` and `train` refuse with) predicts
+for the same shape and settings, and its error against the GPU's peak.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
+from steps.capacity.memory import GIB, predict_train_peak_bytes
+from steps.capacity.models import shape_from_hf_config
 from steps.config import MoeloopConfig, load_config
 from steps.model.policy import shard_model
 from steps.rl.batch import ExperienceBatch, frozen_logprobs
@@ -89,6 +97,16 @@ def batch(args: argparse.Namespace, device: torch.device) -> ExperienceBatch:
     ).to(device)  # fmt: skip
 
 
+def predicted_gib(args: argparse.Namespace) -> float:
+    """The memory model's peak for this run: the train step's own call (`refuse_unfit_trainer`), one rank."""
+    tokens = args.samples * args.seq
+    memory = predict_train_peak_bytes(
+        shape_from_hf_config(shape(args.layers[0]).to_dict(), "benchmark"), 1, 1, min(args.max_tokens, tokens),
+        "bf16", args.checkpointing, args.offload, "precomputed", gradient_accumulation=tokens > args.max_tokens,
+    )  # fmt: skip
+    return memory.total / GIB
+
+
 def measure(args: argparse.Namespace) -> dict:
     config = trainer_config(args)
     settings = config.trainer
@@ -108,17 +126,27 @@ def measure(args: argparse.Namespace) -> dict:
     loaded = torch.cuda.memory_allocated() / 2**30
     old_logprobs_BT = frozen_logprobs(model, experience, temperature, budget, parallel)
     advantages_B = torch.linspace(-1, 1, args.samples, device=parallel.device)
-    rows_B = torch.arange(args.samples)
+    schedule = [torch.arange(args.samples)] * args.steps
     step_started = time.perf_counter()
     measured = actor_steps(
-        model, optimizer, experience, [rows_B], advantages_B, old_logprobs_BT, None, ref_logprobs_BT,
+        model, optimizer, experience, schedule, advantages_B, old_logprobs_BT, None, ref_logprobs_BT,
         experience.response_mask_BT, config, parallel,
     )
     torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    outside_allocator = (total - free - torch.cuda.memory_reserved()) / 2**30
+    peak, predicted = torch.cuda.max_memory_allocated() / 2**30, predicted_gib(args)
+    gpu_peak = torch.cuda.max_memory_reserved() / 2**30 + outside_allocator
     return {
         "layers": args.layers[0],
+        "max_tokens": args.max_tokens,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "optimizer_steps": args.steps,
+        "peak_gib": round(peak, 2),
+        "gpu_peak_gib": round(gpu_peak, 2),
+        "outside_allocator_gib": round(outside_allocator, 2),
+        "predicted_gib": round(predicted, 2),
+        "prediction_error": f"{predicted / gpu_peak - 1:+.1%}",
         "reference_pass_peak_gib": round(reference_peak, 2),
         "allocated_after_reference_gib": round(left_by_reference, 2),  # the batch, and anything the reference left
         "allocated_after_policy_load_gib": round(loaded, 2),
@@ -137,6 +165,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps, each over the whole batch")
     parser.add_argument("--offload", action="store_true", help="trainer.offload_optimizer")
     parser.add_argument("--checkpointing", action="store_true", help="trainer.activation_checkpointing")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # run one layer count here
@@ -150,7 +179,8 @@ def main() -> None:
     flags = [f for f, on in (("--offload", args.offload), ("--checkpointing", args.checkpointing)) if on]
     for layers in args.layers:
         command = [sys.executable, __file__, "--one", "--layers", str(layers), "--samples", str(args.samples),
-                   "--seq", str(args.seq), "--max-tokens", str(args.max_tokens), *flags]  # fmt: skip
+                   "--seq", str(args.seq), "--max-tokens", str(args.max_tokens), "--steps", str(args.steps),
+                   *flags]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)
         print(done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:], flush=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,12 @@ def test_engine_reuse_reloads_weights_in_place_and_matches_the_trainer(run_root:
     try:
         engine, reused = engine_for(first, config.rollout)
         assert isinstance(engine, VLLMEngine) and not reused
+        # On CPU the engine core and its model worker run in this process, which keeps its torch thread control.
+        assert multiprocessing.active_children() == []
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads + 1)
+        assert torch.get_num_threads() == threads + 1
+        torch.set_num_threads(threads)
         again, reused = engine_for(second, config.rollout)
         assert again is engine and reused and engine.checkpoint_dir == second
 
