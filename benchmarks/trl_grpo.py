@@ -5,7 +5,8 @@ TRL lives in an environment of its own, never moeloop's (its versions are the on
     python3 -m venv /tmp/trl-env
     /tmp/trl-env/bin/pip install torch==2.13.0 transformers==5.19.0 trl==1.16.0
     PYTHONPATH=$PWD .venv/bin/python benchmarks/trl_grpo.py --trl-python /tmp/trl-env/bin/python \\
-        [--seeds 0 1 2] [--engines transformers vllm] [--iterations 24] [--keep DIR]
+        [--seeds 0 1 2] [--engines transformers vllm] [--iterations 24] [--keep DIR] \\
+        [--variant NAME SECTION.KEY=VALUE ... [--variant ...]] [--no-trl]
 
 For each seed: the demo's SFT (`python -m steps.start` on configs/tiny.yaml at that seed) makes one checkpoint;
 then each moeloop engine runs `moeloop run` on configs/tiny.yaml with `model.checkpoint` that checkpoint, and
@@ -15,6 +16,11 @@ published (reports' publish `ended_at`); TRL's when that iteration's last optimi
 evaluations (run inside its loop) taken out. "SFT + d" is the first iteration whose greedy eval on the 256
 held-out prompts reaches the SFT checkpoint's own eval (iteration 0) + d. CPU cores used: the process tree's
 user + system seconds over its wall seconds. Prints Markdown.
+
+`--variant NAME SECTION.KEY=VALUE ...` adds, for each engine, a moeloop contender "moeloop (ENGINE, NAME)" with
+those settings changed from the demo's (values in YAML, e.g. `algorithm.drop_equal_groups=true`): the demo's
+defaults weighed against others from the same checkpoints, per iteration and per second. `--no-trl` leaves TRL out
+(and needs no `--trl-python`).
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ REPO = Path(__file__).resolve().parents[1]
 GAINS = (0.20, 0.25)
 
 
-def demo_config(folder: Path, name: str, seed: int, iterations: int, **changes: object) -> Path:
+def demo_config(folder: Path, name: str, seed: int, iterations: int, changes: dict[str, object]) -> Path:
+    """configs/tiny.yaml as run NAME, with changes: {"section.key": value}."""
     config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     config.update(run_name=name, seed=seed, iterations=iterations)
     config["task"] = {key: str(REPO / "configs" / path) for key, path in config["task"].items()}
     for dotted, value in changes.items():
-        section, key = dotted.split("__")
+        section, key = dotted.split(".")
         config[section][key] = value
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -79,8 +86,11 @@ def measures(curve: list[dict], total: float, cores: float) -> dict[str, float |
     sft = curve[0]["eval_reward_mean"]
     found = {}
     for gain in GAINS:
-        reached = [p["seconds"] for p in curve if p["iteration"] and p["eval_reward_mean"] >= sft + gain - 1e-12]
-        found[f"seconds to SFT + {gain:.2f}"] = reached[0] if reached else None
+        reached = [p for p in curve if p["iteration"] and p["eval_reward_mean"] >= sft + gain - 1e-12]
+        found[f"seconds to SFT + {gain:.2f}"] = reached[0]["seconds"] if reached else None
+    for gain in GAINS:  # learning per iteration, whatever an iteration costs
+        reached = [p for p in curve if p["iteration"] and p["eval_reward_mean"] >= sft + gain - 1e-12]
+        found[f"iterations to SFT + {gain:.2f}"] = reached[0]["iteration"] if reached else None
     by_iteration = {p["iteration"]: p for p in curve}
     last = max(by_iteration)
     steady = [by_iteration[i]["seconds"] - by_iteration[i - 1]["seconds"] for i in range(5, last + 1)]
@@ -95,43 +105,67 @@ def measures(curve: list[dict], total: float, cores: float) -> dict[str, float |
     }
 
 
+def variant(words: list[str]) -> tuple[str, dict[str, object]]:
+    """NAME SECTION.KEY=VALUE ... -> (NAME, {"SECTION.KEY": value}), each value read as YAML."""
+    name, *settings = words
+    changes = {}
+    for setting in settings:
+        dotted, equals, value = setting.partition("=")
+        if not equals or dotted.count(".") != 1:
+            raise SystemExit(f"--variant {name}: {setting!r} is not SECTION.KEY=VALUE")
+        changes[dotted] = yaml.safe_load(value)
+    return name, changes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trl-python", required=True, help="the python of TRL's own environment")
+    parser.add_argument("--trl-python", help="the python of TRL's own environment")
+    parser.add_argument("--no-trl", action="store_true", help="moeloop's contenders only")
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="WORD",
+                        help="NAME SECTION.KEY=VALUE ...: a moeloop contender per engine with these settings")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--engines", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"])
     parser.add_argument("--iterations", type=int, default=24)
     parser.add_argument("--keep", type=Path, help="run in this (new) folder and keep everything")
     args = parser.parse_args()
+    if not args.no_trl and not args.trl_python:
+        parser.error("--trl-python is needed unless --no-trl")
+    variants = [("", {}), *map(variant, args.variant)]
     if args.keep:
         args.keep.mkdir(parents=True)
 
     with tempfile.TemporaryDirectory(prefix="moeloop-trl-") as temporary:
         folder = args.keep.resolve() if args.keep else Path(temporary)
         environment = {**os.environ, "MOELOOP_CACHE": str(folder / "cache"), "PYTHONPATH": str(REPO)}
-        contenders = [f"moeloop ({engine})" for engine in args.engines] + ["TRL"]
+        moeloop = {
+            f"moeloop ({engine}{', ' + name if name else ''})": (engine, name, changes)
+            for name, changes in variants
+            for engine in args.engines
+        }
+        contenders = [*moeloop, *([] if args.no_trl else ["TRL"])]
         results: dict[str, list[dict]] = {name: [] for name in contenders}
         load = os.getloadavg()[0]
         for seed in args.seeds:
-            sft_config = demo_config(folder, f"sft-{seed}", seed, args.iterations)
+            sft_config = demo_config(folder, f"sft-{seed}", seed, args.iterations, {})
             sft_run = folder / "runs" / f"sft-{seed}"
             start = [sys.executable, "-m", "steps.start", "--run", str(sft_run), "--iteration", "0"]
             timed([*start, "--config", str(sft_config)], environment, folder / f"sft-{seed}.log")
             checkpoint = sft_run / "checkpoints" / "iter-000000"
-            for engine in args.engines:
-                name = f"moeloop-{engine}-{seed}"
-                config = demo_config(
-                    folder, name, seed, args.iterations, model__checkpoint=str(checkpoint), rollout__engine=engine
-                )
+            for contender, (engine, variant_name, changes) in moeloop.items():
+                name = f"moeloop-{engine}{'-' + variant_name if variant_name else ''}-{seed}"
+                settings = {"model.checkpoint": str(checkpoint), "rollout.engine": engine, **changes}
+                config = demo_config(folder, name, seed, args.iterations, settings)
                 command = [sys.executable, "-m", "workflows.cli", "run", str(config), "--root", str(folder / "runs")]
                 launched, cores = timed([*command, "--no-progress"], environment, folder / f"{name}.log")
                 curve, total = moeloop_curve(folder / "runs" / name, launched)
-                results[f"moeloop ({engine})"].append(measures(curve, total, cores))
+                results[contender].append(measures(curve, total, cores))
+            if args.no_trl:
+                continue
             out = folder / f"trl-{seed}.json"
-            contender = [args.trl_python, str(REPO / "benchmarks" / "trl_contender.py"), "--seed", str(seed)]
-            contender += ["--checkpoint", str(checkpoint), "--iterations", str(args.iterations), "--out", str(out)]
+            trl_command = [args.trl_python, str(REPO / "benchmarks" / "trl_contender.py"), "--seed", str(seed)]
+            trl_command += ["--checkpoint", str(checkpoint), "--iterations", str(args.iterations), "--out", str(out)]
             launched = time.time()
-            _, cores = timed([*contender, "--started-at", str(launched)], environment, folder / f"trl-{seed}.log")
+            _, cores = timed([*trl_command, "--started-at", str(launched)], environment, folder / f"trl-{seed}.log")
             trl = json.loads(out.read_text())
             results["TRL"].append(measures(trl["iterations"], trl["seconds"], cores))
 
@@ -141,23 +175,25 @@ def main() -> None:
     )
     print("| measure | " + " | ".join(contenders) + " |")
     print("|---|" + "---|" * len(contenders))
-    for measure in results["TRL"][0]:
+    for measure in results[contenders[0]][0]:
         cells = [
             " / ".join("-" if r[measure] is None else f"{r[measure]:.3g}" for r in results[name]) for name in contenders
         ]
         print(f"| {measure} | " + " | ".join(cells) + " |")
     print()
+    if args.no_trl:
+        return
     for gain in GAINS:
         key = f"seconds to SFT + {gain:.2f}"
         trl = [r[key] for r in results["TRL"]]
-        for engine in args.engines:
-            ours = [r[key] for r in results[f"moeloop ({engine})"]]
+        for name in moeloop:
+            ours = [r[key] for r in results[name]]
             if None in ours or None in trl:
-                print(f"- {key}, moeloop ({engine}): not reached by every contender in every seed")
+                print(f"- {key}, {name}: not reached by every contender in every seed")
                 continue
             wins = sum(o < t for o, t in zip(ours, trl, strict=True))
             ratio = statistics.median(trl) / statistics.median(ours)
-            print(f"- {key}, moeloop ({engine}): ahead in {wins} of {len(ours)} seeds; TRL median / ours {ratio:.2f}x")
+            print(f"- {key}, {name}: ahead in {wins} of {len(ours)} seeds; TRL median / ours {ratio:.2f}x")
 
 
 if __name__ == "__main__":

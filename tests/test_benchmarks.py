@@ -77,9 +77,10 @@ def test_trl_benchmark_measures_a_curve_as_its_table_defines() -> None:
     figures = measures(curve, total=40.0, cores=1.5)
     assert figures["seconds to SFT + 0.20"] == 22.0  # iteration 3 (0.71) is the first at 0.70 or above
     assert figures["seconds to SFT + 0.25"] == 30.0  # iteration 5
+    assert (figures["iterations to SFT + 0.20"], figures["iterations to SFT + 0.25"]) == (3, 5)
     assert figures["total seconds, 6 iterations"] == 40.0
     assert figures["seconds per iteration, iterations 5-6"] == 4.0
     assert figures["mean eval over iterations 2-6"] == pytest.approx((0.69 + 0.71 + 0.74 + 0.76 + 0.75) / 5)
     assert figures["CPU cores used, on average"] == 1.5
     unreached = measures(curve[:3], total=20.0, cores=1.0)
-    assert unreached["seconds to SFT + 0.20"] is None
+    assert unreached["seconds to SFT + 0.20"] is None and unreached["iterations to SFT + 0.20"] is None
