@@ -65,7 +65,10 @@ def perturbed_copy(checkpoint: Path, target: Path) -> Path:
     return target
 
 
-def test_engine_reuse_reloads_weights_in_place_and_matches_the_trainer(run_root: Path, tmp_path: Path) -> None:
+def test_engine_reuse_reloads_weights_in_place_and_matches_the_trainer(
+    run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the local runner runs its steps
     config = small_config(iterations=1)
     uri = run_uri(config, str(run_root))
     start(uri, config)
@@ -74,7 +77,7 @@ def test_engine_reuse_reloads_weights_in_place_and_matches_the_trainer(run_root:
     try:
         engine, reused = engine_for(first, config.rollout)
         assert isinstance(engine, VLLMEngine) and not reused
-        # On CPU the engine core and its model worker run in this process, which keeps its torch thread control.
+        # The engine core and its model worker run in this process, which keeps its torch thread control.
         assert multiprocessing.active_children() == []
         threads = torch.get_num_threads()
         torch.set_num_threads(threads + 1)
@@ -93,6 +96,8 @@ def test_engine_reuse_reloads_weights_in_place_and_matches_the_trainer(run_root:
         assert [c[0].token_ids for c in got] == [c[0].token_ids for c in reference]
     finally:
         release_engine()
+    # Its one-process group went with it: a trainer in this process can make its own.
+    assert not torch.distributed.is_initialized()
 
 
 def run_shard(uri: str, shard: int, num_shards: int) -> None:

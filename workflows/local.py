@@ -240,8 +240,13 @@ class CoreShares(SharedCores):
 
 def step_environment(threads: int, pin_cores: bool) -> dict[str, str]:
     """The steps' environment: as many threads as a step has cores. Pinned, vLLM leaves its threads where the
-    runner puts them (its own binding would place them by the machine's layout, over another step's cores)."""
+    runner puts them (its own binding would place them by the machine's layout, over another step's cores).
+    A rollout shard's process holds nothing but its engine, so vLLM runs its engine core and model worker in it
+    (unless the environment says otherwise): not two processes more that each import torch and vLLM again (the
+    demo's engine on one core: 4.1 s to build instead of 13.4 s; iteration 1 from an SFT checkpoint published at
+    24.3 s instead of 36.7 s, benchmarks/trl_grpo.md)."""
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    environment.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if pin_cores:
         environment["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return environment

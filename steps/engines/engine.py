@@ -208,13 +208,6 @@ class VLLMEngine:
         if record_routing:
             # Routes come from Model Runner V2 only: asked for, so that vLLM does not fall back to V1 without them.
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-        if not on_gpu:
-            # On CPU the engine core and its model worker run in this process (vLLM then keeps the "uni" executor),
-            # not in two processes of their own that each import torch and vLLM again: the demo's engine builds in
-            # 4.1 s instead of 13.4 s on one core. On a GPU vLLM's own processes overlap scheduling with the GPU.
-            # In this process vLLM seeds the global RNGs; nothing here draws from them (prompts draw from their own
-            # random.Random, samples from each request's seed).
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.record_routing = record_routing
         dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint_dir)
@@ -237,9 +230,11 @@ class VLLMEngine:
             worker_extension_cls="steps.engines.vllm_extension.PolicyWeightReload",
             enable_return_routed_experts=record_routing,
         )
-        # vLLM's CPU worker turns torch.set_num_threads into a no-op to keep the OpenMP binding of a process of its
-        # own; in this process it binds nothing, and the local runner's workers size torch's threads per command.
+        # In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the local runner's steps run it), vLLM's CPU worker turns
+        # torch.set_num_threads into a no-op, to keep an OpenMP binding it makes only in a process of its own; the
+        # local runner's workers size torch's threads per command.
         torch.set_num_threads = set_num_threads
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self.checkpoint_dir = checkpoint_dir
         self.asleep = False
 
@@ -280,6 +275,11 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
+        if self.in_process:  # its one-process group is this process's default one: gone with the engine
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
 
     def _wake(self) -> None:
         if self.asleep:
