@@ -51,6 +51,8 @@ def test_step_environment_sizes_threads_and_keeps_vllm_from_binding() -> None:
     unpinned = step_environment(1, pin_cores=False)
     assert unpinned["OMP_NUM_THREADS"] == "1"
     assert unpinned.get("VLLM_CPU_OMP_THREADS_BIND") == os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    # A rollout's process holds only its engine: vLLM runs the engine core in it, unless the environment says not.
+    assert pinned["VLLM_ENABLE_V1_MULTIPROCESSING"] == os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 @linux_only
