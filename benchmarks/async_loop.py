@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from steps.config import MoeloopConfig, load_config
-from steps.storage.run import RunStorage
-from workflows.dag import run_uri
-from workflows.local import run_local
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.storage.run import RunStorage
+from moeloop.workflows.dag import run_uri
+from moeloop.workflows.local import run_local
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = (

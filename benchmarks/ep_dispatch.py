@@ -8,7 +8,7 @@ EP = the number of processes (every rank one EP rank, DP = 1 for the experts). D
 shapes (hidden 2048, expert intermediate 768, 128 experts, top-8), bf16, 4096 and 16384 tokens per rank, a
 random router (near-balanced). Three parts, one table each, printed by rank 0:
 
-1. Dispatch + combine, forward only, as the MoE layer calls them (`steps.model.dispatch`: routing metadata, the
+1. Dispatch + combine, forward only, as the MoE layer calls them (`moeloop.steps.model.dispatch`: routing metadata, the
    permutation by expert and the host syncs included), identity experts. Latency is the slowest rank's median;
    GB/s counts, like DeepEP's own tests, the bf16 hidden states a rank receives, once per (token, rank) pair
    that needs it (all-to-all sends a token once per expert instead, which is its handicap), averaged over
@@ -55,9 +55,9 @@ from policy_update import build_config
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from steps.errors import MoeloopError
-from steps.model.dispatch import TokenDispatcher, make_dispatcher
-from steps.model.moe import MoeBlock, compile_decoder_layers, gather_over, replace_moe_blocks
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.dispatch import TokenDispatcher, make_dispatcher
+from moeloop.steps.model.moe import MoeBlock, compile_decoder_layers, gather_over, replace_moe_blocks
 
 
 def sync(device: torch.device) -> None:
@@ -146,7 +146,7 @@ def dispatch_rows(
             step = functools.partial(dispatch_combine, dispatcher, x_TH, topk_idx_TK, weights_TK)
             with torch.no_grad():
                 ms = slowest(median_ms(step, device, args.warmup, args.reps), device)
-            rows.append(f"| {tokens} | {name} (steps.model.dispatch) | {ms:.3f} | {recv_bytes / ms / 1e6:.2f} |")
+            rows.append(f"| {tokens} | {name} (moeloop.steps.model.dispatch) | {ms:.3f} | {recv_bytes / ms / 1e6:.2f} |")
         # Baseline: the same bytes each way through one even all_to_all_single, no routing work.
         rows_per_rank = -(-round(recv_bytes / (args.hidden * 2)) // world)  # the same on every rank
         send_PH = torch.empty(rows_per_rank * world, args.hidden, device=device, dtype=torch.bfloat16)

@@ -7,7 +7,7 @@ Shapes as benchmarks/moe_layer.py's (a): T tokens, hidden H, expert intermediate
 group sizes come from the same random router (`moe_layer.hf_block`'s) on N(0, 1) inputs. For each of the forward
 and the two gradients of gate_up ([T*K, H] x [H, 2I]) and down ([T*K, I] x [I, H]), three rows, timed in turns
 (`time_interleaved`):
-- the layer's kernel: `steps.model.kernels`' Triton grouped GEMM for the forward and input gradients (where
+- the layer's kernel: `moeloop.steps.model.kernels`' Triton grouped GEMM for the forward and input gradients (where
   `grouped_mm_triton_runs`, else torch's grouped_mm), torch's grouped_mm for the weight gradients;
 - torch's grouped_mm (CUTLASS) for all six;
 - one dense matmul of the same FLOPs with no grouping: [T*K, H] @ [H, 2I] and so on, the weight gradients as one
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from moe_layer import add_layer_arguments, dense_step, hf_block, layer_arguments, rel_err, time_interleaved
 
-from steps.model import kernels
+from moeloop.steps.model import kernels
 
 
 def layer_kernel(a_NK: torch.Tensor, b_eXY: torch.Tensor, offs_e: torch.Tensor, b_transposed: bool) -> torch.Tensor:

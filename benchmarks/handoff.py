@@ -10,11 +10,11 @@ two fp32 moments while the state is at most --optimizer-up-to-gb, else the weigh
 twice, here and in SeaweedFS). Then, each against raw boto3 moving the same bytes with its managed transfers
 (`upload_file`/`download_file`: parallel multipart, what a careful user writes), in the same run:
 
-- commit: `steps.rl.checkpoint.commit_trainer_state`, the function the train step ends with;
-- publish: `python -m steps.publish` as its pod runs it (fetch the weights, write the bf16 HF checkpoint as
+- commit: `moeloop.steps.rl.checkpoint.commit_trainer_state`, the function the train step ends with;
+- publish: `python -m moeloop.steps.publish` as its pod runs it (fetch the weights, write the bf16 HF checkpoint as
   sharded safetensors, commit it, move LATEST), in a child process whose peak RSS is read from the kernel;
   raw boto3 downloads the weights and uploads the checkpoint's files;
-- fetch: `steps.storage.cache.fetch_checkpoint`, a rollout pod's verified fetch into its cache, against a boto3
+- fetch: `moeloop.steps.storage.cache.fetch_checkpoint`, a rollout pod's verified fetch into its cache, against a boto3
   download of the checkpoint's files.
 The extrapolation to Qwen3-30B-A3B and Qwen3-235B-A22B from these rates is benchmarks/handoff.md's.
 """
@@ -40,12 +40,12 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from transformers import Qwen3MoeConfig
 
-from steps.config import load_config
-from steps.model.policy import build_tokenizer
-from steps.rl.checkpoint import OPTIMIZER_DIR, WEIGHTS_DIR, ReproducibleWriter, commit_trainer_state
-from steps.rl.parallel import Parallel
-from steps.storage.cache import fetch_checkpoint
-from steps.storage.run import RunStorage
+from moeloop.steps.config import load_config
+from moeloop.steps.model.policy import build_tokenizer
+from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, WEIGHTS_DIR, ReproducibleWriter, commit_trainer_state
+from moeloop.steps.rl.parallel import Parallel
+from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO
 from tests.seaweed import SeaweedS3, start_seaweed
 
@@ -203,8 +203,8 @@ PEAK_RSS_OF = (
 
 
 def publish_in_child(uri: str, environment: dict[str, str]) -> tuple[float, int]:
-    """`python -m steps.publish` as its pod runs it: (seconds, peak RSS in bytes)."""
-    step = [sys.executable, "-m", "steps.publish", "--run", uri, "--iteration", str(ITERATION)]
+    """`python -m moeloop.steps.publish` as its pod runs it: (seconds, peak RSS in bytes)."""
+    step = [sys.executable, "-m", "moeloop.steps.publish", "--run", uri, "--iteration", str(ITERATION)]
     started = time.perf_counter()
     command = [sys.executable, "-c", PEAK_RSS_OF, *step]
     done = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)

@@ -16,13 +16,13 @@ a row's figure is the median of its rounds' medians. Every iteration sets the gr
 Rows, all measured in the same run:
 - dense: one bf16 matmul 8192 x 8192 x 8192 (the chip's practical ceiling), and one of the experts' total
   shape, [T*K, H] @ [H, 2I] then [T*K, I] @ [I, H] forward + backward as plain matmuls (no grouping);
-- bare grouped SwiGLU: `steps.model.moe.GroupedExperts` on T*K rows already sorted by expert, perfectly balanced
+- bare grouped SwiGLU: `moeloop.steps.model.moe.GroupedExperts` on T*K rows already sorted by expert, perfectly balanced
   (T*K/E rows each): what the experts cost with no routing at all; with torch's grouped_mm and the eager
   SwiGLU (the issue's reference), with grouped_mm and the Triton SwiGLU, and as `GroupedExperts` runs on a
-  Hopper GPU (`steps.model.kernels`' Triton grouped GEMM and SwiGLU);
-- ours: `steps.model.moe.MoeBlock`, `local` dispatcher, `grouped_mm` experts (HF's router included): compiled whole
+  Hopper GPU (`moeloop.steps.model.kernels`' Triton grouped GEMM and SwiGLU);
+- ours: `moeloop.steps.model.moe.MoeBlock`, `local` dispatcher, `grouped_mm` experts (HF's router included): compiled whole
   (`torch.compile`, fullgraph), as `compile_decoder_layers` compiles it in bf16 at EP = 1; eager, as the
-  block runs under EP > 1, with `steps.model.kernels` as on CUDA; eager with torch's grouped_mm instead of the
+  block runs under EP > 1, with `moeloop.steps.model.kernels` as on CUDA; eager with torch's grouped_mm instead of the
   Triton GEMM; and eager with grouped_mm, the eager SwiGLU and index_select + sum (`TORCH_KERNELS`), to show
   what those are worth;
 - HF transformers' `Qwen3MoeSparseMoeBlock` (or `DeepseekV3MoE`) with `experts_implementation="grouped_mm"`, its
@@ -56,16 +56,16 @@ from transformers import DeepseekV3Config, Qwen3MoeConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from steps.model import kernels
-from steps.model.dispatch import make_dispatcher
-from steps.model.families import family_of_block
-from steps.model.moe import GroupedExperts, MoeBlock
+from moeloop.steps.model import kernels
+from moeloop.steps.model.dispatch import make_dispatcher
+from moeloop.steps.model.families import family_of_block
+from moeloop.steps.model.moe import GroupedExperts, MoeBlock
 
 NOMINAL_DENSE_BF16 = 989.0  # TFLOP/s, H100/H200 SXM datasheet, dense
 BARE_REFERENCE = "bare grouped SwiGLU (balanced, pre-permuted): grouped_mm, eager SwiGLU (the issue's reference)"
 
 
-TORCH_KERNELS = {  # three of steps.model.kernels' torch paths (the router and expand-rows stay Triton on CUDA)
+TORCH_KERNELS = {  # three of moeloop.steps.model.kernels' torch paths (the router and expand-rows stay Triton on CUDA)
     "grouped_linear": kernels.grouped_linear_torch,
     "swiglu": kernels.swiglu_eager,
     "gather_sum": kernels.gather_sum_torch,
@@ -74,7 +74,7 @@ TORCH_KERNELS = {  # three of steps.model.kernels' torch paths (the router and e
 
 @contextlib.contextmanager
 def torch_kernels(*names: str) -> Iterator[None]:
-    """The named steps.model.kernels functions (all without names) swapped for their torch versions, on any device."""
+    """The named moeloop.steps.model.kernels functions (all without names) swapped for their torch versions, on any device."""
     swapped = {name: getattr(kernels, name) for name in names or TORCH_KERNELS}
     for name in swapped:
         setattr(kernels, name, TORCH_KERNELS[name])
@@ -203,7 +203,7 @@ def dense_swiglu_step(pairs: int, H: int, I: int, device: torch.device) -> Calla
 
 def bare_rows(reference: nn.Module, pairs: int, E: int, H: int, device: torch.device) -> list[Row]:
     """Balanced, pre-permuted rows through the layer's own GroupedExperts: torch's grouped_mm and eager SwiGLU (the
-    issue's reference), then with steps.model.kernels' kernels one by one (on CUDA)."""
+    issue's reference), then with moeloop.steps.model.kernels' kernels one by one (on CUDA)."""
     experts = GroupedExperts.from_hf(reference.experts, family_of_block(reference), 0, 1, "grouped_mm")
     x_NH = torch.randn(pairs, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_NH = torch.randn(pairs, H, device=device, dtype=torch.bfloat16)
@@ -213,7 +213,7 @@ def bare_rows(reference: nn.Module, pairs: int, E: int, H: int, device: torch.de
     if device.type == "cuda":
         rows += [
             ("bare grouped SwiGLU: grouped_mm, Triton SwiGLU", bare, partial(torch_kernels, "grouped_linear")),
-            ("bare grouped SwiGLU: steps.model.kernels (Triton SwiGLU and grouped GEMM)", bare, contextlib.nullcontext),
+            ("bare grouped SwiGLU: moeloop.steps.model.kernels (Triton SwiGLU and grouped GEMM)", bare, contextlib.nullcontext),
         ]
     return rows
 
@@ -300,7 +300,7 @@ def main() -> None:
     variants: list[tuple[str, nn.Module, Callable[[], contextlib.AbstractContextManager[None]]]] = [
         ("**ours: MoeBlock compiled whole** (local dispatcher, bf16; as `compile_decoder_layers` compiles it)",
          compiled, contextlib.nullcontext),
-        ("ours, MoeBlock eager (steps.model.kernels as on CUDA; the block under EP > 1)", ours, contextlib.nullcontext),
+        ("ours, MoeBlock eager (moeloop.steps.model.kernels as on CUDA; the block under EP > 1)", ours, contextlib.nullcontext),
         ("ours, MoeBlock eager with torch's grouped_mm (the other kernels Triton)",
          ours, partial(torch_kernels, "grouped_linear")),
         ("ours, MoeBlock eager with grouped_mm, eager SwiGLU, index_select + sum (Triton router, expand-rows)",

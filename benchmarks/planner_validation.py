@@ -60,7 +60,7 @@ def write_config(folder: Path, run: tuple, iterations: int, engine: str) -> Path
 
 def moeloop(*args: str, environment: dict[str, str]) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "workflows.cli", *args],
+        [sys.executable, "-m", "moeloop.workflows.cli", *args],
         capture_output=True,
         text=True,
         env=environment,

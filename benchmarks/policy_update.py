@@ -20,14 +20,14 @@ Rows (`--rows`):
   `torch.compile`'d, padded microbatches of 8 consecutive samples, HF's causal-LM loss over the real tokens;
   `careful_gc` with HF's gradient checkpointing.
 - `bf16_hf`, `bf16_ours`: the last table's bf16-everything rows (bf16 weights and AdamW moments, which no careful
-  user trains with): HF grouped_mm with compiled layers; `steps.model.moe.replace_moe_blocks` and
+  user trains with): HF grouped_mm with compiled layers; `moeloop.steps.model.moe.replace_moe_blocks` and
   `compile_decoder_layers`. Padded microbatches of 8.
-- `product`, `product_ac`: the train step's own functions: the model as `python -m steps.train` loads it
-  (`steps.rl.state.load_trainer_model` from an HF checkpoint of the same weights, trainer.precision bf16: FSDP2
+- `product`, `product_ac`: the train step's own functions: the model as `python -m moeloop.steps.train` loads it
+  (`moeloop.steps.rl.state.load_trainer_model` from an HF checkpoint of the same weights, trainer.precision bf16: FSDP2
   mixed precision, fp32 master weights and moments, packed attention, compiled layers), and one minibatch of
-  `steps.rl.update.actor_steps` (GRPO's clipped surrogate and the routers' aux loss) over packed microbatches
+  `moeloop.steps.rl.update.actor_steps` (GRPO's clipped surrogate and the routers' aux loss) over packed microbatches
   of at most --max-tokens tokens; `product_ac` with trainer.activation_checkpointing. Also timed, reported
-  apart: its no-gradient logprob pass over the batch (`steps.rl.batch.frozen_logprobs`, the old policy's).
+  apart: its no-gradient logprob pass over the batch (`moeloop.steps.rl.batch.frozen_logprobs`, the old policy's).
 
 Real tokens/s: the batch's real (unpadded) tokens over the median update time of --reps after --warmup. MFU:
 model FLOPs per update (6 x active parameters x real tokens, active = every matmul weight except the experts' plus
@@ -54,15 +54,15 @@ from moe_layer import dense_tflops, time_ms
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from steps.config import MoeloopConfig, load_config
-from steps.model.dispatch import make_dispatcher
-from steps.model.moe import compile_decoder_layers, replace_moe_blocks
-from steps.model.policy import build_tokenizer, save_policy
-from steps.rl.batch import ExperienceBatch, frozen_logprobs
-from steps.rl.grpo import group_advantages
-from steps.rl.parallel import Parallel, init_parallel
-from steps.rl.state import load_trainer_model
-from steps.rl.update import actor_steps
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.model.dispatch import make_dispatcher
+from moeloop.steps.model.moe import compile_decoder_layers, replace_moe_blocks
+from moeloop.steps.model.policy import build_tokenizer, save_policy
+from moeloop.steps.rl.batch import ExperienceBatch, frozen_logprobs
+from moeloop.steps.rl.grpo import group_advantages
+from moeloop.steps.rl.parallel import Parallel, init_parallel
+from moeloop.steps.rl.state import load_trainer_model
+from moeloop.steps.rl.update import actor_steps
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,12 +23,12 @@ TARGET_CPU_SECONDS = 2.0
 
 
 def cli_seconds(*args: str, log: Path) -> tuple[int, float, float]:
-    """`python -m workflows.cli ARGS` from the repo root, its output to log: its exit code, CPU and wall seconds."""
+    """`python -m moeloop.workflows.cli ARGS` from the repo root, its output to log: its exit code, CPU and wall seconds."""
     environment = {key: value for key, value in os.environ.items() if not key.startswith("ARGO_")}
     started = time.perf_counter()
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "workflows.cli", *args], cwd=REPO, env={**environment, "PYTHONPATH": str(REPO)},
+            [sys.executable, "-m", "moeloop.workflows.cli", *args], cwd=REPO, env={**environment, "PYTHONPATH": str(REPO)},
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
         _, status, usage = os.wait4(process.pid, 0)

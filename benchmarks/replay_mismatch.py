@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeForCausalLM
 
-from steps.config import load_config
-from steps.engines.engine import Sampling, TransformersEngine
-from steps.model.policy import build_tokenizer, save_policy, tiny_model_config
-from steps.rl.batch import experience_batch, frozen_logprobs
-from steps.rl.parallel import Parallel
-from steps.rl.state import load_trainer_model
-from steps.rl.update import policy_update
+from moeloop.steps.config import load_config
+from moeloop.steps.engines.engine import Sampling, TransformersEngine
+from moeloop.steps.model.policy import build_tokenizer, save_policy, tiny_model_config
+from moeloop.steps.rl.batch import experience_batch, frozen_logprobs
+from moeloop.steps.rl.parallel import Parallel
+from moeloop.steps.rl.state import load_trainer_model
+from moeloop.steps.rl.update import policy_update
 
 REPO = Path(__file__).resolve().parents[1]
 SHOWN = ("logprob_mismatch", "behavior_kl", "routing_agreement", "mismatch_masked", "router_load_imbalance")

@@ -4,7 +4,7 @@
 
 (a) tokens/s of vLLM and transformers `generate` on the same prompts and sampling settings, after one
     warm-up batch; (b) an iteration's engine cost with a new engine per checkpoint against one engine that
-    loads each new checkpoint in place (`steps.engines.engine.engine_for`). Prints a Markdown table.
+    loads each new checkpoint in place (`moeloop.steps.engines.engine.engine_for`). Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from steps.config import load_config
-from steps.engines.engine import Sampling, engine_for, make_engine, release_engine
-from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
-from steps.storage.prompts import read_prompt_file
+from moeloop.steps.config import load_config
+from moeloop.steps.engines.engine import Sampling, engine_for, make_engine, release_engine
+from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_policy
+from moeloop.steps.storage.prompts import read_prompt_file
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the table, not vLLM's start-up log

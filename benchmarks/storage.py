@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
-from steps.storage.run import RunStorage
+from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
+from moeloop.steps.storage.run import RunStorage
 from tests.seaweed import SeaweedS3, start_seaweed
 
 MB = 1_000_000

@@ -7,10 +7,10 @@ The shape is Qwen3-30B-A3B's (hidden 2048, moe_intermediate 768, 128 experts, to
 128, vocabulary 151936), with --layers decoder layers; the batch is --samples samples of --seq tokens (a 512-token
 prompt, the rest response), one minibatch. Each layer count runs in a fresh process, as the train step does:
 1. the reference policy (random weights, as the train step's checkpoint 0) sharded as the trainer's, its logprobs
-   over the batch computed once (`steps.rl.batch.frozen_logprobs`), then freed;
-2. the policy (the same weights) as the trainer holds it (`steps.rl.state.prepare_trainer_model`:
+   over the batch computed once (`moeloop.steps.rl.batch.frozen_logprobs`), then freed;
+2. the policy (the same weights) as the trainer holds it (`moeloop.steps.rl.state.prepare_trainer_model`:
    trainer.precision bf16, fp32 master weights and AdamW moments; the moments in host memory with --offload), its
-   old logprobs, and --steps optimizer steps of `steps.rl.update.actor_steps` over packed microbatches, each over
+   old logprobs, and --steps optimizer steps of `moeloop.steps.rl.update.actor_steps` over packed microbatches, each over
    the whole batch. Two by default: AdamW makes its moments at the first step, so only from the second on is the
    backward's peak the one of a train step of several minibatches.
 The weights are made in memory (random, HF's init scale) instead of read from safetensors, which would need the
@@ -18,7 +18,7 @@ model on disk first; everything else is the train step's own code. Peaks: the te
 (`torch.cuda.max_memory_allocated`) over all of it, and the reference pass's alone; the GPU's, which decides what
 fits: the caching allocator's peak reservation (`max_memory_reserved`, fragmentation included) plus what the
 process holds outside it (the CUDA context, library workspaces: the device's used memory less the reservation).
-Beside them, what the memory model (`steps.capacity.memory`, the check `start` and `train` refuse with) predicts
+Beside them, what the memory model (`moeloop.steps.capacity.memory`, the check `start` and `train` refuse with) predicts
 for the same shape and settings, and its error against the GPU's peak.
 """
 
@@ -37,15 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from steps.capacity.memory import GIB, predict_train_peak_bytes
-from steps.capacity.models import shape_from_hf_config
-from steps.config import MoeloopConfig, load_config
-from steps.model.policy import shard_model
-from steps.rl.batch import ExperienceBatch, frozen_logprobs
-from steps.rl.grpo import group_advantages
-from steps.rl.parallel import Parallel, init_parallel
-from steps.rl.state import make_optimizer, prepare_trainer_model
-from steps.rl.update import actor_steps
+from moeloop.steps.capacity.memory import GIB, predict_train_peak_bytes
+from moeloop.steps.capacity.models import shape_from_hf_config
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.model.policy import shard_model
+from moeloop.steps.rl.batch import ExperienceBatch, frozen_logprobs
+from moeloop.steps.rl.grpo import group_advantages
+from moeloop.steps.rl.parallel import Parallel, init_parallel
+from moeloop.steps.rl.state import make_optimizer, prepare_trainer_model
+from moeloop.steps.rl.update import actor_steps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ def measure(args: argparse.Namespace) -> dict:
     reference = random_model(shape(args.layers[0]), settings, parallel)
     ref_logprobs_BT = frozen_logprobs(reference, experience, temperature, budget, parallel)
     del reference
-    gc.collect()  # as steps.rl.state.reference_logprobs frees it
+    gc.collect()  # as moeloop.steps.rl.state.reference_logprobs frees it
     reference_peak = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.empty_cache()
     left_by_reference = torch.cuda.memory_allocated() / 2**30

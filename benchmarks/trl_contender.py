@@ -5,7 +5,7 @@ Runs in an environment of its own, with TRL installed (`benchmarks/trl_grpo.py` 
     TRL-PYTHON benchmarks/trl_contender.py --checkpoint SFT --seed S --iterations N --out CURVE.json
 
 The same task as `moeloop run configs/tiny.yaml`: its SFT checkpoint, prompts, reward
-(`steps.demo_task.reverse_positions`, imported from this repository, standard library only), batch (192 prompts x
+(`moeloop.steps.demo_task.reverse_positions`, imported from this repository, standard library only), batch (192 prompts x
 16 samples an iteration), learning rate, 2 epochs of minibatches of 128, clip 0.2, no KL, token-mean loss
 (`loss_type="bnpo"`), and the same evaluation: greedy on the 256 held-out prompts, grouped by prompt length so
 nothing is padded (as moeloop's transformers engine does), after every iteration's last optimizer step and once
@@ -31,7 +31,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from steps.demo_task import reverse_positions  # noqa: E402
+from moeloop.steps.demo_task import reverse_positions  # noqa: E402
 
 PROMPTS_PER_ITERATION, SAMPLES_PER_PROMPT, MINIBATCH, EPOCHS = 192, 16, 128, 2
 STEPS_PER_ITERATION = PROMPTS_PER_ITERATION * SAMPLES_PER_PROMPT // MINIBATCH * EPOCHS  # 48, as moeloop's

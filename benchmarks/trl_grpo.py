@@ -8,7 +8,7 @@ TRL lives in an environment of its own, never moeloop's (its versions are the on
         [--seeds 0 1 2] [--engines transformers vllm] [--iterations 24] [--keep DIR] \\
         [--variant NAME SECTION.KEY=VALUE ... [--variant ...]] [--no-trl]
 
-For each seed: the demo's SFT (`python -m steps.start` on configs/tiny.yaml at that seed) makes one checkpoint;
+For each seed: the demo's SFT (`python -m moeloop.steps.start` on configs/tiny.yaml at that seed) makes one checkpoint;
 then each moeloop engine runs `moeloop run` on configs/tiny.yaml with `model.checkpoint` that checkpoint, and
 TRL runs `benchmarks/trl_contender.py` on it, one process after the other on the otherwise idle machine. Both
 clocks start when their process is launched. moeloop's time of an iteration is when its checkpoint was
@@ -148,14 +148,14 @@ def main() -> None:
         for seed in args.seeds:
             sft_config = demo_config(folder, f"sft-{seed}", seed, args.iterations, {})
             sft_run = folder / "runs" / f"sft-{seed}"
-            start = [sys.executable, "-m", "steps.start", "--run", str(sft_run), "--iteration", "0"]
+            start = [sys.executable, "-m", "moeloop.steps.start", "--run", str(sft_run), "--iteration", "0"]
             timed([*start, "--config", str(sft_config)], environment, folder / f"sft-{seed}.log")
             checkpoint = sft_run / "checkpoints" / "iter-000000"
             for contender, (engine, variant_name, changes) in moeloop.items():
                 name = f"moeloop-{engine}{'-' + variant_name if variant_name else ''}-{seed}"
                 settings = {"model.checkpoint": str(checkpoint), "rollout.engine": engine, **changes}
                 config = demo_config(folder, name, seed, args.iterations, settings)
-                command = [sys.executable, "-m", "workflows.cli", "run", str(config), "--root", str(folder / "runs")]
+                command = [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root", str(folder / "runs")]
                 launched, cores = timed([*command, "--no-progress"], environment, folder / f"{name}.log")
                 curve, total = moeloop_curve(folder / "runs" / name, launched)
                 results[contender].append(measures(curve, total, cores))

@@ -15,9 +15,9 @@ import argparse
 from hera.workflows import Container, Parameter, Task, WorkflowsService
 from hera.workflows import models as m
 
-import workflows
-from steps.config import load_config
-from workflows.dag import run_uri
+from moeloop import workflows
+from moeloop.steps.config import load_config
+from moeloop.workflows.dag import run_uri
 
 
 def with_notifications(loop: workflows.Loop, webhook: str) -> workflows.Loop:

@@ -8,10 +8,10 @@ import json
 import time
 from typing import Any
 
-from steps.config import MoeloopConfig, parse_config_text
-from steps.errors import ArgumentParser, MoeloopError, print_line
-from steps.outputs import write_outputs
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig, parse_config_text
+from moeloop.steps.errors import ArgumentParser, MoeloopError, print_line
+from moeloop.steps.outputs import write_outputs
+from moeloop.steps.storage.run import RunStorage
 
 
 def step_parser(description: str | None) -> argparse.ArgumentParser:

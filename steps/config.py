@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from steps.config_cluster import ClusterConfig, Strict
-from steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe
-from steps.errors import MoeloopError
-from steps.inputs import check_location, load_yaml, read_limited
+from moeloop.steps.config_cluster import ClusterConfig, Strict
+from moeloop.steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.inputs import check_location, load_yaml, read_limited
 
 # A config is a few KB; a file much larger is not one (a checkpoint, a log, /dev/zero), and is not read whole.
 MAX_CONFIG_BYTES = 1 << 20

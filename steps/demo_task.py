@@ -1,7 +1,7 @@
 """The demo task: reverse a short string. Its prompts, its verifier reward and its data generator.
 
 A prompt record is {"prompt": "abcd=", "answer": "dcba"}; the policy should answer "dcba".
-`python -m steps.demo_task --out configs/data` regenerates the shipped prompt files.
+`python -m moeloop.steps.demo_task --out configs/data` regenerates the shipped prompt files.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from steps.errors import ArgumentParser, run_cli
+from moeloop.steps.errors import ArgumentParser, run_cli
 
 ALPHABET = "abcdefgh"
 SEPARATOR = "="

@@ -9,16 +9,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
-from steps.engines.engine import Engine, Sampling, TransformersEngine
-from steps.errors import run_cli
-from steps.observe.scalars import step_reports
-from steps.observe.trackers import record_iteration
-from steps.rewards.functions import reward_functions, score
-from steps.storage.cache import fetch_checkpoint
-from steps.storage.metrics import read_metrics
-from steps.storage.prompts import eval_prompts
-from steps.storage.run import RunStorage
+from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
+from moeloop.steps.engines.engine import Engine, Sampling, TransformersEngine
+from moeloop.steps.errors import run_cli
+from moeloop.steps.observe.scalars import step_reports
+from moeloop.steps.observe.trackers import record_iteration
+from moeloop.steps.rewards.functions import reward_functions, score
+from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.metrics import read_metrics
+from moeloop.steps.storage.prompts import eval_prompts
+from moeloop.steps.storage.run import RunStorage
 
 
 def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max_new_tokens: int) -> float:

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from steps.errors import MoeloopError
+from moeloop.steps.errors import MoeloopError
 
 
 def check_location(value: str, what: str) -> str:

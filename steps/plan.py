@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from steps.common import open_run, print_json
-from steps.errors import ArgumentParser, MoeloopError, run_cli
-from steps.storage.lease import check_free
+from moeloop.steps.common import open_run, print_json
+from moeloop.steps.errors import ArgumentParser, MoeloopError, run_cli
+from moeloop.steps.storage.lease import check_free
 
 
 def plan(run_uri: str, chunk: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """publish: turn the iteration's trainer state into the HF checkpoint the next rollouts load.
 
-Fetches the committed trainer state's fp32 weights (its DCP shards, `steps.rl.checkpoint`), config and tokenizer,
+Fetches the committed trainer state's fp32 weights (its DCP shards, `moeloop.steps.rl.checkpoint`), config and tokenizer,
 verified against its COMMIT (not the optimizer state), writes them as an HF checkpoint in the config's dtype (sharded
 safetensors of at most `trainer.checkpoint_shard_bytes`, streamed block by block: no process holds the model),
 commits that to checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST. With PPO the
@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from steps.common import already_committed, open_iteration, print_json, step_parser, write_report
-from steps.errors import MoeloopError, run_cli
-from steps.rl.checkpoint import OPTIMIZER_DIR, write_hf_checkpoint
-from steps.storage.cache import local_scratch
-from steps.storage.run import CRITIC_DIR
+from moeloop.steps.common import already_committed, open_iteration, print_json, step_parser, write_report
+from moeloop.steps.errors import MoeloopError, run_cli
+from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, write_hf_checkpoint
+from moeloop.steps.storage.cache import local_scratch
+from moeloop.steps.storage.run import CRITIC_DIR
 
 
 def publish(run_uri: str, iteration: int) -> dict[str, Any]:

@@ -13,11 +13,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
-from steps.errors import MoeloopError, run_cli
-from steps.rewards.functions import reward_functions, score
-from steps.storage.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
-from steps.storage.prompts import train_prompts
+from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
+from moeloop.steps.errors import MoeloopError, run_cli
+from moeloop.steps.rewards.functions import reward_functions, score
+from moeloop.steps.storage.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
+from moeloop.steps.storage.prompts import train_prompts
 
 FLOAT32_MAX = 3.4028234663852886e38  # rewards.parquet's column: a larger weighted sum would be stored as inf
 
@@ -39,7 +39,7 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
     ]
     report: dict[str, Any] = {}
     if config.reward.models:
-        from steps.rewards.models import load_reward_models  # torch and transformers: only when a model is configured
+        from moeloop.steps.rewards.models import load_reward_models  # torch and transformers: only when a model is configured
 
         model_started = time.perf_counter()
         texts = [

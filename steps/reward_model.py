@@ -1,4 +1,4 @@
-"""`python -m steps.reward_model --like CONFIG --out DIR` builds a tiny random MoE reward model (of
+"""`python -m moeloop.steps.reward_model --like CONFIG --out DIR` builds a tiny random MoE reward model (of
 model.tiny's family) with the demo's character tokenizer: noise as a reward, for showing that the path runs end to
 end (configs/tiny-ppo-rm.yaml).
 The reward models themselves (scoring, committing into a run, loading) are in steps/rewards/models.py.
@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from steps.common import quiet_libraries
-from steps.config import MoeloopConfig, load_config
-from steps.errors import ArgumentParser, run_cli
-from steps.model.policy import build_tokenizer, save_policy, tiny_model_config
-from steps.storage.prompts import read_prompt_file
+from moeloop.steps.common import quiet_libraries
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.errors import ArgumentParser, run_cli
+from moeloop.steps.model.policy import build_tokenizer, save_policy, tiny_model_config
+from moeloop.steps.storage.prompts import read_prompt_file
 
 
 def build_tiny_reward_model(config: MoeloopConfig, directory: Path, seed: int = 0) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from steps.common import (
+from moeloop.steps.common import (
     already_committed,
     derive_seed,
     open_iteration,
@@ -24,12 +24,12 @@ from steps.common import (
     step_parser,
     write_report,
 )
-from steps.config import MoeloopConfig
-from steps.engines.engine import Completion, Sampling, engine_for
-from steps.errors import MoeloopError, run_cli
-from steps.storage.cache import fetch_checkpoint
-from steps.storage.experience import ROLLOUT_SCHEMA, read_rollout_shard, table_bytes
-from steps.storage.prompts import train_prompts
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.engines.engine import Completion, Sampling, engine_for
+from moeloop.steps.errors import MoeloopError, run_cli
+from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, read_rollout_shard, table_bytes
+from moeloop.steps.storage.prompts import train_prompts
 
 
 def iteration_prompt_ids(config: MoeloopConfig, num_prompts: int, iteration: int) -> list[int]:

@@ -21,9 +21,9 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from steps.capacity.memory import refuse_unfit_trainer
-from steps.common import print_json, quiet_libraries, step_parser, write_report
-from steps.config import (
+from moeloop.steps.capacity.memory import refuse_unfit_trainer
+from moeloop.steps.common import print_json, quiet_libraries, step_parser, write_report
+from moeloop.steps.config import (
     MoeloopConfig,
     SFTConfig,
     TrainerConfig,
@@ -32,9 +32,9 @@ from steps.config import (
     parse_config,
     parse_config_text,
 )
-from steps.errors import MoeloopError, run_cli
-from steps.model.families import family_named, num_experts
-from steps.model.policy import (
+from moeloop.steps.errors import MoeloopError, run_cli
+from moeloop.steps.model.families import family_named, num_experts
+from moeloop.steps.model.policy import (
     build_tiny_model,
     build_tokenizer,
     load_policy,
@@ -43,13 +43,13 @@ from steps.model.policy import (
     tiny_model_config,
     token_logprobs,
 )
-from steps.observe.trackers import begin_trackers, check_trackers
-from steps.rl.router_bias import bias_update_rate
-from steps.rewards.models import adopt_reward_models, check_reward_models
-from steps.storage.cache import cache_root, fetch_verified, local_scratch
-from steps.storage.manifest import json_bytes, manifest_of, parse_manifest
-from steps.storage.prompts import check_prompts, read_prompt_file
-from steps.storage.run import RunStorage
+from moeloop.steps.observe.trackers import begin_trackers, check_trackers
+from moeloop.steps.rl.router_bias import bias_update_rate
+from moeloop.steps.rewards.models import adopt_reward_models, check_reward_models
+from moeloop.steps.storage.cache import cache_root, fetch_verified, local_scratch
+from moeloop.steps.storage.manifest import json_bytes, manifest_of, parse_manifest
+from moeloop.steps.storage.prompts import check_prompts, read_prompt_file
+from moeloop.steps.storage.run import RunStorage
 
 # Settings that may change between submissions of one run without changing its results. The trainer's process
 # layout is one of them: its update equals one process's on the whole minibatch, and its state is stored whole.

@@ -10,7 +10,7 @@ One process per GPU where there is CUDA: under torchrun when `trainer.world_size
 mesh; each rank holds its models under FSDP2 (steps/model/sharding.py) at `trainer.precision`, and takes its
 packed microbatches of every minibatch. The update equals one process's on the whole minibatch
 (tests/test_train_ep.py, tests/test_fsdp.py). Every rank writes its shards of the trainer state and uploads them
-(`steps.rl.checkpoint`); rank 0 writes the report, and the state's COMMIT once every rank's files are up.
+(`moeloop.steps.rl.checkpoint`); rank 0 writes the report, and the state's COMMIT once every rank's files are up.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from steps.capacity.memory import refuse_unfit_trainer
-from steps.common import (
+from moeloop.steps.capacity.memory import refuse_unfit_trainer
+from moeloop.steps.common import (
     already_committed,
     derive_seed,
     open_iteration,
@@ -34,18 +34,18 @@ from steps.common import (
     step_parser,
     write_report,
 )
-from steps.config import MoeloopConfig
-from steps.errors import MoeloopError, run_cli
-from steps.model.policy import read_config
-from steps.rl.batch import experience_batch, recorded_routes
-from steps.rl.checkpoint import commit_trainer_state
-from steps.rl.parallel import Parallel, init_parallel
-from steps.rl.router_bias import bias_update_rate
-from steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state
-from steps.rl.update import Critic, policy_update, require_finite
-from steps.storage.cache import fetch_checkpoint, local_scratch
-from steps.storage.experience import read_rewards, read_rollouts
-from steps.storage.run import CRITIC_DIR, RunStorage
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError, run_cli
+from moeloop.steps.model.policy import read_config
+from moeloop.steps.rl.batch import experience_batch, recorded_routes
+from moeloop.steps.rl.checkpoint import commit_trainer_state
+from moeloop.steps.rl.parallel import Parallel, init_parallel
+from moeloop.steps.rl.router_bias import bias_update_rate
+from moeloop.steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state
+from moeloop.steps.rl.update import Critic, policy_update, require_finite
+from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
+from moeloop.steps.storage.experience import read_rewards, read_rollouts
+from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from urllib.parse import parse_qs, urlsplit
 
 from jsonschema import Draft4Validator
 
-from steps.config import MoeloopConfig, parse_config
+from moeloop.steps.config import MoeloopConfig, parse_config
 from tests.upstream import available, upstream
-from workflows.lint import lint_document
+from moeloop.workflows.lint import lint_document
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "rl"
@@ -64,7 +64,7 @@ def cluster_config() -> MoeloopConfig:
             "run_name": "cluster-test",
             "iterations": 2,
             "task": {"train_prompts": "s3://bucket/train.jsonl", "eval_prompts": "s3://bucket/eval.jsonl"},
-            "reward": {"functions": [{"path": "steps.rewards:reverse_positions"}]},
+            "reward": {"functions": [{"path": "moeloop.steps.rewards:reverse_positions"}]},
             "cluster": {"namespace": "from-config"},
         },
         "test",
@@ -171,11 +171,11 @@ def _packaged_request_errors(body: object, definition: str) -> list[str]:
 
 
 def moeloop(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m workflows.cli ARGS` from the repo root, with no ARGO_* variables but those in `env`."""
+    """`python -m moeloop.workflows.cli ARGS` from the repo root, with no ARGO_* variables but those in `env`."""
     environment = {key: value for key, value in os.environ.items() if not key.startswith("ARGO_")}
     environment.update(PYTHONPATH=str(REPO), **(env or {}))
     return subprocess.run(
-        [sys.executable, "-m", "workflows.cli", *args],
+        [sys.executable, "-m", "moeloop.workflows.cli", *args],
         cwd=REPO,
         env=environment,
         capture_output=True,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from steps.config import MoeloopConfig, load_config
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.storage.run import RunStorage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,8 +66,8 @@ def run_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(autouse=True)
 def no_engine_left_behind() -> Iterator[None]:
-    """Steps called in-process keep their rollout engine (steps.engines.engine.engine_for); a test starts without one."""
-    from steps.engines.engine import release_engine
+    """Steps called in-process keep their rollout engine (moeloop.steps.engines.engine.engine_for); a test starts without one."""
+    from moeloop.steps.engines.engine import release_engine
 
     release_engine()
     yield

@@ -7,7 +7,7 @@ by the reward step, after a real evaluation has written its metrics.
 
 from __future__ import annotations
 
-from steps.demo_task import reverse_positions
+from moeloop.steps.demo_task import reverse_positions
 
 
 def nan_on_train(record: dict, response: str) -> float:

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from tests.upstream import needs_upstream, upstream
-from workflows import argo_schema
-from workflows.argo_schema import POD_ENUM_KEYWORD, RULES, RULES_KEYWORD, definitions
+from moeloop.workflows import argo_schema
+from moeloop.workflows.argo_schema import POD_ENUM_KEYWORD, RULES, RULES_KEYWORD, definitions
 
 CRD_KINDS = {"workflows": "Workflow", "workflowtemplates": "WorkflowTemplate", "cronworkflows": "CronWorkflow"}
 FACT_KEYWORDS = ("enum", "pattern", "format", "minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength")

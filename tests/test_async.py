@@ -13,13 +13,13 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
-from steps.config import MoeloopConfig, load_config
-from steps.storage.experience import read_rollouts
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.storage.experience import read_rollouts
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
-from workflows.dag import loop_tasks, run_uri
-from workflows.local import run_local
-from workflows.render import chunk_tasks, dag_tasks, render
+from moeloop.workflows.dag import loop_tasks, run_uri
+from moeloop.workflows.local import run_local
+from moeloop.workflows.render import chunk_tasks, dag_tasks, render
 
 
 def dependencies(config, iterations: int) -> dict[str, set[str]]:
@@ -81,7 +81,7 @@ def test_staleness_is_validated() -> None:
 
 def step(name: str, uri: str, iteration: int, *extra: str) -> None:
     """A step as the pods run it, one thread as the local runner gives it (in-process torch crawls on busy cores)."""
-    argv = [sys.executable, "-m", f"steps.{name}", "--run", uri, "--iteration", str(iteration), *extra]
+    argv = [sys.executable, "-m", f"moeloop.steps.{name}", "--run", uri, "--iteration", str(iteration), *extra]
     subprocess.run(argv, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -180,7 +180,7 @@ def test_report_prints_each_iteration(async_run: tuple[str, list]) -> None:
     uri, _ = async_run
     storage = RunStorage(uri)
     done = subprocess.run(
-        [sys.executable, "-m", "workflows.cli", "report", uri], cwd=REPO, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "moeloop.workflows.cli", "report", uri], cwd=REPO, capture_output=True, text=True, check=True
     )
     header, *rows = done.stdout.splitlines()
     assert header.split()[:2] == ["iter", "staleness"] and header.split()[-2:] == ["eval", "reward"]
@@ -204,7 +204,7 @@ def test_report_reads_only_committed_metrics(async_run: tuple[str, list], tmp_pa
     metrics.with_name(f"{metrics.name}.tmp-0123").write_bytes(metrics.read_bytes()[:20])
     metrics.unlink()
     done = subprocess.run(
-        [sys.executable, "-m", "workflows.cli", "report", str(copy)],
+        [sys.executable, "-m", "moeloop.workflows.cli", "report", str(copy)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -220,7 +220,7 @@ def test_report_reads_only_committed_metrics(async_run: tuple[str, list], tmp_pa
 )
 def test_report_of_a_bad_run_is_one_line(tmp_path: Path, run: str, message: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "workflows.cli", "report", run],
+        [sys.executable, "-m", "moeloop.workflows.cli", "report", run],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -73,11 +73,11 @@ def run_process(args: list[str], tmp_path: Path, cwd: Path = REPO) -> subprocess
 
 
 def moeloop(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return run_process(["-m", "workflows.cli", *args], tmp_path)
+    return run_process(["-m", "moeloop.workflows.cli", *args], tmp_path)
 
 
 def step(name: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return run_process(["-m", f"steps.{name}", *args], tmp_path)
+    return run_process(["-m", f"moeloop.steps.{name}", *args], tmp_path)
 
 
 def assert_user_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -165,14 +165,14 @@ def test_run_resolves_a_relative_prompt_path_against_the_config_and_names_it(tmp
     ("path", "named"),
     [
         pytest.param("nosuch.module:fn", "No module named 'nosuch'", id="no-module"),
-        pytest.param("steps.demo_task:nosuch", "has no attribute 'nosuch'", id="no-function"),
+        pytest.param("moeloop.steps.demo_task:nosuch", "has no attribute 'nosuch'", id="no-function"),
     ],
 )
 def test_run_rejects_a_reward_path_that_does_not_import(tmp_path: Path, path: str, named: str) -> None:
     name = unique_run_name()
     data = tiny_config(run_name=name)
     data["reward"]["functions"] = [
-        {"path": "steps.demo_task:reverse_positions", "weight": 1.0},
+        {"path": "moeloop.steps.demo_task:reverse_positions", "weight": 1.0},
         {"path": path, "weight": 0.5},
     ]
     config = write_config(tmp_path, data)
@@ -187,13 +187,13 @@ def test_run_rejects_a_reward_path_that_does_not_import(tmp_path: Path, path: st
 def test_run_rejects_a_reward_path_without_a_function(tmp_path: Path) -> None:
     name = unique_run_name()
     data = tiny_config(run_name=name)
-    data["reward"]["functions"] = [{"path": "steps.demo_task"}]
+    data["reward"]["functions"] = [{"path": "moeloop.steps.demo_task"}]
     config = write_config(tmp_path, data)
     root = tmp_path / "root"
 
     result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
 
-    assert_user_error(result, "reward.functions.0.path", "steps.demo_task")
+    assert_user_error(result, "reward.functions.0.path", "moeloop.steps.demo_task")
     assert_nothing_created(root, name)
 
 
@@ -223,8 +223,8 @@ def test_publish_on_a_run_that_does_not_exist_names_the_run(tmp_path: Path) -> N
 @pytest.fixture(scope="module")
 def started_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real run after its start step (checkpoint 0 and LATEST), built in-process with 2 SFT steps."""
-    from steps.config import load_config
-    from steps.start import start
+    from moeloop.steps.config import load_config
+    from moeloop.steps.start import start
 
     config = load_config(TINY)
     sft = config.model.sft.model_copy(update={"steps": 2})
@@ -342,7 +342,7 @@ def test_resumed_local_run_refuses_a_config_that_differs(run_copy: Path, tmp_pat
     before = snapshot(run_copy)
     logs = tmp_path / ".moeloop" / "logs" / run_copy.name
     process = subprocess.Popen(
-        [sys.executable, "-m", "workflows.cli", "run", str(config), "--root", str(run_copy.parent), "--no-progress"],
+        [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root", str(run_copy.parent), "--no-progress"],
         cwd=tmp_path,
         env=environment(tmp_path),
         stdout=subprocess.PIPE,

@@ -11,15 +11,15 @@ import torch
 import transformers
 import yaml
 
-from steps.capacity.inputs import plan_inputs
-from steps.capacity.memory import BF16, FP32, predict_train_peak_bytes
-from steps.capacity.models import FAMILIES, model_config, parameter_counts, shape_from_hf_config
-from steps.capacity.options import make_plan
-from steps.capacity.rates import STEPS, fit_core_scaling
-from steps.capacity.schedule import GraphTask, Job, play
-from steps.cores import held_cores
-from steps.errors import MoeloopError
-from workflows.cli import plan_dag
+from moeloop.steps.capacity.inputs import plan_inputs
+from moeloop.steps.capacity.memory import BF16, FP32, predict_train_peak_bytes
+from moeloop.steps.capacity.models import FAMILIES, model_config, parameter_counts, shape_from_hf_config
+from moeloop.steps.capacity.options import make_plan
+from moeloop.steps.capacity.rates import STEPS, fit_core_scaling
+from moeloop.steps.capacity.schedule import GraphTask, Job, play
+from moeloop.steps.cores import held_cores
+from moeloop.steps.errors import MoeloopError
+from moeloop.workflows.cli import plan_dag
 
 REPO = Path(__file__).resolve().parents[1]
 HF_CONFIG = {
@@ -329,8 +329,8 @@ def measured_run(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A real 4-iteration run of the small demo (transformers rollouts) at staleness 1, to plan from its reports
     (a rollout there waits for the publish two iterations back)."""
     from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
-    from workflows.dag import run_uri
-    from workflows.local import run_local
+    from moeloop.workflows.dag import run_uri
+    from moeloop.workflows.local import run_local
 
     folder = tmp_path_factory.mktemp("measured")
     config = small_config(4, rollout={**SMALL_TRANSFORMERS_ROLLOUT, "max_staleness": 1})
@@ -379,7 +379,7 @@ def test_plan_cli_json_and_bad_input_exit_codes(measured_run: str, tmp_path: Pat
 
     def plan(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "workflows.cli", "plan", *args],
+            [sys.executable, "-m", "moeloop.workflows.cli", "plan", *args],
             capture_output=True,
             text=True,
             cwd=REPO,
@@ -413,7 +413,7 @@ def test_the_readmes_qwen3_30b_plan_is_what_the_command_prints() -> None:
 
     command = "moeloop plan configs/eks.yaml --target configs/plan-qwen3-30b-h200.yaml --deadline 24"
     done = subprocess.run(
-        [sys.executable, "-m", "workflows.cli", *command.split()[1:]], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "moeloop.workflows.cli", *command.split()[1:]], capture_output=True, text=True, cwd=REPO
     )
     assert done.returncode == 0, done.stderr
     printed = done.stdout.splitlines()

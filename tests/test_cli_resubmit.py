@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from steps.errors import MoeloopError
+from moeloop.steps.errors import MoeloopError
 from tests.argo_stand_in import (
     NAMESPACE,
     TOKEN,
@@ -14,7 +14,7 @@ from tests.argo_stand_in import (
     moeloop,
     request_errors,
 )
-from workflows.argo import ArgoServer, ArgoSession
+from moeloop.workflows.argo import ArgoServer, ArgoSession
 
 pytestmark = pytest.mark.filterwarnings("ignore:The `json` method is deprecated:DeprecationWarning")
 NAME = "cluster-test-x7k2p"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from steps.errors import MoeloopError
+from moeloop.steps.errors import MoeloopError
 from tests.argo_stand_in import (
     NAMESPACE,
     RUN_URI,
@@ -22,11 +22,11 @@ from tests.argo_stand_in import (
     request_errors,
     write_config,
 )
-from workflows.argo import ArgoServer, ArgoSession
-from workflows.lint import lint_document
+from moeloop.workflows.argo import ArgoServer, ArgoSession
+from moeloop.workflows.lint import lint_document
 from hera.workflows import Workflow
 
-from workflows.render import Loop, build
+from moeloop.workflows.render import Loop, build
 
 pytestmark = pytest.mark.filterwarnings("ignore:The `json` method is deprecated:DeprecationWarning")
 STORED_VERSION = "4821"
@@ -218,7 +218,7 @@ def test_existing_object_without_a_resource_version_is_an_error(kind: Kind) -> N
 
 
 def test_an_invalid_manifest_is_not_sent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from workflows import cli, render
+    from moeloop.workflows import cli, render
 
     def invalid(*args: object) -> Loop:
         loop = build(*args)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from steps.config import MoeloopConfig, load_config
+from moeloop.steps.config import MoeloopConfig, load_config
 from tests.conftest import REPO
-from workflows.cli import parser
+from moeloop.workflows.cli import parser
 
 GUIDE_TITLE = "## Cluster guide"
 # The commands the guide shows (issue #6's CLI contract).

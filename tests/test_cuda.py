@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from steps.model.attention import VARLEN, varlen_attention
-from steps.config import MoeloopConfig, load_config
-from steps.model.logprobs import ChunkedTokenLogprobs
-from steps.model.policy import build_tokenizer, save_policy
-from steps.rl.batch import ExperienceBatch
-from steps.rl.parallel import init_parallel
-from steps.rl.state import reference_logprobs
-from steps.rl.router_loss import layer_routing
+from moeloop.steps.model.attention import VARLEN, varlen_attention
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.model.logprobs import ChunkedTokenLogprobs
+from moeloop.steps.model.policy import build_tokenizer, save_policy
+from moeloop.steps.rl.batch import ExperienceBatch
+from moeloop.steps.rl.parallel import init_parallel
+from moeloop.steps.rl.state import reference_logprobs
+from moeloop.steps.rl.router_loss import layer_routing
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -55,7 +55,7 @@ def test_varlen_attention_equals_causal_sdpa_per_sample() -> None:
 
 
 def test_fused_passes_equal_their_eager_selves() -> None:
-    """The LM head's chunks and the routers' loss terms, compiled on CUDA (`steps.model.kernels.fused_on_cuda`),
+    """The LM head's chunks and the routers' loss terms, compiled on CUDA (`moeloop.steps.model.kernels.fused_on_cuda`),
     against the same functions run eagerly on the CPU: forward and gradients, several chunks, the last one short."""
     generator = torch.Generator().manual_seed(0)
     hidden_NH, weight_VH = torch.randn(10, 8, generator=generator), torch.randn(32, 8, generator=generator)
@@ -65,7 +65,7 @@ def test_fused_passes_equal_their_eager_selves() -> None:
     for device in ("cpu", "cuda"):
         hidden, weight = (t.detach().to(device).requires_grad_() for t in (hidden_NH, weight_VH))
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("steps.model.logprobs.CHUNK_ROWS", 3)
+            patch.setattr("moeloop.steps.model.logprobs.CHUNK_ROWS", 3)
             logprobs_N = ChunkedTokenLogprobs.apply(hidden, weight, targets_N.to(device), 0.7)
             logprobs_N.backward(grad_N.to(device))
         logits = logits_tE.detach().to(device).requires_grad_()
@@ -116,7 +116,7 @@ def test_moeloop_run_trains_on_the_gpu(tmp_path: Path) -> None:
     config = tmp_path / "tiny.yaml"
     text = (REPO / "configs" / "tiny.yaml").read_text().replace("data/", f"{REPO}/configs/data/")
     config.write_text(text)
-    done = run_cli("-m", "workflows.cli", "run", str(config), "--iterations", "2", "--root", str(tmp_path / "runs"),
+    done = run_cli("-m", "moeloop.workflows.cli", "run", str(config), "--iterations", "2", "--root", str(tmp_path / "runs"),
                    "--no-progress", cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     reports = tmp_path / "runs" / "tiny" / "reports"
@@ -134,7 +134,7 @@ def test_two_gpu_trainer_state_commits_resumes_and_publishes(tmp_path: Path) -> 
     config = tmp_path / "tiny.yaml"
     text = (REPO / "configs" / "tiny.yaml").read_text().replace("data/", f"{REPO}/configs/data/")
     config.write_text(text.replace("trainer:\n", "trainer:\n  world_size: 2\n  expert_parallel: 2\n", 1))
-    done = run_cli("-m", "workflows.cli", "run", str(config), "--iterations", "2", "--root", str(tmp_path / "runs"),
+    done = run_cli("-m", "moeloop.workflows.cli", "run", str(config), "--iterations", "2", "--root", str(tmp_path / "runs"),
                    "--no-progress", cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "tiny"

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from steps.config import load_config
-from steps.storage.run import RunStorage
+from moeloop.steps.config import load_config
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def test_demo_loop_learns(s3_run_root: str) -> None:
     config = load_config(REPO / "configs" / "tiny.yaml")
     subprocess.run(
-        [sys.executable, "-m", "workflows.cli", "run", "configs/tiny.yaml", "--root", s3_run_root, "--no-progress"],
+        [sys.executable, "-m", "moeloop.workflows.cli", "run", "configs/tiny.yaml", "--root", s3_run_root, "--no-progress"],
         cwd=REPO,
         check=True,
     )

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from steps.config_model import TinyQwen3Moe
-from steps.engines.engine import Sampling, TransformersEngine, engine_for, release_engine
-from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
+from moeloop.steps.config_model import TinyQwen3Moe
+from moeloop.steps.engines.engine import Sampling, TransformersEngine, engine_for, release_engine
+from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_policy
 from tests.conftest import small_config
 
 

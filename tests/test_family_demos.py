@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from steps.config import MoeloopConfig, load_config
-from steps.engines.engine import TransformersEngine, VLLMEngine, engine_for, release_engine
-from steps.errors import MoeloopError
-from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.engines.engine import TransformersEngine, VLLMEngine, engine_for, release_engine
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_policy
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, eval_reward_gain
-from workflows.dag import run_uri
-from workflows.local import run_local
+from moeloop.workflows.dag import run_uri
+from moeloop.workflows.local import run_local
 
 # The DeepSeek-V3 demo learns in these: greedy eval_reward_mean went 0.400 (SFT) -> 0.594 after 10, 0.639 after 11,
 # 0.674 after 12, 0.711 after 14 iterations of 192 prompts (one run, seed 0; fewer prompts not measured).
@@ -109,7 +109,7 @@ def test_moeloop_run_refuses_vllm_for_the_deepseek_v3_demo_before_writing(tmp_pa
     config.write_text(yaml.safe_dump(data))
     root = tmp_path / "runs"
     result = subprocess.run(
-        [sys.executable, "-m", "workflows.cli", "run", str(config), "--root", str(root), "--no-progress"],
+        [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root", str(root), "--no-progress"],
         cwd=REPO,
         capture_output=True,
         text=True,

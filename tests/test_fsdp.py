@@ -16,14 +16,14 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3MoeForCausalLM
 
-from steps.config import TrainerConfig
-from steps.model.logprobs import body_forward, packed_token_logprobs
-from steps.model.moe import hf_state_dict
-from steps.model.policy import build_tokenizer, pack_sequences, save_policy, token_logprobs
-from steps.rl.offload import OffloadedAdamW
-from steps.rl.packing import pack_rows, plan_microbatches
-from steps.rl.parallel import Parallel, clip_grad_norm, expert_parameters
-from steps.rl.state import load_trainer_model
+from moeloop.steps.config import TrainerConfig
+from moeloop.steps.model.logprobs import body_forward, packed_token_logprobs
+from moeloop.steps.model.moe import hf_state_dict
+from moeloop.steps.model.policy import build_tokenizer, pack_sequences, save_policy, token_logprobs
+from moeloop.steps.rl.offload import OffloadedAdamW
+from moeloop.steps.rl.packing import pack_rows, plan_microbatches
+from moeloop.steps.rl.parallel import Parallel, clip_grad_norm, expert_parameters
+from moeloop.steps.rl.state import load_trainer_model
 from tests.test_moe import tiny_config
 from tests.test_train_ep import free_port, whole
 

@@ -1,4 +1,4 @@
-"""steps.rl.grpo: group advantages and the clipped token-level surrogate, checked against values
+"""moeloop.steps.rl.grpo: group advantages and the clipped token-level surrogate, checked against values
 computed by hand here (plain Python loops over the same numbers), never by calling the code under
 test a second way."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from steps.rl.grpo import aggregate, behavior_weights, clipped_policy_loss, group_advantages, varied_groups
-from steps.rl.importance import behavior_ratio
+from moeloop.steps.rl.grpo import aggregate, behavior_weights, clipped_policy_loss, group_advantages, varied_groups
+from moeloop.steps.rl.importance import behavior_ratio
 
 EPS = 1e-6  # group_advantages' default eps
 CLIP = 0.2
@@ -561,9 +561,9 @@ def test_varied_groups_marks_samples_of_groups_with_unequal_rewards() -> None:
 def test_every_variant_updates_the_policy_with_a_finite_loss(algorithm: dict, tmp_path) -> None:
     import copy
 
-    from steps.model.policy import token_logprobs
-    from steps.rl.state import make_optimizer
-    from steps.rl.update import policy_update
+    from moeloop.steps.model.policy import token_logprobs
+    from moeloop.steps.rl.state import make_optimizer
+    from moeloop.steps.rl.update import policy_update
     from tests.conftest import small_config
     from tests.test_train_ep import experience, reference_logprobs_of, tiny_policy
 
@@ -596,7 +596,7 @@ def test_every_variant_updates_the_policy_with_a_finite_loss(algorithm: dict, tm
 
 
 def test_a_last_minibatch_too_small_for_every_rank_joins_the_one_before() -> None:
-    from steps.rl.batch import minibatches
+    from moeloop.steps.rl.batch import minibatches
 
     order = torch.arange(10)
     assert [len(m) for m in minibatches(order, 4, world_size=2)] == [4, 4, 2]
@@ -612,11 +612,11 @@ def test_at_kl_coef_0_the_reference_runs_on_the_kl_metrics_sample_only_and_the_u
     none), and the update (loss, gradient norm, weights) is the one with the whole batch's reference logprobs."""
     import copy
 
-    from steps.errors import MoeloopError
-    from steps.rl import state
-    from steps.rl.parallel import Parallel
-    from steps.rl.state import make_optimizer, reference_logprobs
-    from steps.rl.update import policy_update
+    from moeloop.steps.errors import MoeloopError
+    from moeloop.steps.rl import state
+    from moeloop.steps.rl.parallel import Parallel
+    from moeloop.steps.rl.state import make_optimizer, reference_logprobs
+    from moeloop.steps.rl.update import policy_update
     from tests.conftest import small_config
     from tests.test_train_ep import experience, tiny_policy
 

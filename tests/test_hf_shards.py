@@ -15,9 +15,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from steps.model.hf_shards import INDEX, SINGLE, SafetensorsWriter, StoredTensor, plan_shards
-from steps.model.families import FAMILIES, family_named
-from steps.model.policy import (
+from moeloop.steps.model.hf_shards import INDEX, SINGLE, SafetensorsWriter, StoredTensor, plan_shards
+from moeloop.steps.model.families import FAMILIES, family_named
+from moeloop.steps.model.policy import (
     build_tokenizer,
     hf_model_on_meta,
     read_hf_shard,
@@ -26,7 +26,7 @@ from steps.model.policy import (
     stored_tensors,
     tensor_dtype,
 )
-from steps.rl.checkpoint import (
+from moeloop.steps.rl.checkpoint import (
     WEIGHTS_DIR,
     ReproducibleWriter,
     checkpointed,
@@ -36,7 +36,7 @@ from steps.rl.checkpoint import (
     save_sharded,
     write_hf_checkpoint,
 )
-from steps.rl.parallel import Parallel
+from moeloop.steps.rl.parallel import Parallel
 from tests.test_moe import FAMILY_NAMES, NUM_EXPERTS, tiny_config
 
 
@@ -121,7 +121,7 @@ def test_blocks_of_saved_chunks_are_the_tensors_rows(
     whole = read_whole(state / WEIGHTS_DIR, torch.float32)
     keys = sorted(whole)
     for block_elements in (1 << 26, 100):  # small tensors batched per load; every tensor alone
-        monkeypatch.setattr("steps.rl.checkpoint.READ_BLOCK_ELEMENTS", block_elements)
+        monkeypatch.setattr("moeloop.steps.rl.checkpoint.READ_BLOCK_ELEMENTS", block_elements)
         blocks = list(read_in_blocks(state / WEIGHTS_DIR, keys))
         assert list(dict.fromkeys(key for key, _ in blocks)) == keys
         streamed = torch.cat([block.reshape(-1) for _, block in blocks])
@@ -243,7 +243,7 @@ def test_an_ep_rank_reads_only_its_experts(tmp_path: Path, monkeypatch: pytest.M
         def get_slice(self, name: str) -> RecordingSlice:
             return RecordingSlice(name, self.opened.get_slice(name))
 
-    monkeypatch.setattr("steps.model.policy.safe_open", RecordingFile)
+    monkeypatch.setattr("moeloop.steps.model.policy.safe_open", RecordingFile)
     rank1_of_2 = SimpleNamespace(size=lambda: 2, rank=lambda: 1)  # only its size and rank are read
     cpu = torch.device("cpu")
     model = shard_model(AutoModelForCausalLM, hf_model.config, "all_to_all", "grouped_mm", rank1_of_2, cpu)

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from steps.demo_task import make_prompts, write_jsonl
-from steps.errors import MoeloopError
+from moeloop.steps.demo_task import make_prompts, write_jsonl
+from moeloop.steps.errors import MoeloopError
 from tests.test_bad_input import (
     assert_user_error,
     set_dotted,
@@ -55,7 +55,7 @@ def python(args: list[str], tmp_path: Path, **extra: str) -> subprocess.Complete
 
 
 def moeloop(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return python(["-m", "workflows.cli", *args], tmp_path)
+    return python(["-m", "moeloop.workflows.cli", *args], tmp_path)
 
 
 def one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -112,7 +112,7 @@ CONFIG_CASES = [
     ),
     pytest.param({"run_name": "My_Run"}, "run_name: 'My_Run' is not a DNS label", id="run-name-not-dns"),
     pytest.param(
-        {"reward.functions": [{"path": "steps.demo_task:reverse_positions", "weight": float("nan")}]},
+        {"reward.functions": [{"path": "moeloop.steps.demo_task:reverse_positions", "weight": float("nan")}]},
         "reward.functions.0.weight: Input should be a finite number",
         id="nan-weight",
     ),
@@ -148,7 +148,7 @@ CONFIG_CASES = [
     ),
     pytest.param({"rollout": "fast"}, "rollout: Input should be a valid dictionary", id="section-not-a-mapping"),
     pytest.param(
-        {"reward.functions": {"path": "steps.demo_task:reverse_positions"}},
+        {"reward.functions": {"path": "moeloop.steps.demo_task:reverse_positions"}},
         "reward.functions: Input should be a valid list",
         id="list-not-a-list",
     ),
@@ -255,7 +255,7 @@ def test_a_config_path_that_is_no_config_file(tmp_path: Path, kind: str, named: 
 
     for command in (["run", str(path), "--root", str(root)], ["render", str(path), "-o", str(tmp_path / "out")]):
         one_line_error(moeloop(command, tmp_path), named.format(path=path))
-    start = ["-m", "steps.start", "--run", str(root / "x"), "--iteration", "0", "--config", str(path)]
+    start = ["-m", "moeloop.steps.start", "--run", str(root / "x"), "--iteration", "0", "--config", str(path)]
     one_line_error(python(start, tmp_path), named.format(path=path))
     refused_before_anything(tmp_path, root)
     assert not (tmp_path / "out").exists()
@@ -339,7 +339,7 @@ def test_a_reward_module_that_fails_as_it_imports(tmp_path: Path) -> None:
 # Every entry point's usage errors are one line too
 
 
-MOELOOP, SERVER = ["-m", "workflows.cli"], ["--host", "http://127.0.0.1:9"]
+MOELOOP, SERVER = ["-m", "moeloop.workflows.cli"], ["--host", "http://127.0.0.1:9"]
 
 
 @pytest.mark.parametrize(
@@ -352,23 +352,23 @@ MOELOOP, SERVER = ["-m", "workflows.cli"], ["--host", "http://127.0.0.1:9"]
         ),
         pytest.param([*MOELOOP, "frobnicate"], "error: moeloop: argument command: invalid choice", id="moeloop"),
         pytest.param(
-            ["-m", "steps.publish", "--run", "r", "--iteration", "one"],
+            ["-m", "moeloop.steps.publish", "--run", "r", "--iteration", "one"],
             "argument --iteration: invalid int value: 'one'",
             id="step",
         ),
         pytest.param(
-            ["-m", "steps.rollout", "--run", "r", "--iteration", "1"],
+            ["-m", "moeloop.steps.rollout", "--run", "r", "--iteration", "1"],
             "the following arguments are required: --shard, --num-shards",
             id="step-missing",
         ),
-        pytest.param(["-m", "steps.plan", "--run", "r"], "the following arguments are required: --chunk", id="plan"),
+        pytest.param(["-m", "moeloop.steps.plan", "--run", "r"], "the following arguments are required: --chunk", id="plan"),
         pytest.param(
-            ["-m", "steps.start", "--run", "r", "--iteration", "0", "--config", " "],
+            ["-m", "moeloop.steps.start", "--run", "r", "--iteration", "0", "--config", " "],
             "error: --config is empty",
             id="start-empty-config",
         ),
         pytest.param(
-            ["-m", "steps.start", "--run", "r", "--iteration", "0", "--config", "{"],
+            ["-m", "moeloop.steps.start", "--run", "r", "--iteration", "0", "--config", "{"],
             "config --config: not valid YAML",
             id="start-bad-json",
         ),
@@ -509,8 +509,8 @@ def test_a_non_finite_gradient_stops_the_train_step_and_nothing_is_committed(tmp
 
 def tiny_update(tmp_path: Path, algorithm: str = "grpo") -> tuple[Any, ...]:
     """(model, reference logprobs, optimizer, batch, config, critic) of test_grpo's and test_ppo's one update."""
-    from steps.rl.parallel import Parallel
-    from steps.rl.state import load_trainer_model
+    from moeloop.steps.rl.parallel import Parallel
+    from moeloop.steps.rl.state import load_trainer_model
     from tests.conftest import small_config
     from tests.test_ppo import ppo_trainer, tiny_policy
     from tests.test_train_ep import experience
@@ -520,7 +520,7 @@ def tiny_update(tmp_path: Path, algorithm: str = "grpo") -> tuple[Any, ...]:
     if algorithm == "ppo":
         model, critic, optimizer, ref_logprobs_BT = ppo_trainer(policy_dir, config, Parallel())
         return model, ref_logprobs_BT, optimizer, experience(), config, critic
-    from steps.rl.batch import frozen_logprobs
+    from moeloop.steps.rl.batch import frozen_logprobs
 
     model, _, optimizer = load_trainer_model(policy_dir, config.trainer, Parallel())
     budget = config.trainer.max_tokens_per_microbatch
@@ -533,7 +533,7 @@ def test_a_nan_weight_stops_the_update_at_its_first_minibatch(tmp_path: Path) ->
     in-memory weights are never committed, since the error stops the train step before its commit."""
     import torch
 
-    from steps.rl.update import policy_update
+    from moeloop.steps.rl.update import policy_update
 
     model, ref_logprobs_BT, optimizer, batch, config, _ = tiny_update(tmp_path)
     norm = dict(model.named_parameters())["model.norm.weight"]  # an FSDP2 DTensor: write into its local shard
@@ -548,7 +548,7 @@ def test_a_nan_reward_in_the_experience_stops_the_update_at_the_advantages(tmp_p
     """The reward step refuses a NaN; one in stored experience (foreign data) is met by PPO's advantages."""
     from dataclasses import replace
 
-    from steps.rl.update import policy_update
+    from moeloop.steps.rl.update import policy_update
 
     model, ref_logprobs_BT, optimizer, batch, config, critic = tiny_update(tmp_path, "ppo")
     rewards_B = batch.rewards_B.clone()
@@ -559,7 +559,7 @@ def test_a_nan_reward_in_the_experience_stops_the_update_at_the_advantages(tmp_p
 
 
 def test_a_non_finite_value_is_never_written_as_json(tmp_path: Path) -> None:
-    from steps.storage.run import RunStorage
+    from moeloop.steps.storage.run import RunStorage
 
     storage = RunStorage(str(tmp_path / "run"))
 
@@ -592,8 +592,8 @@ def test_a_checkpoint_that_does_not_load_is_one_line_with_one_prefix_and_nothing
 
 @pytest.mark.slow
 def test_a_checkpoint_whose_experts_do_not_split_over_ep_is_refused_by_start(tmp_path: Path) -> None:
-    from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
-    from steps.config_model import TinyQwen3Moe
+    from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_policy
+    from moeloop.steps.config_model import TinyQwen3Moe
 
     tokenizer = build_tokenizer(["abcdefgh="])
     folder = tmp_path / "hf-model"
@@ -602,7 +602,7 @@ def test_a_checkpoint_whose_experts_do_not_split_over_ep_is_refused_by_start(tmp
     config = write_config(tmp_path / "configs", tiny_config(run_name=unique_run_name(), **changes))
     run = tmp_path / "root" / "run"
 
-    result = python(["-m", "steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
+    result = python(["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
 
     one_line_error(result, f"model.checkpoint {folder}'s num_experts 8 does not split over trainer.expert_parallel 3")
     assert not run.exists()
@@ -625,7 +625,7 @@ def test_a_checkpoint_of_no_known_moe_family_is_refused_by_start_naming_the_fami
     config = write_config(tmp_path / "configs", tiny_config(run_name=unique_run_name(), **changes))
     run = tmp_path / "root" / "run"
 
-    result = python(["-m", "steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
+    result = python(["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
 
     one_line_error(
         result,
@@ -653,7 +653,7 @@ def test_a_full_disk_names_the_object_and_commits_nothing(tmp_path: Path, small_
     config = write_config(tmp_path / "configs", tiny_config(run_name=unique_run_name(), **changes))
     run = small_tmpfs / "run"
 
-    result = python(["-m", "steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
+    result = python(["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
 
     one_line_error(result, f"No space left on device: {run}/checkpoints/iter-000000/")
     assert not (run / "LATEST").exists()
@@ -668,7 +668,7 @@ def test_a_start_that_failed_after_writing_the_config_accepts_a_fixed_config(tmp
     changes = {**small_task(tmp_path / "data"), "model.sft.steps": 2, "rollout.prompts_per_iteration": 8}
     first = write_config(tmp_path / "first", tiny_config(run_name="fixed-later", **changes))
     run = tmp_path / "root" / "fixed-later"
-    start = ["-m", "steps.start", "--run", str(run), "--iteration", "0", "--config"]
+    start = ["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config"]
 
     crashed = python([*start, str(first)], tmp_path, MOELOOP_CRASH_AFTER_WRITES="3")
     assert crashed.returncode == -9, crashed.stderr
@@ -700,10 +700,10 @@ def test_a_stored_config_that_fails_a_newer_check_can_be_fixed(
     stored["trainer"].update(world_size=3, expert_parallel=3)
     (run / "config.yaml").write_text(yaml.safe_dump(stored, sort_keys=False))
 
-    publish = python(["-m", "steps.publish", "--run", str(run), "--iteration", "1"], tmp_path)
+    publish = python(["-m", "moeloop.steps.publish", "--run", str(run), "--iteration", "1"], tmp_path)
     one_line_error(publish, f"config {run}/config.yaml: model.tiny.num_experts 8 does not split over")
 
-    start = ["-m", "steps.start", "--run", str(run), "--iteration", "0", "--config"]
+    start = ["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config"]
     other = python([*start, str(start_config(tmp_path / "other", **{"rollout.temperature": 0.7}))], tmp_path)
     one_line_error(other, "already holds a different config (differs in: rollout.temperature)")
     fixed = python([*start, str(start_config(tmp_path / "fixed", **{"trainer.expert_parallel": 1}))], tmp_path)
@@ -725,8 +725,8 @@ def lease_record(**fields: Any) -> bytes:
 def test_the_lease_admits_one_driver_and_is_taken_over_only_when_stale(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    from steps.storage.lease import LEASE, RunLease
-    from steps.storage.run import RunStorage
+    from moeloop.steps.storage.lease import LEASE, RunLease
+    from moeloop.steps.storage.run import RunStorage
 
     uri = request.getfixturevalue("s3_run_root") + "/run" if backend == "s3" else str(tmp_path / "root" / "run")
     storage = RunStorage(uri)
@@ -765,7 +765,7 @@ def test_the_lease_admits_one_driver_and_is_taken_over_only_when_stale(
 
 
 def test_a_lease_that_is_not_one_is_named(tmp_path: Path) -> None:
-    from steps.storage.lease import RunLease
+    from moeloop.steps.storage.lease import RunLease
 
     run = tmp_path / "run"
     run.mkdir()
@@ -776,7 +776,7 @@ def test_a_lease_that_is_not_one_is_named(tmp_path: Path) -> None:
 
 
 def test_a_refused_lease_leaves_no_folder_behind(tmp_path: Path) -> None:
-    from steps.storage.lease import RunLease
+    from moeloop.steps.storage.lease import RunLease
 
     with RunLease(str(tmp_path / "root" / "run")):
         pass
@@ -787,15 +787,15 @@ def test_plan_refuses_a_chunk_while_a_local_driver_holds_the_lease(
     started_run: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    from steps.storage.lease import RunLease
+    from moeloop.steps.storage.lease import RunLease
 
     run = tmp_path / "root" / started_run.name
     shutil.copytree(started_run, run)
     before = snapshot(run)
 
     with RunLease(str(run)):
-        held = python(["-m", "steps.plan", "--run", str(run), "--chunk", "20"], tmp_path)
-    free = python(["-m", "steps.plan", "--run", str(run), "--chunk", "20"], tmp_path)
+        held = python(["-m", "moeloop.steps.plan", "--run", str(run), "--chunk", "20"], tmp_path)
+    free = python(["-m", "moeloop.steps.plan", "--run", str(run), "--chunk", "20"], tmp_path)
 
     one_line_error(held, f"run {run} is driven by a `moeloop run` (host ", f"pid {os.getpid()}")
     assert free.returncode == 0, free.stderr
@@ -805,9 +805,9 @@ def test_plan_refuses_a_chunk_while_a_local_driver_holds_the_lease(
 
 @pytest.mark.slow
 def test_two_runs_of_one_run_one_drives_and_the_other_is_refused_naming_it(tmp_path: Path) -> None:
-    config = loop_config(tmp_path, "steps.demo_task:reverse_positions")
+    config = loop_config(tmp_path, "moeloop.steps.demo_task:reverse_positions")
     root = tmp_path / "root"
-    command = [sys.executable, "-m", "workflows.cli", "run", str(config), "--root", str(root), "--no-progress"]
+    command = [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root", str(root), "--no-progress"]
     processes = [
         subprocess.Popen(
             command, cwd=tmp_path, env=environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -840,10 +840,10 @@ def test_two_runs_of_one_run_one_drives_and_the_other_is_refused_naming_it(tmp_p
 @pytest.mark.slow
 def test_the_runner_quotes_a_torchrun_steps_own_error_line(tmp_path: Path) -> None:
     """Under torchrun each rank prints its `error: ...` line, then torchrun a summary block of `=` lines."""
-    from workflows.local import failure_line
+    from moeloop.workflows.local import failure_line
 
     run = tmp_path / "no-such-run"
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "steps.train", "--"]
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moeloop.steps.train", "--"]
     result = python([*launch, "--run", str(run), "--iteration", "1"], tmp_path)
     log = tmp_path / "train.log"
     log.write_text(result.stdout + result.stderr)
@@ -855,8 +855,8 @@ def test_the_runner_quotes_a_torchrun_steps_own_error_line(tmp_path: Path) -> No
 def test_a_steps_report_and_error_lines_are_each_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unbuffered (PYTHONUNBUFFERED), print writes a line and its newline apart, and two torchrun ranks' lines
     then ran together on their shared stream (the test above failed so): each line is one write."""
-    from steps.common import print_json
-    from steps.errors import run_cli
+    from moeloop.steps.common import print_json
+    from moeloop.steps.errors import run_cli
 
     class Writes(list):
         def write(self, text: str) -> int:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from steps.rl.checkpoint import METADATA, OPTIMIZER_DIR
-from steps.storage.run import RunStorage
+from moeloop.steps.rl.checkpoint import METADATA, OPTIMIZER_DIR
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO
 
 POLICIES = REPO / "manifests" / "iam"

@@ -1,4 +1,4 @@
-"""steps.rl.importance and the policy loss at each importance level: GSPO, GSPO-token (Zheng et al. 2025,
+"""moeloop.steps.rl.importance and the policy loss at each importance level: GSPO, GSPO-token (Zheng et al. 2025,
 arXiv:2507.18071) and the mismatch masks, against values computed by hand here (plain Python loops), including
 the gradient of the sequence ratio; and the config's refusals of combinations that make no sense."""
 
@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from steps.config import parse_config
-from steps.errors import MoeloopError
-from steps.rl.grpo import behavior_weights, clipped_policy_loss
-from steps.rl.importance import behavior_ratio, importance_ratio, mismatch_mask
+from moeloop.steps.config import parse_config
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.rl.grpo import behavior_weights, clipped_policy_loss
+from moeloop.steps.rl.importance import behavior_ratio, importance_ratio, mismatch_mask
 
 CLIP = 0.2
 
@@ -207,9 +207,9 @@ def test_meaningless_combinations_are_refused_in_one_line(algorithm: dict, messa
     ids=["gspo", "gspo_token_token_mask", "sequence_mask"],
 )
 def test_the_update_masks_and_reports_the_share_masked(algorithm: dict, tmp_path) -> None:
-    from steps.model.policy import token_logprobs
-    from steps.rl.state import make_optimizer
-    from steps.rl.update import policy_update
+    from moeloop.steps.model.policy import token_logprobs
+    from moeloop.steps.rl.state import make_optimizer
+    from moeloop.steps.rl.update import policy_update
     from tests.conftest import small_config
     from tests.test_train_ep import experience, reference_logprobs_of, tiny_policy
 

@@ -10,21 +10,21 @@ import ast
 from pathlib import Path
 
 from tests.conftest import REPO
-from workflows.dag import STEPS
+from moeloop.workflows.dag import STEPS
 
 STEPS_DIR = REPO / "steps"
 MAX_LINES = 450
 # Programs besides the DAG's steps: run by hand (README), never imported.
 OTHER_PROGRAMS = ("reward_model", "demo_task")
-PROGRAMS = {f"steps.{step.name}" for step in STEPS} | {f"steps.{name}" for name in OTHER_PROGRAMS}
+PROGRAMS = {f"moeloop.steps.{step.name}" for step in STEPS} | {f"moeloop.steps.{name}" for name in OTHER_PROGRAMS}
 
 
 def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(("moeloop", *path.relative_to(REPO).with_suffix("").parts))
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module path imports, at the top or inside a function: `from steps import x` counts as steps.x."""
+    """Every module path imports, at the top or inside a function: `from moeloop.steps import x` counts as moeloop.steps.x."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -38,7 +38,7 @@ def imported_modules(path: Path) -> set[str]:
 def test_programs_exist_at_the_top() -> None:
     """Every rendered `python -m steps.<name>` and every other program is a module at the top of steps/."""
     for program in PROGRAMS:
-        assert (REPO / (program.replace(".", "/") + ".py")).is_file(), program
+        assert (REPO / (program.removeprefix("moeloop.").replace(".", "/") + ".py")).is_file(), program
 
 
 def test_no_module_of_steps_imports_a_program() -> None:
@@ -52,8 +52,8 @@ def test_no_module_of_steps_imports_a_program() -> None:
 
 def test_the_import_scan_sees_imports_inside_functions(tmp_path: Path) -> None:
     source = tmp_path / "lazy.py"
-    source.write_text("def f():\n    from steps import reward\n    import steps.train\n")
-    assert {"steps.reward", "steps.train"} <= imported_modules(source) & PROGRAMS
+    source.write_text("def f():\n    from moeloop.steps import reward\n    import moeloop.steps.train\n")
+    assert {"moeloop.steps.reward", "moeloop.steps.train"} <= imported_modules(source) & PROGRAMS
 
 
 def test_no_file_under_steps_is_over_450_lines() -> None:

@@ -1,4 +1,4 @@
-"""workflows.lint: its checks on documents written here and on moeloop's own render; and against the Argo example
+"""moeloop.workflows.lint: its checks on documents written here and on moeloop's own render; and against the Argo example
 corpus ($MOELOOP_SHARED/corpora/argo-examples, see tests/upstream.py): every upstream example lints clean, and
 one-defect mutants of every example are rejected with the problem named in the error's path or message."""
 
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from tests.upstream import available, needs_upstream, upstream
-from workflows import lint
-from workflows.lint import LintError, YamlMap, is_argo_document, lint_document, lint_documents, lint_paths
+from moeloop.workflows import lint
+from moeloop.workflows.lint import LintError, YamlMap, is_argo_document, lint_document, lint_documents, lint_paths
 
 SOURCES_PER_MUTATION = 3
 
@@ -551,7 +551,7 @@ def hourly(workflow: YamlMap) -> YamlMap:
 
 def rendered() -> dict[str, YamlMap]:
     from tests.conftest import small_config
-    from workflows.render import render
+    from moeloop.workflows.render import render
 
     return {name: copy.deepcopy(document) for name, document in render(small_config(), "s3://bucket/runs/tiny").items()}
 

@@ -12,18 +12,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from steps.publish import publish
-from steps.reward import reward
-from steps.rollout import rollout
-from steps.start import start
-from steps.storage.cache import fetch_checkpoint
-from steps.storage.run import RunStorage
-from steps.train import train, update_policy
+from moeloop.steps.publish import publish
+from moeloop.steps.reward import reward
+from moeloop.steps.rollout import rollout
+from moeloop.steps.start import start
+from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.run import RunStorage
+from moeloop.steps.train import train, update_policy
 from tests.conftest import small_config
-from workflows import local
-from workflows.dag import loop_tasks, run_uri, run_values
-from workflows.local import run_local
-from workflows.render import dag_tasks, render, step_placeholders
+from moeloop.workflows import local
+from moeloop.workflows.dag import loop_tasks, run_uri, run_values
+from moeloop.workflows.local import run_local
+from moeloop.workflows.render import dag_tasks, render, step_placeholders
 
 pytestmark = pytest.mark.slow
 
@@ -155,7 +155,7 @@ def check_warmed_workers(log_dir: Path, config) -> None:
     for log in log_dir.glob("warm-*.log"):
         lines = log.read_text().splitlines()
         slot = log.stem.removeprefix("warm-")
-        module = "steps.rollout" if slot.startswith("rollout-") else f"steps.{slot}"
+        module = "moeloop.steps.rollout" if slot.startswith("rollout-") else f"moeloop.steps.{slot}"
         imported = [line for line in lines if re.fullmatch(rf"worker (\d+): imported {module} in [\d.]+ s", line)]
         assert imported, (log, lines)
         warmed[slot] = imported[0].split()[1].rstrip(":")
@@ -163,7 +163,7 @@ def check_warmed_workers(log_dir: Path, config) -> None:
     for task in loop_tasks(config):
         if task.name != "start":
             first = (log_dir / f"{task.name}.log").read_text().splitlines()[0]
-            assert first.startswith(f"worker {warmed[local.worker_slot(task)]}: -m steps."), (task.name, first)
+            assert first.startswith(f"worker {warmed[local.worker_slot(task)]}: -m moeloop.steps."), (task.name, first)
 
 
 def test_published_checkpoint_loads_with_the_trainers_logits(run_root: Path, tmp_path: Path) -> None:

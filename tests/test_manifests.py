@@ -38,7 +38,7 @@ import yaml
 
 from tests.conftest import REPO
 from tests.upstream import needs_upstream, upstream
-from workflows import lint
+from moeloop.workflows import lint
 
 MANIFESTS = REPO / "manifests"
 BASE, OVERLAY = MANIFESTS / "base", MANIFESTS / "overlays" / "example"
@@ -800,7 +800,7 @@ def pod_specs(document: Doc) -> Iterator[tuple[str, str, Doc]]:
 
 def test_every_rendered_pod_lands_on_its_roles_nodes_as_its_roles_service_account() -> None:
     from tests.conftest import small_config
-    from workflows.render import render
+    from moeloop.workflows.render import render
 
     objects, errors, placed = cluster_objects(), [], 0
     priority_classes = set(of_kind(objects, "PriorityClass"))

@@ -1,4 +1,4 @@
-"""steps.model.moe at EP = 1 (local dispatcher) against transformers' own blocks and models of every family
+"""moeloop.steps.model.moe at EP = 1 (local dispatcher) against transformers' own blocks and models of every family
 (Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral, DeepSeek-V3 with its group-limited sigmoid routing, shared
 expert and first dense layer), and the dispatcher selection. fp32 on CPU; gradients
 are taken against a random upstream gradient unless a test says otherwise."""
@@ -30,11 +30,11 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from steps.errors import MoeloopError
-from steps.model import kernels
-from steps.model.dispatch import LocalDispatcher, make_dispatcher, sort_by_expert
-from steps.model.families import FAMILIES, family_of_block, family_of_config
-from steps.model.moe import GroupedExperts, MoeBlock, compile_decoder_layers, hf_state_dict, replace_moe_blocks
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model import kernels
+from moeloop.steps.model.dispatch import LocalDispatcher, make_dispatcher, sort_by_expert
+from moeloop.steps.model.families import FAMILIES, family_of_block, family_of_config
+from moeloop.steps.model.moe import GroupedExperts, MoeBlock, compile_decoder_layers, hf_state_dict, replace_moe_blocks
 
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 2, 32
 UNUSED_EXPERTS = [6, 7]  # the skewed router never picks them
@@ -323,7 +323,7 @@ def test_expert_slices_and_hf_state_dict(family: str) -> None:
 
 
 def test_auto_picks_local_at_ep1(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="steps.model.dispatch"):
+    with caplog.at_level(logging.INFO, logger="moeloop.steps.model.dispatch"):
         dispatcher = make_dispatcher("auto", NUM_EXPERTS)
     assert isinstance(dispatcher, LocalDispatcher)
     assert [record.getMessage() for record in caplog.records] == ["MoE dispatcher: local (EP 1; EP = 1)"]
@@ -421,7 +421,7 @@ def interpreted(script: str, inputs: tuple[Any, ...], tmp_path: Path) -> Any:
 
 INTERPRET_GATHER_SUM = """
 import sys, torch
-from steps.model.kernels import gather_sum_triton
+from moeloop.steps.model.kernels import gather_sum_triton
 rows_NH, row_of_TK = torch.load(sys.argv[1])
 torch.save(gather_sum_triton(rows_NH, row_of_TK), sys.argv[2])
 torch.library.opcheck(gather_sum_triton, (rows_NH, row_of_TK))  # its fake (for torch.compile) agrees with it
@@ -447,7 +447,7 @@ def test_gather_sum_torch_and_triton_interpreted_equal_float64(dtype: torch.dtyp
 
 INTERPRET_EXPAND_ROWS = """
 import sys, torch
-from steps.model.kernels import expand_rows_triton
+from moeloop.steps.model.kernels import expand_rows_triton
 x_TH, row_of_TK, num_rows = torch.load(sys.argv[1])
 torch.save(expand_rows_triton(x_TH, row_of_TK, num_rows), sys.argv[2])
 torch.library.opcheck(expand_rows_triton, (x_TH, row_of_TK, num_rows))
@@ -477,7 +477,7 @@ def test_expand_rows_triton_interpreted_equals_index_select(dtype: torch.dtype, 
 
 INTERPRET_SOFTMAX_TOPK = """
 import sys, torch
-from steps.model.kernels import softmax_topk_triton
+from moeloop.steps.model.kernels import softmax_topk_triton
 logits_TE, top_k, normalize, grad_TK = torch.load(sys.argv[1])
 logits_TE.requires_grad_(True)
 weights_TK, experts_TK = softmax_topk_triton(logits_TE, top_k, normalize)
@@ -535,7 +535,7 @@ def test_swiglu_equals_float64() -> None:
 
 INTERPRET_SWIGLU = """
 import sys, torch
-from steps.model.kernels import swiglu_triton
+from moeloop.steps.model.kernels import swiglu_triton
 gate_up_N2I, weight_N, grad_NI = torch.load(sys.argv[1])
 gate_up_N2I.requires_grad_(True)
 if weight_N is not None:
@@ -582,7 +582,7 @@ def test_swiglu_triton_interpreted_equals_float64(
 
 INTERPRET_GROUPED_MM = """
 import sys, torch
-from steps.model import kernels
+from moeloop.steps.model import kernels
 kernels.GROUPED_MM_CONFIG = (16, 32, 16, 4, 2)  # small blocks: partial row, column and group tiles
 a_NK, b_eXY, offs_e, b_transposed, grad_NN = torch.load(sys.argv[1])
 a_NK.requires_grad_(True)

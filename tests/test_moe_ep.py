@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
-from steps.model.deepep import DeepEPDispatcher
-from steps.model.dispatch import AllToAllDispatcher, make_dispatcher
-from steps.model.moe import MoeBlock, gather_over, hf_state_dict, replace_moe_blocks
+from moeloop.steps.model.deepep import DeepEPDispatcher
+from moeloop.steps.model.dispatch import AllToAllDispatcher, make_dispatcher
+from moeloop.steps.model.moe import MoeBlock, gather_over, hf_state_dict, replace_moe_blocks
 from tests.test_moe import FAMILY_NAMES, NUM_EXPERTS, forward_backward, skewed_block, tiny_config
 
 pytestmark = pytest.mark.slow

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from steps.config import MoeloopConfig
-from steps.errors import MoeloopError
-from steps.observe.events import masked_crc32c
-from steps.observe.scalars import flatten, iteration_scalars
-from steps.observe.trackers import (
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.observe.events import masked_crc32c
+from moeloop.steps.observe.scalars import flatten, iteration_scalars
+from moeloop.steps.observe.trackers import (
     TensorBoardFiles,
     WandbRun,
     begin_trackers,
@@ -27,17 +27,17 @@ from steps.observe.trackers import (
     record_iteration,
     sync_tensorboard,
 )
-from steps.publish import publish
-from steps.reward import reward
-from steps.rollout import rollout
-from steps.start import start
-from steps.storage.backends import CRASH_AFTER_WRITES
-from steps.storage.manifest import TEMPORARY
-from steps.storage.run import RunStorage
-from steps.train import train
+from moeloop.steps.publish import publish
+from moeloop.steps.reward import reward
+from moeloop.steps.rollout import rollout
+from moeloop.steps.start import start
+from moeloop.steps.storage.backends import CRASH_AFTER_WRITES
+from moeloop.steps.storage.manifest import TEMPORARY
+from moeloop.steps.storage.run import RunStorage
+from moeloop.steps.train import train
 from tests.conftest import REPO, SMALL_TRANSFORMERS_ROLLOUT, small_config
-from workflows.dag import run_uri
-from workflows.local import run_local
+from moeloop.workflows.dag import run_uri
+from moeloop.workflows.local import run_local
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -110,7 +110,7 @@ def test_killed_and_rerun_evaluation_leaves_one_point_per_tag_and_iteration(run_
     train(uri, 3)
     publish(uri, 3)
     storage = RunStorage(uri)
-    command = [sys.executable, "-m", "steps.evaluate", "--run", uri, "--iteration", "3"]
+    command = [sys.executable, "-m", "moeloop.steps.evaluate", "--run", uri, "--iteration", "3"]
     for writes in range(1, 10):
         environment = {**os.environ, "OMP_NUM_THREADS": "1", CRASH_AFTER_WRITES: str(writes)}
         crashed = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
@@ -231,14 +231,14 @@ def test_wandb_offline_run_has_one_row_per_iteration(run_root: Path, tmp_path: P
 
 
 def rendered_metric_names(config: MoeloopConfig) -> set[str]:
-    from workflows.render import build
+    from moeloop.workflows.render import build
 
     templates = build(config, "s3://bucket/runs/x").template.to_dict()["spec"]["templates"]
     return {g["name"] for t in templates for g in t.get("metrics", {}).get("prometheus", [])}
 
 
 def test_step_templates_emit_their_figures_and_the_dashboard_queries_only_those() -> None:
-    from workflows.render import build
+    from moeloop.workflows.render import build
 
     config = small_config(iterations=1)
     document = build(config, "s3://bucket/runs/x").template.to_dict()
@@ -261,7 +261,7 @@ def test_step_templates_emit_their_figures_and_the_dashboard_queries_only_those(
 
 def test_report_plot_writes_pngs(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from steps.observe.plots import write_plots
+    from moeloop.steps.observe.plots import write_plots
 
     metrics = [{"iteration": 0, "eval_reward_mean": 0.4}] + [
         {
@@ -286,7 +286,7 @@ def test_report_plot_writes_pngs(tmp_path: Path) -> None:
 
 
 def test_overall_eta_is_the_measured_pace_times_the_iterations_left() -> None:
-    from workflows.local import overall_eta
+    from moeloop.workflows.local import overall_eta
 
     assert overall_eta(elapsed=120.0, done=2, total=10) == "0:08:00"
     assert overall_eta(elapsed=3700.0, done=1, total=2) == "1:01:40"

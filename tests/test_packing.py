@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM, Qwen3MoeForTokenClassification
 
-from steps.model.attention import VARLEN
-from steps.model.logprobs import ChunkedTokenLogprobs, packed_token_logprobs, packed_token_values, use_logprob_head
-from steps.rl.packing import pack_rows, plan_microbatches
-from steps.model.policy import pack_sequences, token_logprobs, token_values
+from moeloop.steps.model.attention import VARLEN
+from moeloop.steps.model.logprobs import ChunkedTokenLogprobs, packed_token_logprobs, packed_token_values, use_logprob_head
+from moeloop.steps.rl.packing import pack_rows, plan_microbatches
+from moeloop.steps.model.policy import pack_sequences, token_logprobs, token_values
 from tests.test_moe import tiny_config
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
@@ -97,7 +97,7 @@ def test_packed_values_equal_the_padded_batch() -> None:
 
 
 def test_chunked_logprobs_gradient_is_the_cross_entropys(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("steps.model.logprobs.CHUNK_ROWS", 3)  # several chunks, the last one short
+    monkeypatch.setattr("moeloop.steps.model.logprobs.CHUNK_ROWS", 3)  # several chunks, the last one short
     generator = torch.Generator().manual_seed(0)
     hidden_NH = torch.randn(10, 8, generator=generator, requires_grad=True)
     weight_VH = torch.randn(32, 8, generator=generator, requires_grad=True)

@@ -12,16 +12,16 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification, Qwen3MoeForCausalLM
 
-from steps.model.policy import build_tokenizer, load_critic_shard, load_policy_shard, save_policy, token_values
-from steps.rl.grpo import clipped_policy_loss
-from steps.rl.ppo import gae, last_token_index, token_rewards, value_loss, whiten
-from steps.config import MoeloopConfig
-from steps.rl.batch import frozen_logprobs
-from steps.rl.parallel import Parallel
-from steps.rl.state import load_trainer_model, make_optimizer, prepare_trainer_model
-from steps.rl.update import Critic, policy_update
-from steps.rl.checkpoint import METADATA, OPTIMIZER_DIR, WEIGHTS_DIR, read_whole
-from steps.storage.run import CRITIC_DIR, RunStorage
+from moeloop.steps.model.policy import build_tokenizer, load_critic_shard, load_policy_shard, save_policy, token_values
+from moeloop.steps.rl.grpo import clipped_policy_loss
+from moeloop.steps.rl.ppo import gae, last_token_index, token_rewards, value_loss, whiten
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.rl.batch import frozen_logprobs
+from moeloop.steps.rl.parallel import Parallel
+from moeloop.steps.rl.state import load_trainer_model, make_optimizer, prepare_trainer_model
+from moeloop.steps.rl.update import Critic, policy_update
+from moeloop.steps.rl.checkpoint import METADATA, OPTIMIZER_DIR, WEIGHTS_DIR, read_whole
+from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
 from tests.test_moe import tiny_config
 from tests.test_train_ep import experience
@@ -187,8 +187,8 @@ def test_critic_starts_from_the_policy_body_with_a_zero_head_and_loads_in_transf
     with torch.no_grad():
         critic.score.weight.normal_()
         critic.score.bias.fill_(0.25)
-    from steps.model.moe import hf_state_dict
-    from steps.model.policy import hf_model_on_meta
+    from moeloop.steps.model.moe import hf_state_dict
+    from moeloop.steps.model.policy import hf_model_on_meta
 
     whole = hf_model_on_meta(critic.config)
     whole.load_state_dict(hf_state_dict(critic), strict=True, assign=True)
@@ -246,9 +246,9 @@ def test_ppo_update_fits_the_critic_and_moves_the_policy(tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_ppo_loop_commits_publishes_and_resumes_the_critic(run_root: Path, tmp_path: Path) -> None:
-    from steps.reward_model import build_tiny_reward_model
-    from workflows.dag import run_uri
-    from workflows.local import run_local
+    from moeloop.steps.reward_model import build_tiny_reward_model
+    from moeloop.workflows.dag import run_uri
+    from moeloop.workflows.local import run_local
 
     build_tiny_reward_model(small_config(), tmp_path / "rm", seed=1)
     config = small_config(
@@ -256,7 +256,7 @@ def test_ppo_loop_commits_publishes_and_resumes_the_critic(run_root: Path, tmp_p
         rollout=SMALL_TRANSFORMERS_ROLLOUT,
         algorithm={"name": "ppo", "kl_coef": 0.02},
         reward={
-            "functions": [{"path": "steps.demo_task:reverse_positions", "weight": 1.0}],
+            "functions": [{"path": "moeloop.steps.demo_task:reverse_positions", "weight": 1.0}],
             "models": [{"path": str(tmp_path / "rm"), "weight": 0.05, "batch_size": 16}],
         },
     )
@@ -305,7 +305,7 @@ def ppo_ep_config():
 
 def ppo_update_on(policy_dir: Path, parallel) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One PPO update (2 minibatches) on this rank's shards: (report, policy and critic weights gathered, HF names)."""
-    from steps.model.moe import hf_state_dict
+    from moeloop.steps.model.moe import hf_state_dict
 
     config = ppo_ep_config()
     model, critic, optimizer, ref_logprobs_BT = ppo_trainer(policy_dir, config, parallel)
@@ -318,8 +318,8 @@ def ppo_rank(rank: int, port: int, policy_dir: Path, expected: tuple) -> None:
 
     import torch.distributed as dist
 
-    from steps.config import TrainerConfig
-    from steps.rl.parallel import init_parallel
+    from moeloop.steps.config import TrainerConfig
+    from moeloop.steps.rl.parallel import init_parallel
 
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -362,11 +362,11 @@ def check_ppo_demo_learns(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyP
     """The PPO demo `name`, with its reward models built here (random ones, as its config says), cut to 12 of its
     24 iterations: greedy eval_reward_mean beats the SFT checkpoint's by 0.2 (SFT 0.509; measured after 12: 0.776
     and 0.745 with a reward model, after 16: 0.766 and 0.782; over 24, 0.818 and 0.851)."""
-    from steps.config import MoeloopConfig, load_config
-    from steps.reward_model import build_tiny_reward_model
+    from moeloop.steps.config import MoeloopConfig, load_config
+    from moeloop.steps.reward_model import build_tiny_reward_model
     from tests.conftest import REPO, eval_reward_gain
-    from workflows.dag import run_uri
-    from workflows.local import run_local
+    from moeloop.workflows.dag import run_uri
+    from moeloop.workflows.local import run_local
 
     monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
     data = load_config(REPO / "configs" / name).model_dump()

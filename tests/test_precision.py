@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from steps.errors import MoeloopError
-from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
-from steps.start import start
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_policy
+from moeloop.steps.start import start
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import small_config
 
 

@@ -13,16 +13,16 @@ import pytest
 import yaml
 from hera.workflows import CronWorkflow, Workflow, WorkflowTemplate
 
-from steps.config import MoeloopConfig, parse_config
-from steps.errors import MoeloopError
-from steps.start import load_config_argument
+from moeloop.steps.config import MoeloopConfig, parse_config
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.start import load_config_argument
 from tests.argo_stand_in import moeloop
 from tests.conftest import REPO
-from workflows import render as render_module
-from workflows.dag import PLAN, START, STEPS, TRAIN, loop_tasks, run_values
-from workflows.lint import lint_documents
-from workflows.local import local_argv
-from workflows.render import (
+from moeloop.workflows import render as render_module
+from moeloop.workflows.dag import PLAN, START, STEPS, TRAIN, loop_tasks, run_values
+from moeloop.workflows.lint import lint_documents
+from moeloop.workflows.local import local_argv
+from moeloop.workflows.render import (
     MAX_CHUNK_TASKS,
     MAX_OBJECT_BYTES,
     build,
@@ -50,7 +50,7 @@ def make_config(tmp_path: Path, cluster: dict | None = None, **task: str) -> Moe
                 "eval_prompts": str(prompts / "eval.jsonl"),
                 **task,
             },
-            "reward": {"functions": [{"path": "steps.rewards:reverse_positions"}]},
+            "reward": {"functions": [{"path": "moeloop.steps.rewards:reverse_positions"}]},
             "cluster": {"namespace": "rl", "chunk_iterations": 3, **(cluster or {})},
         },
         "test",
@@ -226,18 +226,18 @@ def test_train_runs_under_torchrun_at_the_configured_world_size(tmp_path: Path, 
     templates = templates_by_name(render(distributed, RUN_URI)["workflow-template.yaml"])
     container = templates["train"]["container"]
     assert container["command"] + container["args"] == [
-        *("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "steps.train", "--"),
+        *("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moeloop.steps.train", "--"),
         *("--run", "{{workflow.parameters.run}}", "--iteration", "{{inputs.parameters.iteration}}"),
     ]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert templates["publish"]["container"]["command"] == ["python", "-m", "steps.publish"]
+    assert templates["publish"]["container"]["command"] == ["python", "-m", "moeloop.steps.publish"]
     train = next(t for t in loop_tasks(distributed) if t.step is TRAIN)
     filled = [
         fill(a, {"workflow.parameters.run": "/runs/x", "inputs.parameters.iteration": "1"}) for a in container["args"]
     ]
     assert local_argv(train, {"run": "/runs/x"}) == [sys.executable, *container["command"][1:], *filled]
     single = next(t for t in loop_tasks(config) if t.step is TRAIN)
-    assert local_argv(single, {"run": "/runs/x"}) == [sys.executable, "-m", "steps.train", "--run", "/runs/x"] + [
+    assert local_argv(single, {"run": "/runs/x"}) == [sys.executable, "-m", "moeloop.steps.train", "--run", "/runs/x"] + [
         "--iteration",
         "1",
     ]
@@ -256,7 +256,7 @@ def test_template_parameters_fill_the_submit_form(config: MoeloopConfig, documen
     assert template["iterations"]["default"] == "7"
     assert template["model"]["default"] == ""  # the tiny model
     assert template["chain"]["enum"] == ["true", "false"] and template["chain"]["default"] == "true"
-    # The config as YAML, which the UI's form shows line by line; steps.start reads it back to the same config.
+    # The config as YAML, which the UI's form shows line by line; moeloop.steps.start reads it back to the same config.
     assert template["config"]["default"].startswith("# The run's config (steps/config.py).")
     shipped = render_module.portable_config(config)
     assert load_config_argument(template["config"]["default"]) == load_config_argument(shipped.to_json())
@@ -475,5 +475,5 @@ def test_render_onto_a_file_or_into_an_unwritable_folder_is_one_line_and_writes_
 
 def test_start_is_a_plain_cpu_step(documents: dict[str, dict]) -> None:
     start = templates_by_name(documents["workflow-template.yaml"])[START.name]
-    assert start["container"]["command"] == ["python", "-m", "steps.start"]
+    assert start["container"]["command"] == ["python", "-m", "moeloop.steps.start"]
     assert start["nodeSelector"] == {ROLE_TAINT: "cpu"}

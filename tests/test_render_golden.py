@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks.render_lint import render_and_lint
-from steps.config import load_config
+from moeloop.steps.config import load_config
 from tests.argo_stand_in import moeloop
 from tests.conftest import REPO
-from workflows.dag import run_uri
-from workflows.render import FILES, build, write_rendered
+from moeloop.workflows.dag import run_uri
+from moeloop.workflows.render import FILES, build, write_rendered
 
 GOLDEN = REPO / "tests" / "golden"
 REGENERATE_ENV = "MOELOOP_REGENERATE_GOLDEN"

@@ -12,12 +12,12 @@ import pytest
 import yaml
 from jsonschema import Draft4Validator
 
-from steps.config import MoeloopConfig, load_config, parse_config
-from steps.errors import MoeloopError
+from moeloop.steps.config import MoeloopConfig, load_config, parse_config
+from moeloop.steps.errors import MoeloopError
 from tests.upstream import upstream
-from workflows.dag import STEPS
-from workflows.lint import lint_documents, lint_paths
-from workflows.render import EFA_ENV, build, render, render_jobset, write_rendered
+from moeloop.workflows.dag import STEPS
+from moeloop.workflows.lint import lint_documents, lint_paths
+from moeloop.workflows.render import EFA_ENV, build, render, render_jobset, write_rendered
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_URI = "s3://moeloop-runs/runs/placed"
@@ -45,7 +45,7 @@ def make_config(tmp_path: Path, cluster: dict | None = None, trainer: dict | Non
             "run_name": "placed",
             "iterations": 3,
             "task": {"train_prompts": "s3://b/train.jsonl", "eval_prompts": "s3://b/eval.jsonl"},
-            "reward": {"functions": [{"path": "steps.rewards:reverse_positions"}]},
+            "reward": {"functions": [{"path": "moeloop.steps.rewards:reverse_positions"}]},
             "rollout": {"prompts_per_iteration": 64, "samples_per_prompt": 8},
             "trainer": {"minibatch_size": 64, **(trainer or {})},
             "cluster": {"image_tag": "0.2.0", "chunk_iterations": 2, **(cluster or {})},
@@ -224,7 +224,7 @@ def test_jobset_runs_torchrun_rendezvous_over_its_nodes(multi_node: MoeloopConfi
     # Node 0 of the JobSet hosts the rendezvous, by its hostname under the JobSet's headless service.
     assert "--rdzv-endpoint=$(JOBSET_NAME)-node-0-0.$(JOBSET_NAME):29500" in argv
     assert argv[argv.index("-m", 3) :] == [
-        *("-m", "steps.train", "--", "--run", "{{workflow.parameters.run}}"),
+        *("-m", "moeloop.steps.train", "--", "--run", "{{workflow.parameters.run}}"),
         *("--iteration", "{{inputs.parameters.iteration}}"),
     ]
     env = {e["name"]: e for e in container["env"]}

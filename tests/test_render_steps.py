@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from steps.common import print_json
-from steps.config import MoeloopConfig
-from steps.errors import MoeloopError
-from steps.outputs import OUTPUTS_ENV
-from steps.plan import plan
-from steps.start import with_run_arguments
-from steps.storage.run import RunStorage
+from moeloop.steps.common import print_json
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.outputs import OUTPUTS_ENV
+from moeloop.steps.plan import plan
+from moeloop.steps.start import with_run_arguments
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 
 
@@ -69,7 +69,7 @@ def test_plan_cli_writes_the_outputs_argo_reads(tmp_path: Path) -> None:
     outputs = tmp_path / "outputs"
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), OUTPUTS_ENV: str(outputs)}
     done = subprocess.run(
-        [sys.executable, "-m", "steps.plan", "--run", run, "--chunk", "2"],
+        [sys.executable, "-m", "moeloop.steps.plan", "--run", run, "--chunk", "2"],
         env=env,
         capture_output=True,
         text=True,

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from steps.storage import s3
+from moeloop.steps.storage import s3
 from tests.conftest import REPO, small_config
 from tests.seaweed import SeaweedS3
-from workflows.dag import Task, loop_tasks, run_uri, run_values
-from workflows.local import local_argv, run_local
+from moeloop.workflows.dag import Task, loop_tasks, run_uri, run_values
+from moeloop.workflows.local import local_argv, run_local
 
 pytestmark = pytest.mark.slow
 

@@ -15,16 +15,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
-from steps.config import MoeloopConfig
-from steps.errors import MoeloopError
-from steps.model.moe import hf_state_dict
-from steps.model.policy import build_tokenizer, save_policy
-from steps.rl.batch import frozen_logprobs
-from steps.rl.checkpoint import OPTIMIZER_DIR, commit_trainer_state, read_whole
-from steps.rl.parallel import Parallel, init_parallel
-from steps.rl.state import fetch_trainer_state, load_trainer_model, resume_model, save_trainer_state
-from steps.rl.update import policy_update
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.moe import hf_state_dict
+from moeloop.steps.model.policy import build_tokenizer, save_policy
+from moeloop.steps.rl.batch import frozen_logprobs
+from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, commit_trainer_state, read_whole
+from moeloop.steps.rl.parallel import Parallel, init_parallel
+from moeloop.steps.rl.state import fetch_trainer_state, load_trainer_model, resume_model, save_trainer_state
+from moeloop.steps.rl.update import policy_update
+from moeloop.steps.storage.run import RunStorage
 from tests.test_moe import tiny_config
 from tests.conftest import small_config
 from tests.test_train_ep import experience, free_port

@@ -12,17 +12,17 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from steps.config import MoeloopConfig
-from steps.demo_task import reverse_positions
-from steps.errors import MoeloopError
-from steps.reward import reward
-from steps.reward_model import build_tiny_reward_model
-from steps.rewards.models import RewardModelScorer
-from steps.rollout import rollout
-from steps.start import start
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.demo_task import reverse_positions
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.reward import reward
+from moeloop.steps.reward_model import build_tiny_reward_model
+from moeloop.steps.rewards.models import RewardModelScorer
+from moeloop.steps.rollout import rollout
+from moeloop.steps.start import start
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
-from workflows.dag import run_uri
+from moeloop.workflows.dag import run_uri
 
 TEXTS = ["abc=cba", "hg=", "abcdefgh=hgfedcba", "a=a", "ddd=ddd" + "d" * 9, "e"]
 
@@ -48,7 +48,7 @@ def test_batched_scores_equal_transformers_one_sample_at_a_time(reward_model: Pa
 
 
 def rm_config(reward_model: Path, functions: bool, weight: float = 0.5) -> MoeloopConfig:
-    rule = [{"path": "steps.demo_task:reverse_positions", "weight": 1.0}] if functions else []
+    rule = [{"path": "moeloop.steps.demo_task:reverse_positions", "weight": 1.0}] if functions else []
     return small_config(
         iterations=1,
         rollout=SMALL_TRANSFORMERS_ROLLOUT,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from steps.rollout import iteration_prompt_ids, shard_prompt_ids
+from moeloop.steps.rollout import iteration_prompt_ids, shard_prompt_ids
 from tests.conftest import small_config
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from steps.config import MoeloopConfig
-from steps.start import start
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.start import start
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
-from workflows.dag import run_uri
+from moeloop.workflows.dag import run_uri
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ GRACE_SECONDS = 30  # Kubernetes' default terminationGracePeriodSeconds
 
 def shard_command(uri: str, config: MoeloopConfig) -> list[str]:
     shards = config.rollout.num_shards
-    return [sys.executable, "-m", "steps.rollout", "--run", uri, "--iteration", "1", "--shard", "0"] + [
+    return [sys.executable, "-m", "moeloop.steps.rollout", "--run", uri, "--iteration", "1", "--shard", "0"] + [
         "--num-shards",
         str(shards),
     ]

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from steps.config import TrainerConfig
-from steps.errors import MoeloopError
-from steps.model.policy import build_tokenizer
-from steps.rl.checkpoint import WEIGHTS_DIR, read_whole
-from steps.rl.parallel import Parallel
-from steps.rl.router_bias import balanced_bias, bias_update_rate
-from steps.rl.state import make_optimizer, save_trainer_state
-from steps.rl.update import policy_update
+from moeloop.steps.config import TrainerConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.policy import build_tokenizer
+from moeloop.steps.rl.checkpoint import WEIGHTS_DIR, read_whole
+from moeloop.steps.rl.parallel import Parallel
+from moeloop.steps.rl.router_bias import balanced_bias, bias_update_rate
+from moeloop.steps.rl.state import make_optimizer, save_trainer_state
+from moeloop.steps.rl.update import policy_update
 from tests.test_moe import NUM_EXPERTS, tiny_config
 from tests.test_train_ep import SEED, experience, for_packed_forwards, reference_logprobs_of, train_config
 
@@ -77,7 +77,7 @@ def test_a_step_with_a_skewed_router_moves_the_overloaded_down_and_the_rest_up(t
 
 
 def test_start_refuses_a_rate_for_the_tiny_qwen3_moe_before_writing(tmp_path: Path) -> None:
-    from steps.start import start
+    from moeloop.steps.start import start
     from tests.conftest import small_config
 
     config = small_config(trainer={"router_bias_update_rate": 0.01})

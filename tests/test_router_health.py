@@ -11,8 +11,8 @@ import torch
 
 from transformers import Qwen3MoeConfig
 
-from steps.model.families import Qwen3MoeRouter
-from steps.rl.router_health import RouterHealth
+from moeloop.steps.model.families import Qwen3MoeRouter
+from moeloop.steps.rl.router_health import RouterHealth
 from tests.test_train_ep import experience, reference_logprobs_of, tiny_policy
 
 
@@ -66,9 +66,9 @@ def test_replayed_forwards_count_the_recorded_experts() -> None:
 def test_the_update_reports_the_routers_health_of_its_forward(tmp_path) -> None:
     """One minibatch, one epoch: the update's only forward is the start policy's, so its health is the start
     policy's, counted by hand from the router logits of that forward."""
-    from steps.model.policy import token_logprobs
-    from steps.rl.state import make_optimizer
-    from steps.rl.update import policy_update
+    from moeloop.steps.model.policy import token_logprobs
+    from moeloop.steps.rl.state import make_optimizer
+    from moeloop.steps.rl.update import policy_update
     from tests.conftest import small_config
 
     model = tiny_policy(tmp_path)
@@ -96,10 +96,10 @@ def test_the_update_reports_the_routers_health_of_its_forward(tmp_path) -> None:
 
 
 def test_freeze_router_keeps_the_routers_and_trains_the_rest(tmp_path) -> None:
-    from steps.model.moe import MoeBlock
-    from steps.rl.router_loss import freeze_routers
-    from steps.rl.state import make_optimizer
-    from steps.rl.update import policy_update
+    from moeloop.steps.model.moe import MoeBlock
+    from moeloop.steps.rl.router_loss import freeze_routers
+    from moeloop.steps.rl.state import make_optimizer
+    from moeloop.steps.rl.update import policy_update
     from tests.conftest import small_config
 
     model = tiny_policy(tmp_path)
@@ -120,7 +120,7 @@ def test_freeze_router_keeps_the_routers_and_trains_the_rest(tmp_path) -> None:
 
 
 def test_the_report_table_has_the_stability_columns() -> None:
-    from workflows.report import format_table
+    from moeloop.workflows.report import format_table
 
     metrics = [
         {"iteration": 0, "eval_reward_mean": 0.5},
@@ -139,8 +139,8 @@ def test_the_report_table_has_the_stability_columns() -> None:
 
 
 def test_the_metrics_carry_the_router_health_where_the_plots_find_it(tmp_path) -> None:
-    from steps.evaluate import router_health
-    from steps.observe.plots import imbalance_series
+    from moeloop.steps.evaluate import router_health
+    from moeloop.steps.observe.plots import imbalance_series
 
     train = {"loss": 0.1, "router_load_imbalance": 0.4, "router_load_imbalance_layer_0": 0.3, "router_entropy": 1.5}
     health = router_health({**train, "routing_agreement": 0.9})

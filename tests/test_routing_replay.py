@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from steps.engines.engine import Sampling, TransformersEngine
-from steps.errors import MoeloopError
-from steps.model.families import moe_routers
-from steps.model.moe import MoeBlock, replaying
-from steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
-from steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
-from steps.rl.router_health import RouterHealth
-from steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
+from moeloop.steps.engines.engine import Sampling, TransformersEngine
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.families import moe_routers
+from moeloop.steps.model.moe import MoeBlock, replaying
+from moeloop.steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
+from moeloop.steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
+from moeloop.steps.rl.router_health import RouterHealth
+from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
 from tests.test_moe import FAMILY_NAMES, TOP_K, tiny_config
 from tests.test_moe_ep import run_ranks
 
@@ -182,7 +182,7 @@ def old_shard_bytes() -> bytes:
 
 
 def test_old_shards_read_without_routes_and_replay_refuses_them_naming_the_column(tmp_path: Path) -> None:
-    from steps.rl.update import policy_update
+    from moeloop.steps.rl.update import policy_update
     from tests.conftest import small_config
 
     table = parse_table(old_shard_bytes(), "old.parquet", ROLLOUT_SCHEMA)
@@ -210,11 +210,11 @@ def test_the_shard_schema_stores_routes_per_token() -> None:
 def test_a_replayed_gspo_run_records_stores_and_replays_the_routes(run_root: Path, tmp_path: Path) -> None:
     """One iteration through the local runner: the transformers engine records, the shards hold the column, and
     the train step replays it (GSPO-token, token masking), reporting the routers' health and the masked share."""
-    from steps.storage.experience import read_rollouts
-    from steps.storage.run import RunStorage
+    from moeloop.steps.storage.experience import read_rollouts
+    from moeloop.steps.storage.run import RunStorage
     from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
-    from workflows.dag import run_uri
-    from workflows.local import run_local
+    from moeloop.workflows.dag import run_uri
+    from moeloop.workflows.local import run_local
 
     algorithm = {"routing_replay": "rollout", "importance_level": "sequence_token", "mismatch": {"level": "token"}}
     config = small_config(iterations=1, rollout=SMALL_TRANSFORMERS_ROLLOUT, algorithm=algorithm)
@@ -244,10 +244,10 @@ def test_recording_routes_with_vllm_on_cpu_is_refused_before_anything_runs(
 ) -> None:
     """vLLM returns routed experts from its Model Runner V2 only, on a GPU: here (no CUDA) the local runner refuses
     the run in one line before it writes anything, and the engine refuses to build (the rollout pod's check)."""
-    from steps.config import parse_config
-    from steps.engines.engine import VLLMEngine
+    from moeloop.steps.config import parse_config
+    from moeloop.steps.engines.engine import VLLMEngine
     from tests.test_importance import BASE
-    from workflows.local import preflight
+    from moeloop.workflows.local import preflight
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     data = {**BASE, **sections, "rollout": {"engine": "vllm", **sections.get("rollout", {})}}
@@ -268,7 +268,7 @@ def test_vllm_routed_experts_become_the_completions_routes() -> None:
 
     import numpy as np
 
-    from steps.engines.engine import VLLMEngine
+    from moeloop.steps.engines.engine import VLLMEngine
 
     routed_TLK = np.arange(3 * 2 * 4).reshape(3, 2, 4)
     sample = SimpleNamespace(

@@ -10,12 +10,12 @@ from pathlib import Path
 import blake3
 import pytest
 
-from steps.errors import MoeloopError
-from steps.model.policy import build_tiny_model, build_tokenizer, save_policy
-from steps.start import fetch_model_source, start
-from steps.storage import s3
-from steps.storage.manifest import COMMIT, PART_SIZE
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_policy
+from moeloop.steps.start import fetch_model_source, start
+from moeloop.steps.storage import s3
+from moeloop.steps.storage.manifest import COMMIT, PART_SIZE
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import small_config
 from tests.seaweed import SeaweedS3
 

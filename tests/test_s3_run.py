@@ -12,10 +12,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from steps.errors import EXIT_USER_ERROR
-from steps.start import start
-from steps.storage.experience import ROLLOUT_SCHEMA, table_bytes
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import EXIT_USER_ERROR
+from moeloop.steps.start import start
+from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, table_bytes
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 from tests.seaweed import SeaweedS3
 from tests.test_bad_input import assert_user_error
@@ -60,7 +60,7 @@ def run(args: list[str], tmp_path: Path, **environment: str) -> subprocess.Compl
 
 
 def step(name: str, uri: str, iteration: int, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return run(["-m", f"steps.{name}", "--run", uri, "--iteration", str(iteration), *extra], tmp_path)
+    return run(["-m", f"moeloop.steps.{name}", "--run", uri, "--iteration", str(iteration), *extra], tmp_path)
 
 
 def objects(seaweed: SeaweedS3, uri: str) -> dict[str, str]:
@@ -83,7 +83,7 @@ def test_run_on_a_bucket_that_does_not_exist(
     s3_environment: dict[str, str], seaweed: SeaweedS3, tmp_path: Path
 ) -> None:
     result = run(
-        ["-m", "workflows.cli", "run", str(config_file(tmp_path)), "--root", "s3://no-such-bucket/runs"], tmp_path
+        ["-m", "moeloop.workflows.cli", "run", str(config_file(tmp_path)), "--root", "s3://no-such-bucket/runs"], tmp_path
     )
 
     assert result.returncode == EXIT_USER_ERROR
@@ -99,7 +99,7 @@ def test_run_with_a_wrong_secret_names_the_refusal_and_never_the_credentials(
     wrong_secret = "wrong-" + seaweed.secret_key[6:]
 
     result = run(
-        ["-m", "workflows.cli", "run", str(config_file(tmp_path)), "--root", root],
+        ["-m", "moeloop.workflows.cli", "run", str(config_file(tmp_path)), "--root", root],
         tmp_path,
         AWS_SECRET_ACCESS_KEY=wrong_secret,
     )
@@ -112,7 +112,7 @@ def test_run_with_a_wrong_secret_names_the_refusal_and_never_the_credentials(
 
 
 def test_run_with_a_malformed_root_is_refused(tmp_path: Path) -> None:
-    result = run(["-m", "workflows.cli", "run", str(config_file(tmp_path)), "--root", "s3://bucket/a/../b"], tmp_path)
+    result = run(["-m", "moeloop.workflows.cli", "run", str(config_file(tmp_path)), "--root", "s3://bucket/a/../b"], tmp_path)
 
     assert_user_error(result, "must not contain '..' path segments: s3://bucket/a/../b/tiny")
     assert not (tmp_path / ".moeloop").exists()

@@ -14,10 +14,10 @@ import blake3
 import botocore.exceptions
 import pytest
 
-from steps.errors import MoeloopError
-from steps.storage import s3
-from steps.storage.manifest import COMMIT, PART_SIZE
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage import s3
+from moeloop.steps.storage.manifest import COMMIT, PART_SIZE
+from moeloop.steps.storage.run import RunStorage
 from tests.seaweed import SeaweedS3
 
 

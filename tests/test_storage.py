@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from steps.errors import MoeloopError
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.run import RunStorage
 
 
 def make_folder(tmp_path: Path) -> Path:

@@ -23,17 +23,17 @@ from pathlib import Path
 
 import pytest
 
-from steps.config import MoeloopConfig
-from steps.model.policy import load_policy
-from steps.rl.checkpoint import OPTIMIZER_DIR, WEIGHTS_DIR
-from steps.rollout import iteration_prompt_ids, shard_prompt_ids
-from steps.start import start
-from steps.storage.backends import CRASH_AFTER_WRITES, CRASH_RANK
-from steps.storage.cache import fetch_checkpoint
-from steps.storage.experience import committed_experience, read_rewards, read_rollout_shard, read_rollouts
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.model.policy import load_policy
+from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, WEIGHTS_DIR
+from moeloop.steps.rollout import iteration_prompt_ids, shard_prompt_ids
+from moeloop.steps.start import start
+from moeloop.steps.storage.backends import CRASH_AFTER_WRITES, CRASH_RANK
+from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.experience import committed_experience, read_rewards, read_rollout_shard, read_rollouts
+from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
-from workflows.dag import TRAIN
+from moeloop.workflows.dag import TRAIN
 from tests.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def fault_config() -> MoeloopConfig:
 
 
 def step_command(step: str, uri: str, config: MoeloopConfig) -> list[str]:
-    command = [sys.executable, "-m", f"steps.{step}", "--run", uri, "--iteration", str(ITERATION)]
+    command = [sys.executable, "-m", f"moeloop.steps.{step}", "--run", uri, "--iteration", str(ITERATION)]
     if step == "rollout":  # shard 0; shard 1 is written beforehand, so reward finds the iteration's experience
         command += ["--shard", "0", "--num-shards", str(config.rollout.num_shards)]
     return command

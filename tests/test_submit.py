@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from steps.errors import MoeloopError
+from moeloop.steps.errors import MoeloopError
 from tests.argo_stand_in import (
     NAMESPACE,
     RUN_URI,
@@ -22,9 +22,9 @@ from tests.argo_stand_in import (
     request_errors,
     write_config,
 )
-from workflows.argo import ArgoServer, ArgoSession, argo_server
-from workflows.lint import lint_document
-from workflows.render import build, render
+from moeloop.workflows.argo import ArgoServer, ArgoSession, argo_server
+from moeloop.workflows.lint import lint_document
+from moeloop.workflows.render import build, render
 
 WORKFLOWS = f"/api/v1/workflows/{NAMESPACE}"
 # Hera 7.1.0's WorkflowsService serialises with pydantic's deprecated `.json()`; not ours to fix.

@@ -21,20 +21,20 @@ from torch.distributed.tensor import DTensor
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
-from steps.config import MoeloopConfig, TrainerConfig
-from steps.model.attention import VARLEN
-from steps.model.dispatch import make_dispatcher
-from steps.model.families import num_experts
-from steps.model.logprobs import body_forward, use_logprob_head
-from steps.model.moe import gather_over, hf_state_dict, replace_moe_blocks
-from steps.model.policy import build_tokenizer, save_policy, token_logprobs
-from steps.model.sharding import reshard
-from steps.rl.batch import ExperienceBatch, experience_batch, frozen_logprobs, rank_microbatches
-from steps.rl.parallel import Parallel, expert_parameters, init_parallel, mesh_parallel
-from steps.rl.router_loss import load_balancing_loss, router_aux_loss
-from steps.rl.checkpoint import OPTIMIZER_DIR, read_whole, write_hf_checkpoint
-from steps.rl.state import load_trainer_model, make_optimizer, save_trainer_state
-from steps.rl.update import policy_update
+from moeloop.steps.config import MoeloopConfig, TrainerConfig
+from moeloop.steps.model.attention import VARLEN
+from moeloop.steps.model.dispatch import make_dispatcher
+from moeloop.steps.model.families import num_experts
+from moeloop.steps.model.logprobs import body_forward, use_logprob_head
+from moeloop.steps.model.moe import gather_over, hf_state_dict, replace_moe_blocks
+from moeloop.steps.model.policy import build_tokenizer, save_policy, token_logprobs
+from moeloop.steps.model.sharding import reshard
+from moeloop.steps.rl.batch import ExperienceBatch, experience_batch, frozen_logprobs, rank_microbatches
+from moeloop.steps.rl.parallel import Parallel, expert_parameters, init_parallel, mesh_parallel
+from moeloop.steps.rl.router_loss import load_balancing_loss, router_aux_loss
+from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, read_whole, write_hf_checkpoint
+from moeloop.steps.rl.state import load_trainer_model, make_optimizer, save_trainer_state
+from moeloop.steps.rl.update import policy_update
 from tests.conftest import small_config
 from tests.test_moe import FAMILY_NAMES, NUM_EXPERTS, tiny_config
 
@@ -283,7 +283,7 @@ def test_ep4_dp2_x_ep2_and_dp4_updates_equal_one_process_and_ep4_checkpoint_load
     ref = reference(tmp_path)
     spawn(4, [(4, False), (2, True), (1, False)], ref, save_to=tmp_path / "state")
     # Publish as HF shards of at most 32 KiB, reading every tensor of over 256 elements a saved chunk at a time.
-    monkeypatch.setattr("steps.rl.checkpoint.READ_BLOCK_ELEMENTS", 256)
+    monkeypatch.setattr("moeloop.steps.rl.checkpoint.READ_BLOCK_ELEMENTS", 256)
     write_hf_checkpoint(tmp_path / "state", tmp_path / "published", max_shard_bytes=32 << 10)
     shards = sorted(path.name for path in (tmp_path / "published").glob("*.safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from steps.engines.engine import Completion, Sampling, TransformersEngine, VLLMEngine, engine_for, release_engine
-from steps.model.hf_shards import INDEX
-from steps.config import load_config
-from steps.model.policy import (
+from moeloop.steps.engines.engine import Completion, Sampling, TransformersEngine, VLLMEngine, engine_for, release_engine
+from moeloop.steps.model.hf_shards import INDEX
+from moeloop.steps.config import load_config
+from moeloop.steps.model.policy import (
     build_tiny_model,
     build_tokenizer,
     load_policy,
@@ -21,14 +21,14 @@ from steps.model.policy import (
     save_policy,
     token_logprobs,
 )
-from steps.publish import publish
-from steps.reward import reward
-from steps.start import start
-from steps.storage.cache import fetch_checkpoint
-from steps.storage.run import RunStorage
-from steps.train import train
+from moeloop.steps.publish import publish
+from moeloop.steps.reward import reward
+from moeloop.steps.start import start
+from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.run import RunStorage
+from moeloop.steps.train import train
 from tests.conftest import REPO, small_config
-from workflows.dag import run_uri
+from moeloop.workflows.dag import run_uri
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def test_engine_reuse_reloads_weights_in_place_and_matches_the_trainer(
 
 def run_shard(uri: str, shard: int, num_shards: int) -> None:
     subprocess.run(
-        [sys.executable, "-m", "steps.rollout", "--run", uri, "--iteration", "1"]
+        [sys.executable, "-m", "moeloop.steps.rollout", "--run", uri, "--iteration", "1"]
         + ["--shard", str(shard), "--num-shards", str(num_shards)],
         cwd=REPO,
         check=True,

@@ -1,6 +1,6 @@
 """Talk to an Argo server through Hera's WorkflowsService: submit, register, schedule, status, resubmit.
 
-submit, register and schedule send Hera objects (workflows.render.build's), in the session's namespace.
+submit, register and schedule send Hera objects (moeloop.workflows.render.build's), in the session's namespace.
 
 Every request goes through one session and one error translation (`ArgoSession._call`): a refusal, an
 answer that is not the expected object, or an unreachable server becomes one `MoeloopError` line that
@@ -24,7 +24,7 @@ from hera.workflows import models as m
 from hera.workflows.service import WorkflowsService
 from pydantic import BaseModel, ValidationError
 
-from steps.errors import MoeloopError
+from moeloop.steps.errors import MoeloopError
 
 SERVER_MESSAGE_CHARS = 300
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")

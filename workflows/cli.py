@@ -10,17 +10,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from steps.capacity.schedule import GraphTask
-from steps.config import MoeloopConfig, load_config
-from steps.errors import ArgumentParser, MoeloopError, run_cli
-from steps.inputs import check_location
-from workflows.dag import ROLLOUT, loop_tasks, run_uri
+from moeloop.steps.capacity.schedule import GraphTask
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.errors import ArgumentParser, MoeloopError, run_cli
+from moeloop.steps.inputs import check_location
+from moeloop.workflows.dag import ROLLOUT, loop_tasks, run_uri
 
 if TYPE_CHECKING:
     from hera.workflows import Workflow
 
-    from workflows.argo import ArgoServer, ArgoSession
-    from workflows.render import Loop
+    from moeloop.workflows.argo import ArgoServer, ArgoSession
+    from moeloop.workflows.render import Loop
 
 EXIT_WORKFLOW_FAILED = 1  # status: the server answered, and the workflow failed (2 stays "could not ask")
 
@@ -40,7 +40,7 @@ def _config(args: argparse.Namespace) -> MoeloopConfig:
 
 
 def command_run(args: argparse.Namespace) -> None:
-    from workflows.local import run_local
+    from moeloop.workflows.local import run_local
 
     # A stop (kill, the end of a CI job) unwinds like Ctrl-C: the steps are stopped and the run's lease freed.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -53,7 +53,7 @@ def command_run(args: argparse.Namespace) -> None:
 
 
 def command_render(args: argparse.Namespace) -> None:
-    from workflows.render import build, write_rendered
+    from moeloop.workflows.render import build, write_rendered
 
     config = _config(args)
     for path in write_rendered(build(config, run_uri(config, args.root)), args.output):
@@ -61,7 +61,7 @@ def command_render(args: argparse.Namespace) -> None:
 
 
 def command_lint(args: argparse.Namespace) -> None:
-    from workflows.lint import lint_paths
+    from moeloop.workflows.lint import lint_paths
 
     errors = lint_paths(args.paths)
     for error in errors:
@@ -72,7 +72,7 @@ def command_lint(args: argparse.Namespace) -> None:
 
 
 def _server(args: argparse.Namespace) -> ArgoServer:
-    from workflows.argo import argo_server
+    from moeloop.workflows.argo import argo_server
 
     return argo_server(args.host, args.namespace, args.token, args.insecure)
 
@@ -82,9 +82,9 @@ def _build_and_send(
 ) -> tuple[Workflow, str]:
     """Build the config's loop, lint the object `pick` takes from it, and send that object; returns it and what
     `send` returned. Only an object that lints clean goes to the server, as only one does to disk (render)."""
-    from workflows.argo import ArgoSession
-    from workflows.lint import lint_document
-    from workflows.render import build
+    from moeloop.workflows.argo import ArgoSession
+    from moeloop.workflows.lint import lint_document
+    from moeloop.workflows.render import build
 
     config = _config(args)
     hera_object = pick(build(config, run_uri(config, args.root)))
@@ -96,28 +96,28 @@ def _build_and_send(
 
 
 def command_submit(args: argparse.Namespace) -> None:
-    from workflows.argo import ArgoSession
+    from moeloop.workflows.argo import ArgoSession
 
     _, name = _build_and_send(args, lambda loop: loop.workflow, ArgoSession.submit)
     print(name)
 
 
 def command_register(args: argparse.Namespace) -> None:
-    from workflows.argo import ArgoSession
+    from moeloop.workflows.argo import ArgoSession
 
     template, outcome = _build_and_send(args, lambda loop: loop.template, ArgoSession.register)
     print(template.name, outcome)
 
 
 def command_schedule(args: argparse.Namespace) -> None:
-    from workflows.argo import ArgoSession
+    from moeloop.workflows.argo import ArgoSession
 
     cron_workflow, outcome = _build_and_send(args, lambda loop: loop.cron_workflow, ArgoSession.schedule)
     print(cron_workflow.name, outcome)
 
 
 def command_status(args: argparse.Namespace) -> None:
-    from workflows.argo import RUN_LABEL, ArgoSession, check_object_name, has_failed, run_table, status_lines
+    from moeloop.workflows.argo import RUN_LABEL, ArgoSession, check_object_name, has_failed, run_table, status_lines
 
     if (args.name is None) == (args.run is None):
         raise MoeloopError("give either a workflow NAME or --run RUN_NAME")
@@ -141,7 +141,7 @@ def command_status(args: argparse.Namespace) -> None:
 
 
 def command_resubmit(args: argparse.Namespace) -> None:
-    from workflows.argo import ArgoSession, check_object_name
+    from moeloop.workflows.argo import ArgoSession, check_object_name
 
     check_object_name(args.name, "workflow")
     with ArgoSession(_server(args)) as argo:
@@ -149,13 +149,13 @@ def command_resubmit(args: argparse.Namespace) -> None:
 
 
 def command_report(args: argparse.Namespace) -> None:
-    from workflows.report import print_report
+    from moeloop.workflows.report import print_report
 
     print_report(args.run, args.plot)
 
 
 def command_sync(args: argparse.Namespace) -> None:
-    from steps.observe.trackers import sync_tensorboard
+    from moeloop.steps.observe.trackers import sync_tensorboard
 
     copied = sync_tensorboard(args.run, args.output)
     print(f"{len(copied)} new event file(s) in {args.output}; view with: tensorboard --logdir {args.output}")
@@ -178,9 +178,9 @@ def plan_dag(config: MoeloopConfig, shards: int, staleness: int, iterations: int
 
 
 def command_plan(args: argparse.Namespace) -> None:
-    from steps.capacity.explain import plan_json, plan_table
-    from steps.capacity.inputs import plan_inputs
-    from steps.capacity.options import make_plan
+    from moeloop.steps.capacity.explain import plan_json, plan_table
+    from moeloop.steps.capacity.inputs import plan_inputs
+    from moeloop.steps.capacity.options import make_plan
 
     for flag, value in (("--budget", args.budget), ("--deadline", args.deadline)):
         if value is not None and value <= 0:

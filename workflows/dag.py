@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from steps.config import MoeloopConfig
+from moeloop.steps.config import MoeloopConfig
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Step:
 
         Several processes run under torchrun: on this node alone (`--standalone`), or as one node of several
         given the `rendezvous` flags (the multi-node trainer's JobSet)."""
-        argv = ["python", "-m", f"steps.{self.name}"]
+        argv = ["python", "-m", f"moeloop.steps.{self.name}"]
         if processes > 1 or rendezvous:
             # `--` ends torchrun's options: it would take --run for an abbreviation of its own --run-path.
             launcher = list(rendezvous) or ["--standalone"]

@@ -25,8 +25,8 @@ import yaml
 from jsonschema import Draft202012Validator, FormatChecker, validators
 from jsonschema.exceptions import ValidationError
 
-from workflows import argo_schema
-from workflows.argo_schema import POD_ENUM_KEYWORD, RULES, RULES_KEYWORD, is_expression
+from moeloop.workflows import argo_schema
+from moeloop.workflows.argo_schema import POD_ENUM_KEYWORD, RULES, RULES_KEYWORD, is_expression
 
 ARGO_KINDS = frozenset(argo_schema.KINDS)
 # Real kinds that share the argoproj.io API group but are not Argo Workflows manifests a user

@@ -22,15 +22,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from steps.config import MoeloopConfig
-from steps.cores import SharedCores, available_cores
-from steps.errors import MoeloopError
-from steps.observe.trackers import check_trackers
-from steps.rewards.functions import reward_functions
-from steps.storage.lease import RunLease
-from steps.storage.prompts import check_prompts, read_prompt_file
-from steps.storage.run import RunStorage
-from workflows.dag import EVALUATE, ROLLOUT, START, Task, loop_tasks, run_values
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.cores import SharedCores, available_cores
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.observe.trackers import check_trackers
+from moeloop.steps.rewards.functions import reward_functions
+from moeloop.steps.storage.lease import RunLease
+from moeloop.steps.storage.prompts import check_prompts, read_prompt_file
+from moeloop.steps.storage.run import RunStorage
+from moeloop.workflows.dag import EVALUATE, ROLLOUT, START, Task, loop_tasks, run_values
 
 POLL_SECONDS = 0.05
 EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt): ")
@@ -53,11 +53,11 @@ def local_argv(task: Task, run_values: dict[str, str]) -> list[str]:
 def preflight(config: MoeloopConfig) -> None:
     """Check the inputs every step will need before anything is written or spent."""
     if config.records_routing:  # the check imports torch, which the runner itself does not need
-        from steps.engines.engine import check_routes_recordable
+        from moeloop.steps.engines.engine import check_routes_recordable
 
         check_routes_recordable(config.rollout.engine, record_routing=True)
     if config.rollout.engine == "vllm" and config.model.checkpoint is None:  # the tiny model's fields are HF's
-        from steps.engines.engine import vllm_refusal
+        from moeloop.steps.engines.engine import vllm_refusal
 
         if (refusal := vllm_refusal({"model_type": config.model.tiny.family, **config.model.tiny.model_dump()})):
             raise MoeloopError(refusal)
@@ -204,7 +204,7 @@ def overall_eta(elapsed: float, done: int, total: int) -> str:
 class CoreShares(SharedCores):
     """The runner's core shares, applied: when a step starting beside others takes some of their cores, their
     process trees are moved onto the rest, and a worker told to fit its torch threads to them (SIGWINCH,
-    `workflows.worker`); a plain process keeps the threads it started with. pinned False (`local.pin_cores` off,
+    `moeloop.workflows.worker`); a plain process keeps the threads it started with. pinned False (`local.pin_cores` off,
     or not Linux): shares size the thread counts only."""
 
     def __init__(self, cores: list[int], pinned: bool):
@@ -300,7 +300,7 @@ def warm_modules(config: MoeloopConfig, task: Task, values: dict[str, str]) -> l
     (transformers), and for a rollout that runs on vLLM, vLLM (the largest import)."""
     modules = ["torch", local_argv(task, values)[2]]  # the worker itself sizes torch's threads for each command
     if task.step in (ROLLOUT, EVALUATE):
-        modules.append("steps.model.policy")
+        modules.append("moeloop.steps.model.policy")
     vllm = config.rollout.engine == "vllm" or (config.rollout.engine == "auto" and importlib.util.find_spec("vllm"))
     if task.step == ROLLOUT and vllm:
         modules.append("vllm")
@@ -319,14 +319,14 @@ def worker_slot(task: Task) -> str | None:
 
 
 class StepWorker:
-    """A `python -m workflows.worker` process: runs step commands one at a time, keeping engines loaded.
+    """A `python -m moeloop.workflows.worker` process: runs step commands one at a time, keeping engines loaded.
 
     It looks like a Popen to the runner: poll() is None while a command runs, then its exit code.
     """
 
     def __init__(self, environment: dict[str, str]):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "workflows.worker"],
+            [sys.executable, "-m", "moeloop.workflows.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=environment,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hera.workflows import models as m
 
-from steps.storage.s3 import parse_s3_uri
+from moeloop.steps.storage.s3 import parse_s3_uri
 
 # Output parameters that are text, not figures (start's model source, rollout's engine, plan's flags).
 TEXT_OUTPUTS = frozenset({"source", "engine", "more", "evaluate"})

@@ -34,13 +34,13 @@ from hera.workflows import DAG, Container, CronWorkflow, Parameter, Resource, Wo
 from hera.workflows import Task as HeraTask
 from hera.workflows import models as m
 
-from steps.config import MoeloopConfig
-from steps.config_cluster import Resources, RolePlacement, Toleration
-from steps.errors import MoeloopError
-from steps.outputs import OUTPUTS_ENV
-from workflows.dag import EVALUATE, PLAN, START, STEPS, TRAIN, Step, Task, iteration_tasks, run_values, step_role
-from workflows.lint import lint_documents
-from workflows.monitoring import run_annotations, template_metrics
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.config_cluster import Resources, RolePlacement, Toleration
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.outputs import OUTPUTS_ENV
+from moeloop.workflows.dag import EVALUATE, PLAN, START, STEPS, TRAIN, Step, Task, iteration_tasks, run_values, step_role
+from moeloop.workflows.lint import lint_documents
+from moeloop.workflows.monitoring import run_annotations, template_metrics
 
 API_VERSION = "argoproj.io/v1alpha1"
 ENTRYPOINT = "chunk"
@@ -55,7 +55,7 @@ MAX_OBJECT_BYTES = 1_000_000
 MAX_CHUNK_TASKS = 200
 DEFAULT_CHUNK_ITERATIONS = 20  # a Workflow per ~day of a large run: short enough to find, resubmit, archive
 
-OUTPUTS_DIR = "/tmp/outputs"  # steps.common.print_json writes a report's scalars here ($MOELOOP_OUTPUTS)
+OUTPUTS_DIR = "/tmp/outputs"  # moeloop.steps.common.print_json writes a report's scalars here ($MOELOOP_OUTPUTS)
 MISSING_OUTPUT = "none"  # an output a step did not report (it skipped its work): not a failure
 PLAN_OUTPUTS = "tasks.plan.outputs.parameters"
 LABEL = "moeloop.dev"

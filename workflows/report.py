@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from steps.storage.metrics import committed_metrics
-from steps.storage.run import RunStorage
+from moeloop.steps.storage.metrics import committed_metrics
+from moeloop.steps.storage.run import RunStorage
 
 # (header, metrics field): durations and waits in seconds, defined in the README's "Balance".
 COLUMNS = (
@@ -78,7 +78,7 @@ def print_report(run_uri: str, plot_dir: Path | None = None) -> None:
     if not all_metrics:
         print(f"(no iteration of {run_uri} has committed metrics yet)")
     elif plot_dir is not None:
-        from steps.observe.plots import write_plots
+        from moeloop.steps.observe.plots import write_plots
 
         for path in write_plots(all_metrics, plot_dir):
             print(path)

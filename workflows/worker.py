@@ -1,7 +1,7 @@
 """A long-lived step process for the local runner: it runs step commands one after another, in-process.
 
 A rollout shard's engine then stays loaded between iterations and only its weights are swapped
-(`steps.engines.engine.engine_for`), as a long-lived rollout pod would do. The commands are exactly the pods'
+(`moeloop.steps.engines.engine.engine_for`), as a long-lived rollout pod would do. The commands are exactly the pods'
 commands (`python -m steps.<name> ...`); each request is one JSON line on stdin,
 {"argv": [...], "log": PATH, "threads": N or null}, and each reply one JSON line on stdout, {"returncode": N}.
 While a command runs, its output goes to its log file. A request {"warm": [MODULE, ...], "log": PATH} imports
@@ -26,12 +26,12 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from steps.errors import run_cli
+from moeloop.steps.errors import run_cli
 
 
 def run_command(argv: list[str]) -> int:
-    """Run `python -m steps.<name> ARGS...` in this process; returns what its exit code would be."""
-    if argv[1:2] != ["-m"] or not argv[2].startswith("steps."):
+    """Run `python -m moeloop.steps.<name> ARGS...` in this process; returns what its exit code would be."""
+    if argv[1:2] != ["-m"] or not argv[2].startswith("moeloop.steps."):
         print(f"worker: not a step command: {argv}", file=sys.stderr)
         return 2
     module = importlib.import_module(argv[2])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from steps.errors import MoeloopError
+from moeloop.steps.errors import MoeloopError
 
 MIB = 1 << 20
 

@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from steps.capacity.hardware import GPU, gpu
-from steps.capacity.memory import GIB
-from steps.capacity.models import (
+from moeloop.steps.capacity.hardware import GPU, gpu
+from moeloop.steps.capacity.memory import GIB
+from moeloop.steps.capacity.models import (
     ModelShape,
     model_config,
     parameter_counts,
@@ -29,12 +29,12 @@ from steps.capacity.models import (
     shape_from_hf_config,
     train_flops_per_token,
 )
-from steps.capacity.options import Option, Setup, TasksFor, pick_expert_parallel
-from steps.capacity.rates import STEPS, Figure, Measured, measure_run
-from steps.capacity.target import LOCAL, Instance, Target, load_prices, load_target
-from steps.config import MoeloopConfig, load_config
-from steps.cores import available_cores
-from steps.errors import MoeloopError
+from moeloop.steps.capacity.options import Option, Setup, TasksFor, pick_expert_parallel
+from moeloop.steps.capacity.rates import STEPS, Figure, Measured, measure_run
+from moeloop.steps.capacity.target import LOCAL, Instance, Target, load_prices, load_target
+from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.cores import available_cores
+from moeloop.steps.errors import MoeloopError
 
 # The rates every step time uses, with their units; then those that add a term only when known.
 RATES = {

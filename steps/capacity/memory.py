@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from steps.capacity.models import ModelShape, parameter_counts, shape_from_hf_config
-from steps.config import TrainerConfig
-from steps.errors import MoeloopError
+from moeloop.steps.capacity.models import ModelShape, parameter_counts, shape_from_hf_config
+from moeloop.steps.config import TrainerConfig
+from moeloop.steps.errors import MoeloopError
 
 GIB = 1 << 30
-LOGIT_ROWS = 4096  # steps.model.logprobs.CHUNK_ROWS
+LOGIT_ROWS = 4096  # moeloop.steps.model.logprobs.CHUNK_ROWS
 FP32, BF16 = 4, 2
 Precision = Literal["bf16", "fp32"]
 Reference = Literal["sharded", "precomputed", "none"]
@@ -131,7 +131,7 @@ def predict_train_peak_bytes(
         terms["activations"] = tokens * (shape.num_layers * compute * shape.hidden_size + max(dense, moe))
     else:
         terms["activations"] = tokens * (shape.dense_layers * dense + shape.moe_layers * moe)
-    # The LM head computes the targets' log-probabilities LOGIT_ROWS rows at a time (steps.model.logprobs): one
+    # The LM head computes the targets' log-probabilities LOGIT_ROWS rows at a time (moeloop.steps.model.logprobs): one
     # chunk's logits in the compute dtype, their fp32 copy and fp32 gradient, and the head's fp32 weight gradient.
     rows = min(tokens, LOGIT_ROWS)
     terms["logits"] = rows * shape.vocab_size * (compute + FP32 + FP32) + FP32 * shape.vocab_size * shape.hidden_size

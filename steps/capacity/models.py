@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steps.errors import MoeloopError
+from moeloop.steps.errors import MoeloopError
 
 # Published checkpoints' config.json numbers (the keys transformers reads), by the name `moeloop plan` takes.
 # fmt: off

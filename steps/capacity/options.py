@@ -25,14 +25,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from steps.capacity.hardware import GPU
-from steps.capacity.memory import GIB, TrainMemory, predict_train_peak_bytes
-from steps.capacity.models import ModelShape, ParameterCounts, parameter_counts
-from steps.capacity.rates import STEPS, Figure
-from steps.capacity.schedule import GraphTask, Job, busy_share, critical_path, period, play
-from steps.capacity.target import Instance, Search, Trainer
-from steps.config import MoeloopConfig
-from steps.errors import MoeloopError
+from moeloop.steps.capacity.hardware import GPU
+from moeloop.steps.capacity.memory import GIB, TrainMemory, predict_train_peak_bytes
+from moeloop.steps.capacity.models import ModelShape, ParameterCounts, parameter_counts
+from moeloop.steps.capacity.rates import STEPS, Figure
+from moeloop.steps.capacity.schedule import GraphTask, Job, busy_share, critical_path, period, play
+from moeloop.steps.capacity.target import Instance, Search, Trainer
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
 
 TasksFor = Callable[[MoeloopConfig, int, int, int], list[GraphTask]]  # (config, shards, staleness, iterations)
 

@@ -18,7 +18,7 @@ batch, shard count or train size can be planned from them:
   commit, the process or pod start). The least, not the median: waiting for a free slot or worker is the
   schedule's to predict, not the step's.
 
-Measured by the local runner, the steps shared the machine's cores (`steps.cores`): a step beside another ran on
+Measured by the local runner, the steps shared the machine's cores (`moeloop.steps.cores`): a step beside another ran on
 part of them. There each figure is one core's (a rate over c ** a for the c cores' worth the step held, seconds
 times c ** a, with a the step's core scaling fitted across the runs), the shares replayed over the reports'
 stamps, so that a plan can play them on other shares.
@@ -33,12 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from steps.capacity.schedule import GraphTask
-from steps.common import open_run
-from steps.config import MoeloopConfig
-from steps.cores import held_cores
-from steps.errors import MoeloopError
-from steps.storage.run import RunStorage
+from moeloop.steps.capacity.schedule import GraphTask
+from moeloop.steps.common import open_run
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.cores import held_cores
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.run import RunStorage
 
 GB = 1e9
 METRICS_NAME = re.compile(r"iter-(\d{6})\.json")

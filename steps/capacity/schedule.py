@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from steps.cores import SharedCores
-from steps.errors import MoeloopError
+from moeloop.steps.cores import SharedCores
+from moeloop.steps.errors import MoeloopError
 
 EPSILON = 1e-9
 
@@ -60,7 +60,7 @@ def play(
 ) -> Schedule:
     """Run the jobs (a DAG in topological order) on resources of the given capacity; a resource not in
     `capacity` has room for everyone. `cores`: the jobs share that many cores as the local runner shares them
-    (`steps.cores`): a job's `seconds` are then one core's seconds, run at c ** a times that pace on the c cores'
+    (`moeloop.steps.cores`): a job's `seconds` are then one core's seconds, run at c ** a times that pace on the c cores'
     worth it holds (a: its step's `scaling`, default 1), c shrinking when a job starts beside it; its start-up
     runs at the wall clock's pace. None: every job at its own pace."""
     order = {job.task.name: index for index, job in enumerate(jobs)}

@@ -13,9 +13,9 @@ from typing import Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
-from steps.capacity.hardware import GPUS
-from steps.config import Strict, describe_validation_error
-from steps.errors import MoeloopError
+from moeloop.steps.capacity.hardware import GPUS
+from moeloop.steps.config import Strict, describe_validation_error
+from moeloop.steps.errors import MoeloopError
 
 LOCAL = "local"  # the local runner on this machine: steps share local.parallelism slots of its cores
 
@@ -43,7 +43,7 @@ class Trainer(Strict):
 
 class StatedRates(Strict):
     """Rates for the target's model on the target's GPU, stated by the user. Each one replaces the run's. For the
-    local runner, per core: "per GPU" is per core, and seconds are core-seconds (`steps.capacity.rates`)."""
+    local runner, per core: "per GPU" is per core, and seconds are core-seconds (`moeloop.steps.capacity.rates`)."""
 
     rollout_tokens_per_second_per_gpu: float | None = Field(None, gt=0)  # all of a shard's sequences together
     rollout_sequence_tokens_per_second: float | None = Field(None, gt=0)  # one sequence's decoding speed

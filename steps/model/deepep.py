@@ -12,8 +12,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from steps.errors import MoeloopError
-from steps.model.dispatch import ExpertRows, TokenDispatcher, permute_rows, sort_by_expert, sum_by_token
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.dispatch import ExpertRows, TokenDispatcher, permute_rows, sort_by_expert, sum_by_token
 
 
 class DeepEPBackend(Protocol):

@@ -8,8 +8,8 @@ One interface, selected by name (`make_dispatcher`):
 
 The experts apply the routing weights (`meta.weight_N`, one per expert row) themselves, folded into the SwiGLU;
 dispatch and combine are adjoint through the inverse permutation: each token copied to its K rows, and each
-token's K rows summed (no atomics, fp32 sums; on CUDA each is one Triton pass, `steps.model.kernels.expand_rows` and
-`steps.model.kernels.gather_sum`).
+token's K rows summed (no atomics, fp32 sums; on CUDA each is one Triton pass, `moeloop.steps.model.kernels.expand_rows` and
+`moeloop.steps.model.kernels.gather_sum`).
 
 Shape letters: steps/README.md (T the tokens on this rank, N the rows for its e local experts, R the tokens
 received from the EP group). EP rank r holds experts [r * e, (r + 1) * e).
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from steps.errors import MoeloopError
-from steps.model import kernels
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model import kernels
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class AllToAllDispatcher(TokenDispatcher[AllToAllMeta]):
 
 def make_dispatcher(name: str, num_experts: int, ep_group: dist.ProcessGroup | None = None) -> TokenDispatcher[Any]:
     """The dispatcher called name for experts sharded over ep_group (None: EP = 1)."""
-    from steps.model.deepep import deepep_dispatcher  # it builds on this module's classes
+    from moeloop.steps.model.deepep import deepep_dispatcher  # it builds on this module's classes
     ep_size = ep_group.size() if ep_group is not None else 1
     if name == "auto":
         if ep_size == 1:

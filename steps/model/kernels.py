@@ -14,7 +14,7 @@
   SwiGLU over interleaved gate and up columns: `clamped_swiglu`, eager.
 
 The Triton kernels are custom ops (`moeloop::...`), which a `torch.compile`'d graph (the whole MoE block with
-the local dispatcher) calls as they are. Triton (`steps.model.triton_kernels`) is imported on first CUDA use only.
+the local dispatcher) calls as they are. Triton (`moeloop.steps.model.triton_kernels`) is imported on first CUDA use only.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def gather_sum_triton(rows_NH: torch.Tensor, row_of_TK: torch.Tensor) -> torch.T
         return out_TH
     block_h = min(1024, triton_block(hidden))
     grid = (num_tokens, -(-hidden // block_h))
-    from steps.model.triton_kernels import gather_sum_kernel
+    from moeloop.steps.model.triton_kernels import gather_sum_kernel
 
     gather_sum_kernel[grid](rows_NH, row_of_TK, out_TH, rows_NH.shape[0], hidden, K=top_k, BLOCK_H=block_h, num_warps=4)
     return out_TH
@@ -105,7 +105,7 @@ def expand_rows_triton(x_TH: torch.Tensor, row_of_TK: torch.Tensor, num_rows: in
     if num_tokens == 0 or hidden == 0 or num_rows == 0:
         return out_NH
     block_h = min(1024, triton_block(hidden))
-    from steps.model.triton_kernels import expand_rows_kernel
+    from moeloop.steps.model.triton_kernels import expand_rows_kernel
 
     expand_rows_kernel[(num_tokens, -(-hidden // block_h))](
         x_TH, row_of_TK, out_NH, num_rows, hidden, K=top_k, BLOCK_H=block_h, num_warps=4
@@ -160,7 +160,7 @@ def swiglu_triton(gate_up_N2I: torch.Tensor, weight_N: torch.Tensor | None) -> t
     num_rows, inter = gate_up_N2I.shape[0], gate_up_N2I.shape[1] // 2
     out_NI = gate_up_N2I.new_empty(num_rows, inter)
     if num_rows and inter:
-        from steps.model.triton_kernels import swiglu_forward_kernel
+        from moeloop.steps.model.triton_kernels import swiglu_forward_kernel
 
         grid = (-(-num_rows // SWIGLU_BLOCK_M), -(-inter // SWIGLU_BLOCK_I))
         weight = weight_N.contiguous() if weight_N is not None else gate_up_N2I  # (not read without a weight)
@@ -186,7 +186,7 @@ def swiglu_backward_triton(
     grad_gate_up_N2I = torch.empty_like(gate_up_N2I)
     grad_weight_N = weight_N.new_empty(num_rows) if weight_N is not None else gate_up_N2I.new_empty(0)
     if num_rows and inter:
-        from steps.model.triton_kernels import swiglu_backward_kernel
+        from moeloop.steps.model.triton_kernels import swiglu_backward_kernel
 
         weight = weight_N.contiguous() if weight_N is not None else gate_up_N2I  # (not read without a weight)
         swiglu_backward_kernel[(-(-num_rows // SWIGLU_BLOCK_M),)](
@@ -273,7 +273,7 @@ def grouped_mm_triton(
     nn.Linear weights [e, N, K]) or b_eXY[g] ([e, K, N]); fp32 accumulation, one persistent Triton kernel."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from steps.model.triton_kernels import grouped_mm_kernel
+    from moeloop.steps.model.triton_kernels import grouped_mm_kernel
 
     a_NK, b_eXY, offs_e = tma_operand(a_NK), tma_operand(b_eXY), offs_e.contiguous()
     num_groups, depth, width = b_eXY.shape[0], a_NK.shape[1], b_eXY.shape[1 if b_transposed else 2]
@@ -367,7 +367,7 @@ def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, normalize: bool) ->
     weights_TK = logits_TE.new_empty(logits_TE.shape[0], top_k)
     experts_TK = torch.empty(logits_TE.shape[0], top_k, dtype=torch.int64, device=logits_TE.device)
     if logits_TE.shape[0]:
-        from steps.model.triton_kernels import softmax_topk_kernel
+        from moeloop.steps.model.triton_kernels import softmax_topk_kernel
 
         grid, blocks = _router_launch(logits_TE, top_k)
         softmax_topk_kernel[grid](logits_TE, weights_TK, experts_TK, logits_TE.shape[0], NORMALIZE=normalize, **blocks)
@@ -392,7 +392,7 @@ def softmax_topk_backward_triton(
     )
     grad_logits_TE = torch.empty_like(logits_TE)
     if logits_TE.shape[0]:
-        from steps.model.triton_kernels import softmax_topk_backward_kernel
+        from moeloop.steps.model.triton_kernels import softmax_topk_backward_kernel
 
         grid, blocks = _router_launch(logits_TE, experts_TK.shape[1])
         softmax_topk_backward_kernel[grid](

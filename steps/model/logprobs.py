@@ -1,4 +1,4 @@
-"""Token log-probabilities and values of packed microbatches (`steps.rl.packing`), in the padded batch's layout.
+"""Token log-probabilities and values of packed microbatches (`moeloop.steps.rl.packing`), in the padded batch's layout.
 
 The LM head computes the log-probability of each token's target only, a chunk of rows at a time
 (`ChunkedTokenLogprobs`): the [N, V] logits (151936 wide for Qwen3) are never held whole, in the forward or the
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.model.families import is_router
-from steps.model.kernels import fused_on_cuda
-from steps.rl.packing import Microbatch
+from moeloop.steps.model.families import is_router
+from moeloop.steps.model.kernels import fused_on_cuda
+from moeloop.steps.rl.packing import Microbatch
 
 CHUNK_ROWS = 4096  # 4096 x 151936 fp32 logits: 2.5 GB at a time
 
@@ -108,7 +108,7 @@ def use_logprob_head(model: nn.Module) -> None:
 def packed_token_logprobs(
     model: nn.Module, micro: Microbatch, temperature: float = 1.0
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """`steps.model.policy.token_logprobs` of the microbatch's samples: [n, T] (position 0 and the padding 0), and each
+    """`moeloop.steps.model.policy.token_logprobs` of the microbatch's samples: [n, T] (position 0 and the padding 0), and each
     MoE layer's router logits [N, E]. The model's head is a `LogprobHead`."""
     hidden_NH, router_logits_L = body_forward(model.model, micro)
     next_token_N = micro.input_ids_1N[0].roll(-1)  # the target of a sample's last token is not used
@@ -117,7 +117,7 @@ def packed_token_logprobs(
 
 
 def packed_token_values(critic: nn.Module, micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """`steps.model.policy.token_values` of the microbatch's samples: [n, T], and each MoE layer's router logits."""
+    """`moeloop.steps.model.policy.token_values` of the microbatch's samples: [n, T], and each MoE layer's router logits."""
     hidden_NH, router_logits_L = body_forward(critic.model, micro)
     values_N = critic.score(hidden_NH).squeeze(-1).float()
     return micro.unpack(shift_into_place(values_N, micro)), router_logits_L
@@ -151,7 +151,7 @@ def body_forward(body: nn.Module, micro: Microbatch) -> tuple[torch.Tensor, tupl
     recorder = RouterLogits.of(body)
     recorder.recorded = []
     try:
-        # No KV cache (see steps.model.policy.token_logprobs); the sample boundaries go down to attention.
+        # No KV cache (see moeloop.steps.model.policy.token_logprobs); the sample boundaries go down to attention.
         output = body(input_ids=micro.input_ids_1N, position_ids=micro.position_ids_1N, use_cache=False,
                       **micro.attention_kwargs())  # fmt: skip
         return output.last_hidden_state[0], tuple(recorder.recorded)

@@ -1,12 +1,12 @@
 """One sparse MoE block with grouped-GEMM experts and expert parallelism, a drop-in for every family's HF block.
 
-`MoeBlock` replaces the HF sparse block of a family in `steps.model.families` (and bypasses its
+`MoeBlock` replaces the HF sparse block of a family in `moeloop.steps.model.families` (and bypasses its
 `_experts_implementation`):
 - routing is HF's: the block keeps the HF router module, its class swapped for the family's fused router (the
   same computation, one Triton pass on CUDA), so `output_router_logits=True` records the same router logits
   through HF's `OutputRecorder` hook and the model's load-balancing aux loss is unchanged;
 - tokens are permuted by expert (and, with expert parallelism, moved to the rank holding the expert) by a
-  dispatcher from `steps.model.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
+  dispatcher from `moeloop.steps.model.dispatch`, the experts run as grouped GEMMs (or a per-expert loop), and the outputs are
   summed per token (the routing weight folded into the SwiGLU output, before the linear down projection);
 - a family's expert biases (GPT-OSS's) are each row's expert's, added in the grouped path; its shared expert
   (Qwen2-MoE's, DeepSeek-V3's) stays HF's module, replicated like the dense weights, its output (through
@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from steps.errors import MoeloopError
-from steps.model import kernels
-from steps.model.dispatch import TokenDispatcher
-from steps.model.families import Activation, FusedRouter, MoeFamily, family_of_block
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model import kernels
+from moeloop.steps.model.dispatch import TokenDispatcher
+from moeloop.steps.model.families import Activation, FusedRouter, MoeFamily, family_of_block
 
 ExpertsImpl = Literal["grouped_mm", "loop"]
 
@@ -64,7 +64,7 @@ class GroupedExperts(nn.Module):
         self.transposed = transposed
         self.impl = impl
         # The dtype the GEMMs run in when it is not the parameters' own: FSDP2's mixed precision computes with bf16
-        # copies of fp32 parameters (steps.model.sharding); None: the parameters' dtype.
+        # copies of fp32 parameters (moeloop.steps.model.sharding); None: the parameters' dtype.
         self.compute_dtype: torch.dtype | None = None
 
     @classmethod
@@ -92,7 +92,7 @@ class GroupedExperts(nn.Module):
         The weight multiplies the SwiGLU output (I wide) before the down projection, which is linear, so this is
         the weighted expert output without an H-wide multiply; a down projection's bias is weighted on its own. On
         CUDA the SwiGLU is a Triton kernel, and so are the grouped GEMMs' forward and input gradient on Hopper in
-        bf16 for large calls (`steps.model.kernels`). Biases are each row's expert's, indexed by row.
+        bf16 for large calls (`moeloop.steps.model.kernels`). Biases are each row's expert's, indexed by row.
         """
         expert_N = None if self.gate_up_proj_bias is None else expert_of_rows(tokens_per_expert_e, x_NH.shape[0])
         if self.impl == "grouped_mm":
@@ -311,7 +311,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     Compiled: each layer's RMSNorms (fp32), attention with q/k norms and RoPE, residual adds, whose many small
     elementwise kernels dominate the policy update once the MoE block is fast. The MoE block is compiled with its
     layer where it traces as one graph (`MoeBlock.forward`: the `local` dispatcher and bf16 grouped-GEMM experts):
-    inductor fuses the router's and the sort's small kernels, and calls `steps.model.kernels`' Triton ops as they are.
+    inductor fuses the router's and the sort's small kernels, and calls `moeloop.steps.model.kernels`' Triton ops as they are.
     Otherwise (EP dispatchers, fp32) the block stays eager and the layer graph-breaks around it. Layers of one
     class share their compiled code, and batch shapes that vary recompile once into a dynamic-shape graph. On CPU
     this does nothing (returns 0).

@@ -1,8 +1,8 @@
-"""The policy: an MoE causal LM of a family in `steps.model.families`, in HF format, its character tokenizer, and
+"""The policy: an MoE causal LM of a family in `moeloop.steps.model.families`, in HF format, its character tokenizer, and
 token log-probabilities.
 
-The trainer holds it with expert parallelism (`steps.model.moe`): each EP rank reads only its experts from the HF
-safetensors (`load_policy_shard`), and publish writes the HF checkpoint from the trainer state's shards (`steps.rl.checkpoint`).
+The trainer holds it with expert parallelism (`moeloop.steps.model.moe`): each EP rank reads only its experts from the HF
+safetensors (`load_policy_shard`), and publish writes the HF checkpoint from the trainer state's shards (`moeloop.steps.rl.checkpoint`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from steps.config_model import (
+from moeloop.steps.config_model import (
     TinyDeepseekV3, TinyGptOss, TinyMixtral, TinyModelConfig, TinyQwen2Moe, TinyShape,
 )
-from steps.errors import MoeloopError
-from steps.model.dispatch import make_dispatcher
-from steps.model.families import MoeFamily, family_of_block, family_of_config, num_experts
-from steps.model.hf_shards import StoredTensor
-from steps.model.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.dispatch import make_dispatcher
+from moeloop.steps.model.families import MoeFamily, family_of_block, family_of_config, num_experts
+from moeloop.steps.model.hf_shards import StoredTensor
+from moeloop.steps.model.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
 
 PAD, EOS = "<pad>", "<eos>"
 

@@ -5,10 +5,10 @@ experts):
 - each decoder layer is one FSDP unit over all ranks (attention, norms, router): its weights are sharded over
   the world and all-gathered for its forward and backward;
 - with EP > 1, each layer's experts are a unit of their own over the dp ranks that hold the same EP slice: the
-  slice is sharded over them (`steps.model.moe.GroupedExperts` already holds only this EP rank's experts);
+  slice is sharded over them (`moeloop.steps.model.moe.GroupedExperts` already holds only this EP rank's experts);
 - the model's body (embeddings, final norm) and its head (LM head or value head) are the last two units.
 Gradients are summed, not averaged, in the reduce-scatters: every loss is already divided by the whole
-minibatch's counts (`steps.rl.grpo.aggregate`), so the sum over the ranks is one process's gradient. The expert
+minibatch's counts (`moeloop.steps.rl.grpo.aggregate`), so the sum over the ranks is one process's gradient. The expert
 gradients reach their EP rank through the all-to-all's backward and are summed over dp; dense ones over all.
 
 `trainer.precision`:
@@ -19,7 +19,7 @@ gradients reach their EP rank through the all-to-all's backward and are summed o
 
 Activation checkpointing (`trainer.activation_checkpointing`, `checkpoint_decoder_layers`) keeps each decoder
 layer's input and recomputes the rest in the backward. It wraps the layer's forward, inside FSDP's hooks and inside
-the compiled call (`steps.model.moe.compile_decoder_layers`): HF's own gradient checkpointing wraps the whole call,
+the compiled call (`moeloop.steps.model.moe.compile_decoder_layers`): HF's own gradient checkpointing wraps the whole call,
 hooks included, and with compiled layers under FSDP2 its recompute saved one tensor fewer than the forward on an
 H200 (torch 2.11: `CheckpointError`, in benchmarks/policy_update.md).
 """
@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from steps.model.moe import MoeBlock
+from moeloop.steps.model.moe import MoeBlock
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

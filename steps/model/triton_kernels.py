@@ -1,4 +1,4 @@
-"""Triton kernels, imported by `steps.model.kernels` on first CUDA use only (this module imports triton)."""
+"""Triton kernels, imported by `moeloop.steps.model.kernels` on first CUDA use only (this module imports triton)."""
 
 import triton
 import triton.language as tl

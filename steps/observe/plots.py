@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from steps.errors import MoeloopError
-from steps.observe.scalars import flatten
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.observe.scalars import flatten
 
 # (label, path into an iteration's metrics): what a bar of the time balance stacks, in seconds.
 BALANCE = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from steps.storage.run import RunStorage
+from moeloop.steps.storage.run import RunStorage
 
 STAMPS = ("started_at", "ended_at")  # wall-clock stamps of a report: the events' time, not figures
 

@@ -21,13 +21,13 @@ import importlib.util
 import os
 from pathlib import Path
 
-from steps.config import MoeloopConfig
-from steps.errors import MoeloopError
-from steps.observe.events import event_file
-from steps.observe.scalars import IterationScalars, iteration_scalars
-from steps.storage.backends import LocalBackend
-from steps.storage.manifest import TEMPORARY
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.observe.events import event_file
+from moeloop.steps.observe.scalars import IterationScalars, iteration_scalars
+from moeloop.steps.storage.backends import LocalBackend
+from moeloop.steps.storage.manifest import TEMPORARY
+from moeloop.steps.storage.run import RunStorage
 
 # The package each tracker imports (TensorBoard's files need none).
 PACKAGES = {"tensorboard": None, "mlflow": "mlflow", "wandb": "wandb"}

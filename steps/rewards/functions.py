@@ -9,8 +9,8 @@ import math
 import numbers
 from collections.abc import Callable
 
-from steps.config import RewardConfig
-from steps.errors import MoeloopError
+from moeloop.steps.config import RewardConfig
+from moeloop.steps.errors import MoeloopError
 
 RewardFunction = Callable[[dict, str], float]
 

@@ -15,10 +15,10 @@ import fsspec
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from steps.config import RewardModel
-from steps.errors import MoeloopError
-from steps.storage.cache import fetch_committed, local_scratch
-from steps.storage.run import RunStorage
+from moeloop.steps.config import RewardModel
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.cache import fetch_committed, local_scratch
+from moeloop.steps.storage.run import RunStorage
 
 
 class RewardModelScorer:

@@ -10,15 +10,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from steps.config import TrainerConfig
-from steps.errors import MoeloopError
-from steps.model.logprobs import packed_token_logprobs
-from steps.model.moe import replaying
-from steps.model.policy import pack_sequences
-from steps.model.sharding import reshard
-from steps.rl.packing import Microbatch, pack_rows, plan_microbatches
-from steps.rl.parallel import Parallel
-from steps.rl.router_health import RouterHealth
+from moeloop.steps.config import TrainerConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.logprobs import packed_token_logprobs
+from moeloop.steps.model.moe import replaying
+from moeloop.steps.model.policy import pack_sequences
+from moeloop.steps.model.sharding import reshard
+from moeloop.steps.rl.packing import Microbatch, pack_rows, plan_microbatches
+from moeloop.steps.rl.parallel import Parallel
+from moeloop.steps.rl.router_health import RouterHealth
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def frozen_pass(
 def rank_microbatches(
     batch: ExperienceBatch, rows_b: torch.Tensor, max_tokens: int, parallel: Parallel
 ) -> list[Microbatch]:
-    """This rank's packed microbatches of the samples rows_b (`steps.rl.packing.plan_microbatches`: every rank
+    """This rank's packed microbatches of the samples rows_b (`moeloop.steps.rl.packing.plan_microbatches`: every rank
     runs as many)."""
     lengths = batch.attention_mask_BT.sum(1).tolist()
     rows = rows_b.tolist()

@@ -21,7 +21,7 @@ space, so DCP reshards on load:
 Publish turns weights/ into the HF checkpoint (`write_hf_checkpoint`), so no trainer rank gathers the model, and
 neither does publish: it reads the weights a saved chunk (or a batch of small tensors) at a time and streams each
 block, cast to the dtype HF stores it in (the checkpoint's; fp32 for what HF keeps in fp32), into sharded
-safetensors (`steps.model.hf_shards`).
+safetensors (`moeloop.steps.model.hf_shards`).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from steps.errors import MoeloopError
-from steps.model.hf_shards import SafetensorsWriter, plan_shards, shard_names, write_index
-from steps.model.policy import hf_model_on_meta, read_config, sparse_blocks, stored_dtype, stored_tensors, tensor_dtype
-from steps.model.sharding import local
-from steps.rl.offload import OffloadedAdamW
-from steps.rl.parallel import Parallel, expert_parameters
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.hf_shards import SafetensorsWriter, plan_shards, shard_names, write_index
+from moeloop.steps.model.policy import hf_model_on_meta, read_config, sparse_blocks, stored_dtype, stored_tensors, tensor_dtype
+from moeloop.steps.model.sharding import local
+from moeloop.steps.rl.offload import OffloadedAdamW
+from moeloop.steps.rl.parallel import Parallel, expert_parameters
+from moeloop.steps.storage.run import RunStorage
 
 WEIGHTS_DIR, OPTIMIZER_DIR = "weights", "optimizer"
 METADATA = ".metadata"  # DCP's index of a DCP folder, written last by rank 0

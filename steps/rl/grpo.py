@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from steps.rl.importance import ImportanceLevel, importance_ratio
+from moeloop.steps.rl.importance import ImportanceLevel, importance_ratio
 
 
 def group_advantages(
@@ -82,7 +82,7 @@ def aggregate(
 
 def behavior_weights(behavior_ratio_BT: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated importance weights min(pi_old / pi_behavior, cap) and whether each was truncated, from the ratio
-    per token or per sequence (`steps.rl.importance.behavior_ratio`).
+    per token or per sequence (`moeloop.steps.rl.importance.behavior_ratio`).
 
     The decoupled PPO objective (Hilton et al. 2022, "Batch size-invariance for policy optimization",
     arXiv:2110.00641) clips the ratio against a proximal policy pi_old (here: the trainer's policy at the start
@@ -124,7 +124,7 @@ def clipped_policy_loss(
     advantages is per sequence [B] (GRPO) or per token [B, T] (PPO). weights_BT are the behaviour importance
     weights (None: 1). clip_high None is clip_low (symmetric); a larger one is DAPO's clip-higher (Yu et al. 2025,
     arXiv:2503.14476), which lets unlikely tokens with A > 0 gain more before the clip stops them.
-    importance_level picks r (`steps.rl.importance.importance_ratio`): per token, or GSPO's per sequence over mask_BT.
+    importance_level picks r (`moeloop.steps.rl.importance.importance_ratio`): per token, or GSPO's per sequence over mask_BT.
     """
     clip_high = clip_low if clip_high is None else clip_high
     mask = mask_BT.to(logprobs_BT.dtype)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from steps.model.sharding import local
+from moeloop.steps.model.sharding import local
 
 CHUNK_ELEMENTS = 1 << 26  # 64 Mi elements: 512 MiB of moments on the GPU at a time
 

@@ -2,7 +2,7 @@
 
 A microbatch is one row of its samples' tokens end to end ([1, N], N the sum of their lengths), with each
 sample's positions counting from 0 and the sample boundaries as `cu_seqlens` (what a varlen attention kernel
-takes; `steps.model.attention`). Gradients accumulate over a rank's microbatches to one optimizer step, and the losses
+takes; `moeloop.steps.model.attention`). Gradients accumulate over a rank's microbatches to one optimizer step, and the losses
 take the whole minibatch's token and sequence counts as denominators, so packing changes no number.
 
 Every rank plans every microbatch of the minibatch (the plan is a pure function of the sample lengths), so the

@@ -1,9 +1,9 @@
 """The trainer's (dp, ep) device mesh and the collectives the update needs over it.
 
 The train step runs one process per GPU (under torchrun when `trainer.world_size` > 1; at 1 as one plain process
-in a process group of its own), and holds its models under FSDP2 over the mesh (`steps.model.sharding`): the dense
+in a process group of its own), and holds its models under FSDP2 over the mesh (`moeloop.steps.model.sharding`): the dense
 weights and routers sharded over all ranks, each EP slice of the experts over the dp ranks that hold it. Each
-rank packs its share of every minibatch's samples into microbatches (`steps.rl.packing`), and the reduce-scatters
+rank packs its share of every minibatch's samples into microbatches (`moeloop.steps.rl.packing`), and the reduce-scatters
 sum the gradients, so the update equals one process's on the whole minibatch.
 """
 
@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from steps.config import TrainerConfig
-from steps.errors import MoeloopError
-from steps.model.moe import MoeBlock
-from steps.model.sharding import local
+from moeloop.steps.config import TrainerConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.moe import MoeBlock
+from moeloop.steps.model.sharding import local
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Parallel:
     ep_group: dist.ProcessGroup | None = None  # the ranks that share one copy of the experts
     world_mesh: DeviceMesh | None = None  # all ranks: dense weights and routers are sharded over it
     dp_mesh: DeviceMesh | None = None  # the ranks holding the same experts: their EP slice is sharded over it
-    expert_mesh: DeviceMesh | None = None  # (ep, dp): the experts' global layout (`steps.rl.checkpoint`)
+    expert_mesh: DeviceMesh | None = None  # (ep, dp): the experts' global layout (`moeloop.steps.rl.checkpoint`)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 

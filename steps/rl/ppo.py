@@ -1,14 +1,14 @@
 """PPO's token rewards, generalized advantage estimation and clipped value loss. Pure tensor math.
 
-Positions follow `steps.model.policy.token_logprobs`: position t of a response holds the logprob of token t given the
-tokens before it, and the critic's value of the state those tokens were chosen in (see `steps.train.token_values`).
+Positions follow `moeloop.steps.model.policy.token_logprobs`: position t of a response holds the logprob of token t given the
+tokens before it, and the critic's value of the state those tokens were chosen in (see `moeloop.steps.train.token_values`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from steps.rl.grpo import aggregate
+from moeloop.steps.rl.grpo import aggregate
 
 
 def last_token_index(mask_BT: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from steps.config import TrainerConfig
-from steps.errors import MoeloopError
-from steps.model.families import FAMILIES, family_named
-from steps.rl.parallel import Parallel
+from moeloop.steps.config import TrainerConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.families import FAMILIES, family_named
+from moeloop.steps.rl.parallel import Parallel
 
 
 def bias_update_rate(settings: TrainerConfig, model_type: str | None) -> float:

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from steps.model.families import routing_of
+from moeloop.steps.model.families import routing_of
 
 
 class RouterHealth:
     """Sums over the update's forwards; `report` all-reduces them once (collective: every rank calls it). routers:
-    the model's routers in layer order (`steps.model.families.moe_routers`), whose family's routing it recomputes."""
+    the model's routers in layer order (`moeloop.steps.model.families.moe_routers`), whose family's routing it recomputes."""
 
     def __init__(self, routers: list[nn.Module], device: torch.device) -> None:
         self.routers = routers

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from steps.model.families import family_of_config, is_router, num_experts
-from steps.model.kernels import fused_on_cuda
-from steps.rl.parallel import Parallel
+from moeloop.steps.model.families import family_of_config, is_router, num_experts
+from moeloop.steps.model.kernels import fused_on_cuda
+from moeloop.steps.rl.parallel import Parallel
 
 
 def load_balancing_loss(
@@ -65,7 +65,7 @@ def router_aux_loss(
     """The load-balancing loss of model's routers, weighted by its config's router_aux_loss_coef; 0 when the routers
     are frozen (it is there to train them), the config has no coefficient, or the family trains without it
     (DeepSeek-V3: its HF model has no aux loss, whatever its config holds; it balances with the routers' correction
-    bias, `steps.rl.router_bias`)."""
+    bias, `moeloop.steps.rl.router_bias`)."""
     config = model.config
     routers = router_parameters(model)
     coefficient = getattr(config, "router_aux_loss_coef", 0.0) if family_of_config(config).aux_loss else 0.0

@@ -1,10 +1,10 @@
 """The trainer's models and their state between iterations.
 
-The policy (and PPO's critic) are this rank's EP shard (`steps.model.policy`), held as `prepare_trainer_model`
+The policy (and PPO's critic) are this rank's EP shard (`moeloop.steps.model.policy`), held as `prepare_trainer_model`
 makes them: FSDP2 over the mesh at `trainer.precision`, packed forwards. The optimizer is AdamW (its moments in
 host memory with `trainer.offload_optimizer`). Between iterations the trainer state holds the fp32 weights (the
 optimizer's master weights, so no update smaller than the checkpoint dtype's resolution is lost) and the moments,
-by HF parameter name, each rank writing and reading its own shards (`steps.rl.checkpoint`), so a state written at
+by HF parameter name, each rank writing and reading its own shards (`moeloop.steps.rl.checkpoint`), so a state written at
 one mesh resumes at another. Publish makes the HF checkpoint, in the checkpoint's dtype, from it.
 """
 
@@ -19,26 +19,26 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from steps.config import MoeloopConfig, TrainerConfig
-from steps.errors import MoeloopError
-from steps.model.attention import VARLEN
-from steps.model.logprobs import use_logprob_head
-from steps.model.moe import compile_decoder_layers
-from steps.model.policy import load_critic_shard, load_policy_shard, read_config, shard_model
-from steps.model.sharding import checkpoint_decoder_layers, shard_trainer_model
-from steps.rl.batch import ExperienceBatch, frozen_logprobs
-from steps.rl.offload import OffloadedAdamW
-from steps.rl.checkpoint import METADATA, WEIGHTS_DIR, load_sharded, save_sharded
-from steps.rl.parallel import Parallel
-from steps.rl.router_loss import freeze_routers
-from steps.rl.update import Critic
-from steps.storage.cache import fetch_checkpoint
-from steps.storage.run import CRITIC_DIR, RunStorage
+from moeloop.steps.config import MoeloopConfig, TrainerConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.attention import VARLEN
+from moeloop.steps.model.logprobs import use_logprob_head
+from moeloop.steps.model.moe import compile_decoder_layers
+from moeloop.steps.model.policy import load_critic_shard, load_policy_shard, read_config, shard_model
+from moeloop.steps.model.sharding import checkpoint_decoder_layers, shard_trainer_model
+from moeloop.steps.rl.batch import ExperienceBatch, frozen_logprobs
+from moeloop.steps.rl.offload import OffloadedAdamW
+from moeloop.steps.rl.checkpoint import METADATA, WEIGHTS_DIR, load_sharded, save_sharded
+from moeloop.steps.rl.parallel import Parallel
+from moeloop.steps.rl.router_loss import freeze_routers
+from moeloop.steps.rl.update import Critic
+from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
 
 
 def prepare_trainer_model(model: nn.Module, settings: TrainerConfig, parallel: Parallel) -> nn.Module:
     """An EP shard as `load_policy_shard` or `load_critic_shard` builds it, made the trainer's, in place: the LM head
-    computes logprobs (`steps.model.logprobs.LogprobHead`), attention runs over packed samples, the routers are
+    computes logprobs (`moeloop.steps.model.logprobs.LogprobHead`), attention runs over packed samples, the routers are
     frozen with `trainer.freeze_router`, FSDP2 shards it at
     the trainer's precision (with its activation checkpointing), and on CUDA the decoder layers are compiled. With no
     mesh (`Parallel()`, one process without torch.distributed) it is not sharded."""
@@ -105,7 +105,7 @@ def reference_logprobs(
 def load_trainer_start(
     storage: RunStorage, iteration: int, scratch: Path, config: MoeloopConfig, parallel: Parallel
 ) -> tuple[Any, Any, torch.optim.Optimizer, Critic | None]:
-    """This rank's share of the previous trainer state if there is one (`steps.rl.checkpoint`: DCP resharded to
+    """This rank's share of the previous trainer state if there is one (`moeloop.steps.rl.checkpoint`: DCP resharded to
     this mesh), else of the checkpoint the rollouts used: (policy, tokenizer, its optimizer, the critic with its
     optimizer for PPO)."""
     settings = config.trainer
@@ -160,7 +160,7 @@ def resume_model(
 def save_trainer_state(
     model: nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer, parallel: Parallel, directory: Path
 ) -> None:
-    """This rank's shards of the weights (fp32) and the optimizer state into directory (`steps.rl.checkpoint`);
+    """This rank's shards of the weights (fp32) and the optimizer state into directory (`moeloop.steps.rl.checkpoint`);
     rank 0 also writes the HF config and tokenizer. Collective: every rank calls it."""
     save_sharded(model, optimizer, parallel, directory)
     if parallel.rank == 0:

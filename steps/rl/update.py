@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from steps.config import MismatchConfig, MoeloopConfig
-from steps.errors import MoeloopError
-from steps.model.families import moe_routers
-from steps.model.logprobs import packed_token_logprobs, packed_token_values
-from steps.model.moe import replaying
-from steps.rl.batch import (
+from moeloop.steps.config import MismatchConfig, MoeloopConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.families import moe_routers
+from moeloop.steps.model.logprobs import packed_token_logprobs, packed_token_values
+from moeloop.steps.model.moe import replaying
+from moeloop.steps.rl.batch import (
     ExperienceBatch,
     frozen_logprobs,
     frozen_pass,
@@ -29,19 +29,19 @@ from steps.rl.batch import (
     minibatch_schedule,
     rank_microbatches,
 )
-from steps.rl.grpo import behavior_weights, clipped_policy_loss, group_advantages, varied_groups
-from steps.rl.importance import behavior_ratio, mismatch_mask
-from steps.rl.packing import Microbatch
-from steps.rl.parallel import Parallel, all_reduce_sum, clip_grad_norm
-from steps.rl.ppo import gae, token_rewards, value_loss, whiten
-from steps.rl.router_bias import bias_update_rate, update_correction_biases
-from steps.rl.router_health import RouterHealth
-from steps.rl.router_loss import router_aux_loss
+from moeloop.steps.rl.grpo import behavior_weights, clipped_policy_loss, group_advantages, varied_groups
+from moeloop.steps.rl.importance import behavior_ratio, mismatch_mask
+from moeloop.steps.rl.packing import Microbatch
+from moeloop.steps.rl.parallel import Parallel, all_reduce_sum, clip_grad_norm
+from moeloop.steps.rl.ppo import gae, token_rewards, value_loss, whiten
+from moeloop.steps.rl.router_bias import bias_update_rate, update_correction_biases
+from moeloop.steps.rl.router_health import RouterHealth
+from moeloop.steps.rl.router_loss import router_aux_loss
 
 
 @dataclass
 class Critic:
-    """PPO's value model (`steps.model.policy.load_critic_shard`) and its optimizer."""
+    """PPO's value model (`moeloop.steps.model.policy.load_critic_shard`) and its optimizer."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -71,7 +71,7 @@ def minibatch_step(
     (that microbatch's part of the minibatch's loss, its router logits, figures to report with that loss first, as
     tensors); its loss and the routers' aux loss are backpropagated. Then the gradients (summed over the ranks in
     FSDP2's reduce-scatters) are clipped and the optimizer steps; where the family balances its load with the
-    routers' correction bias (`steps.rl.router_bias`), that bias then moves by the step's expert load. Returns the
+    routers' correction bias (`moeloop.steps.rl.router_bias`), that bias then moves by the step's expert load. Returns the
     gradient norm before clipping and the figures summed over the microbatches and ranks, read once the step is
     queued (nothing before waits for the GPU). health: given each forward's router logits, it counts the experts'
     load too; replay: each microbatch routes as the engine did (`algorithm.routing_replay`), in its backward too
@@ -150,7 +150,7 @@ def policy_update(
 ) -> dict[str, Any]:
     """Advantages, then epochs x minibatches of clipped-surrogate steps of the policy (PPO: then as many clipped
     value-loss steps of the critic, over the same minibatches); returns what it measured (the same on all ranks).
-    ref_logprobs_BT: the reference policy's token logprobs of the batch (`steps.rl.state.reference_logprobs`); at
+    ref_logprobs_BT: the reference policy's token logprobs of the batch (`moeloop.steps.rl.state.reference_logprobs`); at
     kl_coef 0, NaN rows are the ones not measured: the kl metric is the measured rows' (kl_samples of them)."""
     settings, algorithm = config.trainer, config.algorithm
     if (algorithm.name == "ppo") != (critic is not None):

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import fsspec
 
-from steps.errors import MoeloopError
-from steps.storage import s3
-from steps.storage.manifest import COMMIT, PART_SIZE, TEMPORARY, bytes_entry, copy_hashed, object_entry
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage import s3
+from moeloop.steps.storage.manifest import COMMIT, PART_SIZE, TEMPORARY, bytes_entry, copy_hashed, object_entry
 
 if TYPE_CHECKING:
-    from steps.storage.run import RunStorage
+    from moeloop.steps.storage.run import RunStorage
 
 LATEST_ATTEMPTS = 20  # compare-and-swap rounds before giving up on a LATEST that keeps changing
 # Fault injection (tests/test_storage_faults.py): with MOELOOP_CRASH_AFTER_WRITES=N set, the process kills

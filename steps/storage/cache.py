@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from steps.errors import MoeloopError
-from steps.storage.manifest import local_entry
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.manifest import local_entry
+from moeloop.steps.storage.run import RunStorage
 
 
 def cache_root() -> Path:

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from steps.errors import MoeloopError
-from steps.storage.manifest import bytes_entry
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.manifest import bytes_entry
+from moeloop.steps.storage.run import RunStorage
 
 REWARDS_FILE = "rewards.parquet"
 

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from steps.errors import MoeloopError
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.run import RunStorage
 
 LEASE = "LEASE"
 TTL_SECONDS = 120.0

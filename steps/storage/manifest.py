@@ -18,7 +18,7 @@ from typing import Any
 
 import blake3
 
-from steps.errors import MoeloopError
+from moeloop.steps.errors import MoeloopError
 
 COMMIT = "COMMIT"
 # The COMMIT's "format"; the first (no "format", a whole-object "sha256" per file) is refused by name.

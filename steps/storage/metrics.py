@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from steps.errors import MoeloopError
-from steps.storage.run import RunStorage
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.run import RunStorage
 
 METRICS_NAME = re.compile(r"iter-(\d{6})\.json")
 

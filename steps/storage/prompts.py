@@ -8,11 +8,11 @@ from typing import Any
 
 import fsspec
 
-from steps.config import MoeloopConfig
-from steps.errors import MoeloopError
-from steps.inputs import decode_text, read_limited
-from steps.storage import s3
-from steps.storage.run import RunStorage
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.inputs import decode_text, read_limited
+from moeloop.steps.storage import s3
+from moeloop.steps.storage.run import RunStorage
 
 MAX_PROMPT_FILE_BYTES = 2 << 30  # read whole by start and by every rollout: past this, a file is not prompts
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steps.errors import MoeloopError
-from steps.storage import s3
-from steps.storage.backends import Backend, LocalBackend, S3Backend, crash_point
-from steps.storage.manifest import (
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage import s3
+from moeloop.steps.storage.backends import Backend, LocalBackend, S3Backend, crash_point
+from moeloop.steps.storage.manifest import (
     COMMIT,
     TEMPORARY,
     json_bytes,

@@ -29,8 +29,8 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from steps.errors import MoeloopError
-from steps.storage.manifest import part_digest, part_offsets, part_size
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.manifest import part_digest, part_offsets, part_size
 
 WORKERS = 8
 # Parts queued for the workers or not yet collected: keeps the workers busy while bounding the bookkeeping.
