@@ -294,7 +294,7 @@ def main() -> None:
     parser.add_argument("--optimizer-up-to-gb", type=float, default=20)
     parser.add_argument("--shard-gb", type=float, default=4 * 2**30 / GB, help="trainer.checkpoint_shard_bytes")
     parser.add_argument("--s3torchconnector", action="store_true", help="also time its DCP writer (pip install it)")
-    parser.add_argument("--tiny", action="store_true", help="toy sizes, same structure (tests/test_benchmarks.py)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes, same structure (tests/unit/test_benchmarks.py)")
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]

@@ -9,7 +9,7 @@ its losses and advantages in steps/rl/grpo.py and steps/rl/ppo.py (steps/rl/READ
 One process per GPU where there is CUDA: under torchrun when `trainer.world_size` > 1, over a (dp, ep) device
 mesh; each rank holds its models under FSDP2 (steps/model/sharding.py) at `trainer.precision`, and takes its
 packed microbatches of every minibatch. The update equals one process's on the whole minibatch
-(tests/test_train_ep.py, tests/test_fsdp.py). Every rank writes its shards of the trainer state and uploads them
+(tests/distributed/test_train_ep.py, tests/distributed/test_fsdp.py). Every rank writes its shards of the trainer state and uploads them
 (`moeloop.steps.rl.checkpoint`); rank 0 writes the report, and the state's COMMIT once every rank's files are up.
 """
 

@@ -1,4 +1,4 @@
-"""Reward functions that misbehave, for the tests of tests/test_hostile_input.py. A config selects one by its
+"""Reward functions that misbehave, for the tests of tests/faults/test_hostile_input.py. A config selects one by its
 import path (`tests.faulty_rewards:nan_on_train`), as it would a real one; the steps import it from the repo.
 
 The eval prompts of those tests carry `"eval": true`, so that evaluation scores them normally: the fault is met

@@ -2,7 +2,7 @@
 (parameter counts, training FLOPs per token, checkpoint sizes).
 
 The family table holds each published checkpoint's config.json numbers, nothing derived. Counts are computed
-from the shape and equal `sum(p.numel())` of the HF model built from the same config (tests/test_capacity.py
+from the shape and equal `sum(p.numel())` of the HF model built from the same config (tests/unit/test_capacity.py
 checks every family on the meta device).
 """
 

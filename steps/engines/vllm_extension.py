@@ -9,7 +9,7 @@ class PolicyWeightReload:
     vLLM 0.32 prepacks MoE expert weights for its CPU kernel only on the first load: on a weight update
     `UnquantizedFusedMoEMethod` copies the new, unpacked weights into the packed storage and skips the
     experts' `process_weights_after_loading`, so the CPU kernel computes with garbage. Packing again here
-    makes the reloaded engine give the trainer's logprobs (tests/test_vllm.py checks it).
+    makes the reloaded engine give the trainer's logprobs (tests/loop/test_vllm.py checks it).
     """
 
     def reload_policy_weights(self, weights_path: str) -> None:

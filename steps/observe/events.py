@@ -3,7 +3,7 @@
 A record is: uint64 length, uint32 masked CRC-32C of the length, the data, uint32 masked CRC-32C of the data
 (little-endian). An Event here is wall_time (field 1, double), step (2, int64), file_version (3) or a Summary
 (5) of Values, each a tag (1) and a simple_value (2, float32). TensorBoard's reader checks it all
-(tests/test_observe.py reads these files back with it).
+(tests/unit/test_observe.py reads these files back with it).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def reference_logprobs(
 ) -> torch.Tensor:
     """The reference policy's token logprobs of the batch (directory: checkpoint 0's HF folder), computed once per
     update, sharded as the trainer's policy; the reference is freed before the policy is loaded, so it adds nothing
-    to the update's peak memory (tests/test_cuda.py checks that on a GPU). At kl_coef 0 only the rows that the kl
+    to the update's peak memory (tests/gpu/test_cuda.py checks that on a GPU). At kl_coef 0 only the rows that the kl
     metric is measured on (`algorithm.kl_metric_samples`) are computed; the others are NaN."""
     settings = config.trainer
     logprobs_BT = torch.full(batch.input_ids_BT.shape, math.nan, device=batch.input_ids_BT.device)

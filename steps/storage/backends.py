@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from moeloop.steps.storage.run import RunStorage
 
 LATEST_ATTEMPTS = 20  # compare-and-swap rounds before giving up on a LATEST that keeps changing
-# Fault injection (tests/test_storage_faults.py): with MOELOOP_CRASH_AFTER_WRITES=N set, the process kills
+# Fault injection (tests/faults/test_storage_faults.py): with MOELOOP_CRASH_AFTER_WRITES=N set, the process kills
 # itself with SIGKILL right after its N-th completed write, so that a crash lands between two given writes.
 # MOELOOP_CRASH_RANK=R limits that to the process whose torchrun RANK is R (no RANK: 0), so that one rank of the
 # train step dies mid-save while the others go on; unset, every process counts to N.

@@ -21,7 +21,7 @@ from moeloop.steps.cores import held_cores
 from moeloop.steps.errors import MoeloopError
 from moeloop.workflows.cli import plan_dag
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
 HF_CONFIG = {
     "qwen3_moe": "Qwen3MoeConfig",
     "qwen2_moe": "Qwen2MoeConfig",

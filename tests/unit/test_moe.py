@@ -35,6 +35,7 @@ from moeloop.steps.model import kernels
 from moeloop.steps.model.dispatch import LocalDispatcher, make_dispatcher, sort_by_expert
 from moeloop.steps.model.families import FAMILIES, family_of_block, family_of_config
 from moeloop.steps.model.moe import GroupedExperts, MoeBlock, compile_decoder_layers, hf_state_dict, replace_moe_blocks
+from tests.conftest import REPO
 
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 2, 32
 UNUSED_EXPERTS = [6, 7]  # the skewed router never picks them
@@ -413,7 +414,7 @@ def interpreted(script: str, inputs: tuple[Any, ...], tmp_path: Path) -> Any:
     torch.save(inputs, tmp_path / "in.pt")
     subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)},
         check=True,
     )
     return torch.load(tmp_path / "out.pt")

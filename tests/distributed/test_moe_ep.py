@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from moeloop.steps.model.deepep import DeepEPDispatcher
 from moeloop.steps.model.dispatch import AllToAllDispatcher, make_dispatcher
 from moeloop.steps.model.moe import MoeBlock, gather_over, hf_state_dict, replace_moe_blocks
-from tests.test_moe import FAMILY_NAMES, NUM_EXPERTS, forward_backward, skewed_block, tiny_config
+from tests.unit.test_moe import FAMILY_NAMES, NUM_EXPERTS, forward_backward, skewed_block, tiny_config
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The PPO demo with a reward model learns (tests/test_ppo.py:check_ppo_demo_learns)."""
+"""The PPO demo with a reward model learns (tests/unit/test_ppo.py:check_ppo_demo_learns)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_ppo import check_ppo_demo_learns
+from tests.unit.test_ppo import check_ppo_demo_learns
 
 
 @pytest.mark.slow

@@ -565,7 +565,7 @@ def test_every_variant_updates_the_policy_with_a_finite_loss(algorithm: dict, tm
     from moeloop.steps.rl.state import make_optimizer
     from moeloop.steps.rl.update import policy_update
     from tests.conftest import small_config
-    from tests.test_train_ep import experience, reference_logprobs_of, tiny_policy
+    from tests.distributed.test_train_ep import experience, reference_logprobs_of, tiny_policy
 
     model = tiny_policy(tmp_path)
     reference = copy.deepcopy(model)
@@ -618,7 +618,7 @@ def test_at_kl_coef_0_the_reference_runs_on_the_kl_metrics_sample_only_and_the_u
     from moeloop.steps.rl.state import make_optimizer, reference_logprobs
     from moeloop.steps.rl.update import policy_update
     from tests.conftest import small_config
-    from tests.test_train_ep import experience, tiny_policy
+    from tests.distributed.test_train_ep import experience, tiny_policy
 
     passed_rows = []
     frozen_logprobs = state.frozen_logprobs

@@ -23,8 +23,8 @@ from moeloop.steps.rl.update import Critic, policy_update
 from moeloop.steps.rl.checkpoint import METADATA, OPTIMIZER_DIR, WEIGHTS_DIR, read_whole
 from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
-from tests.test_moe import tiny_config
-from tests.test_train_ep import experience
+from tests.unit.test_moe import tiny_config
+from tests.distributed.test_train_ep import experience
 
 CPU = torch.device("cpu")
 
@@ -343,7 +343,7 @@ def ppo_rank(rank: int, port: int, policy_dir: Path, expected: tuple) -> None:
 def test_ppo_update_with_ep2_equals_one_process(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from tests.test_train_ep import free_port
+    from tests.distributed.test_train_ep import free_port
 
     policy_dir = tiny_policy(tmp_path)
     expected = ppo_update_on(policy_dir, Parallel())
@@ -353,7 +353,7 @@ def test_ppo_update_with_ep2_equals_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ppo_demo_learns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loop issue's measure on the PPO demo (with a reward model: tests/test_ppo_rm_demo.py, a file of its
+    """The loop issue's measure on the PPO demo (with a reward model: tests/loop/test_ppo_rm_demo.py, a file of its
     own so that the two long runs go to two test workers)."""
     check_ppo_demo_learns("tiny-ppo.yaml", tmp_path, monkeypatch)
 

@@ -211,7 +211,7 @@ def test_the_update_masks_and_reports_the_share_masked(algorithm: dict, tmp_path
     from moeloop.steps.rl.state import make_optimizer
     from moeloop.steps.rl.update import policy_update
     from tests.conftest import small_config
-    from tests.test_train_ep import experience, reference_logprobs_of, tiny_policy
+    from tests.distributed.test_train_ep import experience, reference_logprobs_of, tiny_policy
 
     model = tiny_policy(tmp_path)
     config = small_config(iterations=1, algorithm=algorithm, trainer={"minibatch_size": 12, "epochs": 1})

@@ -25,16 +25,16 @@ from moeloop.steps.rl.parallel import Parallel, init_parallel
 from moeloop.steps.rl.state import fetch_trainer_state, load_trainer_model, resume_model, save_trainer_state
 from moeloop.steps.rl.update import policy_update
 from moeloop.steps.storage.run import RunStorage
-from tests.test_moe import tiny_config
+from tests.unit.test_moe import tiny_config
 from tests.conftest import small_config
-from tests.test_train_ep import experience, free_port
+from tests.distributed.test_train_ep import experience, free_port
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 SEEDS = (7, 8)  # the first update's, the next one's
 
 
 def settings_of(world_size: int, expert_parallel: int, offload: bool) -> MoeloopConfig:
-    """tests/test_train_ep.py's one clipped step with KL, at this mesh."""
+    """tests/distributed/test_train_ep.py's one clipped step with KL, at this mesh."""
     trainer = {"world_size": world_size, "expert_parallel": expert_parallel, "offload_optimizer": offload}
     return small_config(
         iterations=1,

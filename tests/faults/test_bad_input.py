@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO
 TINY = REPO / "configs" / "tiny.yaml"
 DATA = REPO / "configs" / "data"
 STEP_TIMEOUT = 300

@@ -19,7 +19,7 @@ from moeloop.workflows.dag import STEPS
 from moeloop.workflows.lint import lint_documents, lint_paths
 from moeloop.workflows.render import EFA_ENV, build, render, render_jobset, write_rendered
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
 RUN_URI = "s3://moeloop-runs/runs/placed"
 ROLE = "moeloop.dev/role"
 ROLE_IMAGES = {

@@ -37,7 +37,7 @@ from moeloop.steps.rl.checkpoint import (
     write_hf_checkpoint,
 )
 from moeloop.steps.rl.parallel import Parallel
-from tests.test_moe import FAMILY_NAMES, NUM_EXPERTS, tiny_config
+from tests.unit.test_moe import FAMILY_NAMES, NUM_EXPERTS, tiny_config
 
 
 def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ import yaml
 
 from moeloop.steps.demo_task import make_prompts, write_jsonl
 from moeloop.steps.errors import MoeloopError
-from tests.test_bad_input import (
+from tests.faults.test_bad_input import (
     assert_user_error,
     set_dotted,
     snapshot,
@@ -33,7 +33,7 @@ from tests.test_bad_input import (
     write_config,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO
 TIMEOUT = 300
 
 
@@ -512,8 +512,8 @@ def tiny_update(tmp_path: Path, algorithm: str = "grpo") -> tuple[Any, ...]:
     from moeloop.steps.rl.parallel import Parallel
     from moeloop.steps.rl.state import load_trainer_model
     from tests.conftest import small_config
-    from tests.test_ppo import ppo_trainer, tiny_policy
-    from tests.test_train_ep import experience
+    from tests.unit.test_ppo import ppo_trainer, tiny_policy
+    from tests.distributed.test_train_ep import experience
 
     config = small_config(iterations=1, algorithm={"name": algorithm}, trainer={"minibatch_size": 12, "epochs": 1})
     policy_dir = tiny_policy(tmp_path)

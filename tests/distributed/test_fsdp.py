@@ -24,8 +24,8 @@ from moeloop.steps.rl.offload import OffloadedAdamW
 from moeloop.steps.rl.packing import pack_rows, plan_microbatches
 from moeloop.steps.rl.parallel import Parallel, clip_grad_norm, expert_parameters
 from moeloop.steps.rl.state import load_trainer_model
-from tests.test_moe import tiny_config
-from tests.test_train_ep import free_port, whole
+from tests.unit.test_moe import tiny_config
+from tests.distributed.test_train_ep import free_port, whole
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 MAX_NORM = 0.05  # below the gradient's norm: clipping acts

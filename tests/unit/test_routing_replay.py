@@ -20,8 +20,8 @@ from moeloop.steps.model.policy import build_tokenizer, load_policy_shard, save_
 from moeloop.steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
 from moeloop.steps.rl.router_health import RouterHealth
 from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
-from tests.test_moe import FAMILY_NAMES, TOP_K, tiny_config
-from tests.test_moe_ep import run_ranks
+from tests.unit.test_moe import FAMILY_NAMES, TOP_K, tiny_config
+from tests.distributed.test_moe_ep import run_ranks
 
 PROMPTS = [[2, 3, 4], [5, 6], [7, 8, 9, 10]]
 
@@ -246,7 +246,7 @@ def test_recording_routes_with_vllm_on_cpu_is_refused_before_anything_runs(
     the run in one line before it writes anything, and the engine refuses to build (the rollout pod's check)."""
     from moeloop.steps.config import parse_config
     from moeloop.steps.engines.engine import VLLMEngine
-    from tests.test_importance import BASE
+    from tests.unit.test_importance import BASE
     from moeloop.workflows.local import preflight
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -18,7 +18,7 @@ from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, table_bytes
 from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 from tests.seaweed import SeaweedS3
-from tests.test_bad_input import assert_user_error
+from tests.faults.test_bad_input import assert_user_error
 
 STEP_TIMEOUT = 300
 

@@ -36,7 +36,7 @@ from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, read_whole, write_hf_chec
 from moeloop.steps.rl.state import load_trainer_model, make_optimizer, save_trainer_state
 from moeloop.steps.rl.update import policy_update
 from tests.conftest import small_config
-from tests.test_moe import FAMILY_NAMES, NUM_EXPERTS, tiny_config
+from tests.unit.test_moe import FAMILY_NAMES, NUM_EXPERTS, tiny_config
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 SEED = 7
@@ -98,7 +98,7 @@ def reference_logprobs_of(model: torch.nn.Module, batch: ExperienceBatch) -> tor
 def train_config(activation_checkpointing: bool = False) -> MoeloopConfig:
     """One optimizer step over the whole batch, clipped (max_grad_norm is below the gradient's norm), with KL. The
     token budget gives every rank one microbatch, so the load-balancing loss is HF's over the minibatch (with more,
-    it is the token-weighted mean of the microbatches'; tests/test_fsdp.py checks several microbatches)."""
+    it is the token-weighted mean of the microbatches'; tests/distributed/test_fsdp.py checks several microbatches)."""
     return small_config(
         iterations=1,
         trainer={"minibatch_size": 12, "epochs": 1, "learning_rate": 1e-3, "max_grad_norm": 0.05,

@@ -13,7 +13,7 @@ from transformers import Qwen3MoeConfig
 
 from moeloop.steps.model.families import Qwen3MoeRouter
 from moeloop.steps.rl.router_health import RouterHealth
-from tests.test_train_ep import experience, reference_logprobs_of, tiny_policy
+from tests.distributed.test_train_ep import experience, reference_logprobs_of, tiny_policy
 
 
 def softmax_routers(layers: int) -> list[Qwen3MoeRouter]:

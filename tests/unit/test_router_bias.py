@@ -1,7 +1,7 @@
 """DeepSeek-V3's auxiliary-loss-free balancing (steps/rl/router_bias.py): the update on known counts, one train step
 with a skewed router moving each expert's bias by exactly the rate, and the rate's family default and refusal. (EP = 2
-against one process: tests/test_train_ep.py, whose DeepSeek-V3 reference steps the bias; off for Qwen3-MoE:
-tests/test_router_health.py's update.)"""
+against one process: tests/distributed/test_train_ep.py, whose DeepSeek-V3 reference steps the bias; off for Qwen3-MoE:
+tests/unit/test_router_health.py's update.)"""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from moeloop.steps.rl.parallel import Parallel
 from moeloop.steps.rl.router_bias import balanced_bias, bias_update_rate
 from moeloop.steps.rl.state import make_optimizer, save_trainer_state
 from moeloop.steps.rl.update import policy_update
-from tests.test_moe import NUM_EXPERTS, tiny_config
-from tests.test_train_ep import SEED, experience, for_packed_forwards, reference_logprobs_of, train_config
+from tests.unit.test_moe import NUM_EXPERTS, tiny_config
+from tests.distributed.test_train_ep import SEED, experience, for_packed_forwards, reference_logprobs_of, train_config
 
 BIAS = "e_score_correction_bias"
 
