@@ -1,4 +1,4 @@
-"""Causal attention over packed microbatches (`moeloop.steps.rl.packing`): no token attends across a sample boundary.
+"""Causal attention over packed microbatches (`moeloop.steps.model.microbatch`): no token attends across a sample boundary.
 
 The trainer's model runs with `VARLEN`, registered here in HF's `AttentionInterface`, as its attention
 implementation. HF passes the samples' `cu_seqlens` from the model's keyword arguments down to the attention
@@ -60,7 +60,7 @@ def varlen_attention(
             return exact(query_1hND, key_1kND, value_1kND, scaling).transpose(1, 2), None
         return sdpa_attention_forward(module, query_1hND, key_1kND, value_1kND, None, dropout, scaling, is_causal=True)
     if max_length_q is None or query_1hND.shape[0] != 1:
-        raise ValueError(f"{VARLEN} attention takes one packed row with its cu_seq_lens (moeloop.steps.rl.packing.Microbatch)")
+        raise ValueError(f"{VARLEN} attention takes one packed row with its cu_seq_lens (moeloop.steps.model.microbatch.Microbatch)")
     query_NhD, key_NkD, value_NkD = (t[0].transpose(0, 1) for t in (query_1hND, key_1kND, value_1kND))
     if s_aux is not None or sliding_window is not None:
         return padded_attention(query_NhD, key_NkD, value_NkD, cu_seq_lens_q, scaling, exact).unsqueeze(0), None

@@ -1,4 +1,4 @@
-"""Token log-probabilities and values of packed microbatches (`moeloop.steps.rl.packing`), in the padded batch's layout.
+"""Token log-probabilities and values of packed microbatches (`moeloop.steps.model.microbatch`), in the padded batch's layout.
 
 The LM head computes the log-probability of each token's target only, a chunk of rows at a time
 (`ChunkedTokenLogprobs`): the [N, V] logits (151936 wide for Qwen3) are never held whole, in the forward or the
@@ -17,7 +17,7 @@ from torch import nn
 
 from moeloop.steps.model.families import is_router
 from moeloop.steps.model.kernels import fused_on_cuda
-from moeloop.steps.rl.packing import Microbatch
+from moeloop.steps.model.microbatch import Microbatch
 
 CHUNK_ROWS = 4096  # 4096 x 151936 fp32 logits: 2.5 GB at a time
 

@@ -13,10 +13,11 @@ import torch.distributed as dist
 from moeloop.steps.config import TrainerConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.logprobs import packed_token_logprobs
+from moeloop.steps.model.microbatch import Microbatch, pack_rows
 from moeloop.steps.model.moe import replaying
 from moeloop.steps.model.policy import pack_sequences
 from moeloop.steps.model.sharding import reshard
-from moeloop.steps.rl.packing import Microbatch, pack_rows, plan_microbatches
+from moeloop.steps.rl.packing import plan_microbatches
 from moeloop.steps.rl.parallel import Parallel
 from moeloop.steps.rl.router_health import RouterHealth
 

@@ -20,6 +20,7 @@ from moeloop.steps.config import MismatchConfig, MoeloopConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.families import moe_routers
 from moeloop.steps.model.logprobs import packed_token_logprobs, packed_token_values
+from moeloop.steps.model.microbatch import Microbatch
 from moeloop.steps.model.moe import replaying
 from moeloop.steps.rl.batch import (
     ExperienceBatch,
@@ -31,7 +32,6 @@ from moeloop.steps.rl.batch import (
 )
 from moeloop.steps.rl.grpo import behavior_weights, clipped_policy_loss, group_advantages, varied_groups
 from moeloop.steps.rl.importance import behavior_ratio, mismatch_mask
-from moeloop.steps.rl.packing import Microbatch
 from moeloop.steps.rl.parallel import Parallel, all_reduce_sum, clip_grad_norm
 from moeloop.steps.rl.ppo import gae, token_rewards, value_loss, whiten
 from moeloop.steps.rl.router_bias import bias_update_rate, update_correction_biases

@@ -18,10 +18,11 @@ from transformers import Qwen3MoeForCausalLM
 
 from moeloop.steps.config import TrainerConfig
 from moeloop.steps.model.logprobs import body_forward, packed_token_logprobs
+from moeloop.steps.model.microbatch import pack_rows
 from moeloop.steps.model.moe import hf_state_dict
 from moeloop.steps.model.policy import build_tokenizer, pack_sequences, save_policy, token_logprobs
 from moeloop.steps.rl.offload import OffloadedAdamW
-from moeloop.steps.rl.packing import pack_rows, plan_microbatches
+from moeloop.steps.rl.packing import plan_microbatches
 from moeloop.steps.rl.parallel import Parallel, clip_grad_norm, expert_parameters
 from moeloop.steps.rl.state import load_trainer_model
 from tests.unit.test_moe import tiny_config

@@ -1,12 +1,14 @@
 """The layout of steps/ (steps/README.md): the programs at the top, the libraries in rooms below them.
 
-No module of steps/ imports a program (a pod CLI of the DAG, or another `python -m steps.<name>` entry point), so
-every program can change without its neighbours noticing; and no file under steps/ is over 450 lines.
+No module of steps/ imports a program (a pod CLI of the DAG, or another `python -m moeloop.steps.<name>` entry
+point), so every program can change without its neighbours noticing; imports run one way, rl -> model and
+workflows/ -> steps/, never back up; and no file under steps/ is over 450 lines.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -35,6 +37,16 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def offenders(folder: Path, forbidden: Callable[[str], bool]) -> dict[str, list[str]]:
+    """Each module under folder that imports a module `forbidden` says yes to, with those imports."""
+    found = {module_name(path): sorted(filter(forbidden, imported_modules(path))) for path in folder.rglob("*.py")}
+    return {module: imports for module, imports in sorted(found.items()) if imports}
+
+
 def test_programs_exist_at_the_top() -> None:
     """Every rendered `python -m steps.<name>` and every other program is a module at the top of steps/."""
     for program in PROGRAMS:
@@ -42,12 +54,17 @@ def test_programs_exist_at_the_top() -> None:
 
 
 def test_no_module_of_steps_imports_a_program() -> None:
-    offenders = {
-        module_name(path): sorted(imported_modules(path) & PROGRAMS)
-        for path in sorted(STEPS_DIR.rglob("*.py"))
-        if imported_modules(path) & PROGRAMS
-    }
-    assert offenders == {}
+    assert offenders(STEPS_DIR, PROGRAMS.__contains__) == {}
+
+
+def test_the_model_imports_nothing_of_rl() -> None:
+    """The trainer (rl/) is made of the model (model/), never the other way round."""
+    assert offenders(STEPS_DIR / "model", lambda module: within(module, "moeloop.steps.rl")) == {}
+
+
+def test_nothing_under_steps_imports_workflows() -> None:
+    """The pods' package runs without the orchestration's: workflows/ drives steps/, never the other way round."""
+    assert offenders(STEPS_DIR, lambda module: within(module, "moeloop.workflows")) == {}
 
 
 def test_the_import_scan_sees_imports_inside_functions(tmp_path: Path) -> None:

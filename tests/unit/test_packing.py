@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM, Qwen3MoeForT
 
 from moeloop.steps.model.attention import VARLEN
 from moeloop.steps.model.logprobs import ChunkedTokenLogprobs, packed_token_logprobs, packed_token_values, use_logprob_head
-from moeloop.steps.rl.packing import pack_rows, plan_microbatches
+from moeloop.steps.model.microbatch import pack_rows
 from moeloop.steps.model.policy import pack_sequences, token_logprobs, token_values
+from moeloop.steps.rl.packing import plan_microbatches
 from tests.unit.test_moe import tiny_config
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
