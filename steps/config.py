@@ -12,7 +12,8 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from moeloop.steps.config_cluster import ClusterConfig, Strict
+from moeloop.steps.config_base import Strict
+from moeloop.steps.config_cluster import ClusterConfig
 from moeloop.steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.inputs import check_location, load_yaml, read_limited

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class Strict(BaseModel):
-    # No NaN or infinity anywhere: `.nan` in a weight would make every reward NaN, `.inf` a learning rate.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+from moeloop.steps.config_base import Strict
 
 
 class Resources(Strict):

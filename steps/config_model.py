@@ -7,7 +7,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from moeloop.steps.config_cluster import Strict
+from moeloop.steps.config_base import Strict
 
 
 class TinyShape(Strict):

@@ -14,7 +14,8 @@ import yaml
 from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
 from moeloop.steps.capacity.hardware import GPUS
-from moeloop.steps.config import Strict, describe_validation_error
+from moeloop.steps.config import describe_validation_error
+from moeloop.steps.config_base import Strict
 from moeloop.steps.errors import MoeloopError
 
 LOCAL = "local"  # the local runner on this machine: steps share local.parallelism slots of its cores
