@@ -86,16 +86,23 @@ class RolloutConfig(Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(12, gt=0)
-    # The asynchronous loop: iteration i samples with the policy of iteration max(0, i-1-max_staleness), so
-    # rollouts run up to max_staleness iterations ahead of training. 0 is the synchronous loop.
+    # The asynchronous loop: rollouts run up to max_staleness iterations ahead of training (policy_version below).
+    # 0 is the synchronous loop.
     max_staleness: int = Field(0, ge=0)
     # Store each response token's routed experts (the transformers engine; `routing_agreement` in the metrics).
     # algorithm.routing_replay rollout records them whatever this says.
     record_routing: bool = False
 
     def policy_version(self, iteration: int) -> int:
-        """The checkpoint iteration `iteration`'s rollouts sample with (0 is the SFT start)."""
-        return max(0, iteration - 1 - self.max_staleness)
+        return policy_version(iteration, self.max_staleness)
+
+
+def policy_version(iteration: int, max_staleness: int) -> int:
+    """The asynchronous loop's one rule: the rollouts of `iteration` sample with the checkpoint of
+    iteration - 1 - max_staleness (0, the SFT start, while that is not above 0). The DAG's rollouts wait for its
+    publish; the metrics' staleness is how far a rollout's version is behind policy_version(iteration, 0), the
+    synchronous loop's."""
+    return max(0, iteration - 1 - max_staleness)
 
 
 class RewardFunction(Strict):

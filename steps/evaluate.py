@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
+from moeloop.steps.config import policy_version
 from moeloop.steps.engines.engine import Engine, Sampling, TransformersEngine
 from moeloop.steps.errors import run_cli
 from moeloop.steps.observe.scalars import step_reports
@@ -58,8 +59,9 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "router": router_health(train),
         # Shards generate side by side, so their rates add up.
         "tokens_per_second": sum(r["tokens_per_second"] for r in rollouts) if rollouts else None,
-        # The stalest sample's: iteration - 1 - the policy version the rollouts stamped on their rows.
-        "staleness": iteration - 1 - min(r["policy_version"] for r in rollouts) if rollouts else None,
+        # The stalest sample's: how far the policy version the rollouts stamped on their rows is behind the
+        # synchronous loop's.
+        "staleness": policy_version(iteration, 0) - min(r["policy_version"] for r in rollouts) if rollouts else None,
         "step_seconds": {name: report["seconds"] for name, report in sorted(reports.items())},
         **balance(iteration, reports, step_reports(storage, iteration - 1) if iteration else {}),
     }

@@ -5,8 +5,9 @@
                                         it1-publish -> it2-rollout-{0..K-1} -> ...
 
 Evaluation hangs off publish, so it runs while the next iteration's rollouts do. With
-`rollout.max_staleness` s >= 1, iteration i's rollouts hang off publish i-1-s (start while i-1-s <= 0):
-rollout i+1 runs while train i does, and train i and publish i follow their predecessors instead.
+`rollout.max_staleness` s >= 1, iteration i's rollouts hang off publish i-1-s (start while i-1-s <= 0;
+steps/config.py:policy_version): rollout i+1 runs while train i does, and train i and publish i follow their
+predecessors instead.
 
 On Argo a run is a chain of Workflows of `cluster.chunk_iterations` iterations each (workflows/render.py):
 one chunk is `start -> plan -> iteration_tasks(slots 1..K, root="plan")`, where `plan` decides at run time
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.config import MoeloopConfig, policy_version
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,9 @@ def iteration_tasks(config: MoeloopConfig, last: int, root: str, prefix: str = "
     tasks: list[Task] = []
     published: dict[int, str] = {}
     for i in range(1, last + 1):
-        # Rollouts of iteration i load the policy of iteration i-1-s (rollout.policy_version): the root where that
-        # is checkpoint 0, or, in a chunk, an iteration of an earlier chunk (finished: chunks run one at a time).
-        policy_ready = published.get(i - 1 - staleness, root)
+        # Rollouts of iteration i load the policy of iteration policy_version(i, s): the root where that is
+        # checkpoint 0, or, in a chunk, an iteration of an earlier chunk (finished: chunks run one at a time).
+        policy_ready = published.get(policy_version(i, staleness), root)
         rollouts = [
             _task(config, ROLLOUT, f"{prefix}{i}-rollout-{k}", i, [policy_ready], shard=k, num_shards=shards)
             for k in range(shards)
