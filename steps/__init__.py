@@ -1,1 +1,1 @@
-"""What each pod runs: small CLIs (`python -m steps.<name> --run URI --iteration I`) over pure functions."""
+"""What each pod runs: small CLIs (`python -m moeloop.steps.<name> --run URI --iteration I`) over pure functions."""

@@ -24,14 +24,19 @@ from moeloop.steps.config import MoeloopConfig, policy_version
 
 @dataclass(frozen=True)
 class Step:
-    """A step: a module `steps.<name>` run as a CLI in a pod of the given placement role."""
+    """A step: a module of moeloop.steps run as a CLI in a pod of the given placement role."""
 
-    name: str
+    name: str  # the DAG's word for it: its Argo template's name, and its tasks'
     role: str  # rollout | reward | train | cpu | memory: selects cluster.<role> placement
     params: tuple[str, ...]  # per-task parameters, passed as --<param> VALUE
     run_params: tuple[str, ...] = ("run",)  # per-run parameters (workflow arguments)
     torchrun: bool = False  # launched by torchrun as trainer.world_size processes (one plain process at 1)
     outputs: tuple[str, ...] = ()  # report keys exposed as Argo output parameters (steps/outputs.py)
+    program: str = ""  # the module moeloop.steps.<program> its pods run; "": the step's name
+
+    @property
+    def module(self) -> str:
+        return f"moeloop.steps.{self.program or self.name}"
 
     def processes(self, config: MoeloopConfig) -> int:
         return config.trainer.world_size if self.torchrun else 1
@@ -41,7 +46,7 @@ class Step:
 
         Several processes run under torchrun: on this node alone (`--standalone`), or as one node of several
         given the `rendezvous` flags (the multi-node trainer's JobSet)."""
-        argv = ["python", "-m", f"moeloop.steps.{self.name}"]
+        argv = ["python", "-m", self.module]
         if processes > 1 or rendezvous:
             # `--` ends torchrun's options: it would take --run for an abbreviation of its own --run-path.
             launcher = list(rendezvous) or ["--standalone"]
@@ -53,7 +58,9 @@ class Step:
 
 
 START = Step("start", "cpu", ("iteration",), ("run", "config", "iterations", "model"), outputs=("source", "seconds"))
-PLAN = Step("plan", "cpu", ("chunk",), outputs=("latest", "first", "count", "more", "target", "evaluate"))
+PLAN = Step(
+    "plan", "cpu", ("chunk",), outputs=("latest", "first", "count", "more", "target", "evaluate"), program="chunk"
+)
 ROLLOUT = Step(
     "rollout",
     "rollout",

@@ -1,5 +1,5 @@
-"""What the Argo chunk needs from the steps: plan's decision from LATEST, the figures every step writes for
-its output parameters, and start's run parameters (target iterations, model URI)."""
+"""What the Argo chunk needs from the steps: the chunk step's decision from LATEST (its `plan` task), the
+figures every step writes for its output parameters, and start's run parameters (target iterations, model URI)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moeloop.steps.chunk import next_chunk
 from moeloop.steps.common import print_json
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.outputs import OUTPUTS_ENV
-from moeloop.steps.plan import plan
 from moeloop.steps.start import with_run_arguments
 from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
@@ -47,29 +47,29 @@ def stored_run(root: Path, iterations: int, latest: int | None, evaluated: tuple
         (10, 10, (), {"latest": 10, "first": 11, "count": 0, "more": False, "target": 10, "evaluate": True}),
     ],
 )
-def test_plan_continues_from_latest(
+def test_next_chunk_continues_from_latest(
     tmp_path: Path, iterations: int, latest: int, evaluated: tuple, expected: dict
 ) -> None:
-    assert plan(stored_run(tmp_path, iterations, latest, evaluated), chunk=3) == expected
+    assert next_chunk(stored_run(tmp_path, iterations, latest, evaluated), chunk=3) == expected
 
 
-def test_plan_refuses_a_run_without_latest_and_a_bad_chunk(tmp_path: Path) -> None:
+def test_next_chunk_refuses_a_run_without_latest_and_a_bad_chunk(tmp_path: Path) -> None:
     run = stored_run(tmp_path, 4, latest=None)
     with pytest.raises(MoeloopError, match="has no LATEST: its start has not finished"):
-        plan(run, chunk=2)
+        next_chunk(run, chunk=2)
     with pytest.raises(MoeloopError, match="^--chunk must be at least 1, not 0"):
-        plan(run, chunk=0)
+        next_chunk(run, chunk=0)
     with pytest.raises(MoeloopError, match="^run does not exist"):
-        plan(str(tmp_path / "nothing"), chunk=2)
+        next_chunk(str(tmp_path / "nothing"), chunk=2)
 
 
-def test_plan_cli_writes_the_outputs_argo_reads(tmp_path: Path) -> None:
+def test_chunk_cli_writes_the_outputs_argo_reads(tmp_path: Path) -> None:
     """The pod's command as the template runs it: its output files are what `when` and the slots read."""
     run = stored_run(tmp_path, 5, latest=2, evaluated=(2,))
     outputs = tmp_path / "outputs"
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), OUTPUTS_ENV: str(outputs)}
     done = subprocess.run(
-        [sys.executable, "-m", "moeloop.steps.plan", "--run", run, "--chunk", "2"],
+        [sys.executable, "-m", "moeloop.steps.chunk", "--run", run, "--chunk", "2"],
         env=env,
         capture_output=True,
         text=True,

@@ -361,7 +361,9 @@ MOELOOP, SERVER = ["-m", "moeloop.workflows.cli"], ["--host", "http://127.0.0.1:
             "the following arguments are required: --shard, --num-shards",
             id="step-missing",
         ),
-        pytest.param(["-m", "moeloop.steps.plan", "--run", "r"], "the following arguments are required: --chunk", id="plan"),
+        pytest.param(
+            ["-m", "moeloop.steps.chunk", "--run", "r"], "the following arguments are required: --chunk", id="chunk"
+        ),
         pytest.param(
             ["-m", "moeloop.steps.start", "--run", "r", "--iteration", "0", "--config", " "],
             "error: --config is empty",
@@ -783,7 +785,7 @@ def test_a_refused_lease_leaves_no_folder_behind(tmp_path: Path) -> None:
     assert not (tmp_path / "root").exists(), "the lease left the folders it made for its lock file"
 
 
-def test_plan_refuses_a_chunk_while_a_local_driver_holds_the_lease(
+def test_chunk_step_refuses_a_chunk_while_a_local_driver_holds_the_lease(
     started_run: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
@@ -794,8 +796,8 @@ def test_plan_refuses_a_chunk_while_a_local_driver_holds_the_lease(
     before = snapshot(run)
 
     with RunLease(str(run)):
-        held = python(["-m", "moeloop.steps.plan", "--run", str(run), "--chunk", "20"], tmp_path)
-    free = python(["-m", "moeloop.steps.plan", "--run", str(run), "--chunk", "20"], tmp_path)
+        held = python(["-m", "moeloop.steps.chunk", "--run", str(run), "--chunk", "20"], tmp_path)
+    free = python(["-m", "moeloop.steps.chunk", "--run", str(run), "--chunk", "20"], tmp_path)
 
     one_line_error(held, f"run {run} is driven by a `moeloop run` (host ", f"pid {os.getpid()}")
     assert free.returncode == 0, free.stderr

@@ -18,7 +18,7 @@ STEPS_DIR = REPO / "steps"
 MAX_LINES = 450
 # Programs besides the DAG's steps: run by hand (README), never imported.
 OTHER_PROGRAMS = ("reward_model", "demo_task")
-PROGRAMS = {f"moeloop.steps.{step.name}" for step in STEPS} | {f"moeloop.steps.{name}" for name in OTHER_PROGRAMS}
+PROGRAMS = {step.module for step in STEPS} | {f"moeloop.steps.{name}" for name in OTHER_PROGRAMS}
 
 
 def module_name(path: Path) -> str:
@@ -26,7 +26,8 @@ def module_name(path: Path) -> str:
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module path imports, at the top or inside a function: `from moeloop.steps import x` counts as moeloop.steps.x."""
+    """Every module path imports, at the top or inside a function: `from moeloop.steps import x` counts as
+    moeloop.steps.x."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -48,7 +49,7 @@ def offenders(folder: Path, forbidden: Callable[[str], bool]) -> dict[str, list[
 
 
 def test_programs_exist_at_the_top() -> None:
-    """Every rendered `python -m steps.<name>` and every other program is a module at the top of steps/."""
+    """Every rendered `python -m moeloop.steps.<module>` and every other program is a module at the top of steps/."""
     for program in PROGRAMS:
         assert (REPO / (program.removeprefix("moeloop.").replace(".", "/") + ".py")).is_file(), program
 

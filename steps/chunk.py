@@ -1,4 +1,5 @@
-"""plan: which iterations the next chunk of an Argo run runs, decided from LATEST at run time.
+"""chunk: which iterations the next chunk of an Argo run runs, decided from LATEST at run time (the DAG's `plan`
+task; not `moeloop plan`, the capacity planner).
 
 A run of any length is a chain of Workflows of `cluster.chunk_iterations` iterations (workflows/render.py).
 Each starts here, after start has adopted the submitted iteration count: the chunk runs iterations
@@ -15,7 +16,7 @@ from moeloop.steps.errors import ArgumentParser, MoeloopError, run_cli
 from moeloop.steps.storage.lease import check_free
 
 
-def plan(run_uri: str, chunk: int) -> dict[str, Any]:
+def next_chunk(run_uri: str, chunk: int) -> dict[str, Any]:
     if chunk < 1:
         raise MoeloopError(f"--chunk must be at least 1, not {chunk}")
     storage, config = open_run(run_uri)
@@ -41,7 +42,7 @@ def main() -> None:
     parser.add_argument("--run", required=True, help="the run's folder URI (local path or s3://...)")
     parser.add_argument("--chunk", required=True, type=int, help="iterations per chunk (cluster.chunk_iterations)")
     args = parser.parse_args()
-    print_json(plan(args.run, args.chunk))
+    print_json(next_chunk(args.run, args.chunk))
 
 
 if __name__ == "__main__":
