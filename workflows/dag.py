@@ -8,7 +8,7 @@ Evaluation hangs off publish, so it runs while the next iteration's rollouts do.
 `rollout.max_staleness` s >= 1, iteration i's rollouts hang off publish i-1-s (start while i-1-s <= 0):
 rollout i+1 runs while train i does, and train i and publish i follow their predecessors instead.
 
-On Argo a run is a chain of Workflows of `cluster.chunk_iterations` iterations each (workflows/render.py):
+On Argo a run is a chain of Workflows of `cluster.chunk_iterations` iterations each (workflows/render/):
 one chunk is `start -> plan -> iteration_tasks(slots 1..K, root="plan")`, where `plan` decides at run time
 which iteration slot 1 is (LATEST + 1).
 """
