@@ -87,7 +87,9 @@ def main() -> None:
     limits.add_argument("--s3-get-per-s", type=float, default=5500, help="S3's GETs per second per prefix")
     limits.add_argument("--part-mib", type=float, default=8, help="the storage module's part size")
     limits.add_argument("--gpus-per-node", type=int, default=8)
-    limits.add_argument("--publish-cores", type=int, default=16, help="the publish pod's CPU (workflows/render.py)")
+    limits.add_argument(
+        "--publish-cores", type=int, default=16, help="the publish pod's CPU (workflows/render/placement.py)"
+    )
     limits.add_argument("--shard-bytes", type=float, default=4 << 30, help="trainer.checkpoint_shard_bytes")
     work = parser.add_argument_group("one iteration")
     work.add_argument("--prompts", type=int, default=512)

@@ -1,7 +1,7 @@
 """chunk: which iterations the next chunk of an Argo run runs, decided from LATEST at run time (the DAG's `plan`
 task; not `moeloop plan`, the capacity planner).
 
-A run of any length is a chain of Workflows of `cluster.chunk_iterations` iterations (workflows/render.py).
+A run of any length is a chain of Workflows of `cluster.chunk_iterations` iterations (workflows/render/).
 Each starts here, after start has adopted the submitted iteration count: the chunk runs iterations
 LATEST+1 .. LATEST+count, and `more` says whether iterations remain after it. Re-running a chunk (Argo's
 retry or resubmit, the CronWorkflow's next tick) therefore continues where the run stands.

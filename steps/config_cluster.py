@@ -1,4 +1,4 @@
-"""The config's `cluster` section: where and as what each role's pods run on Argo (workflows/render.py reads it).
+"""The config's `cluster` section: where and as what each role's pods run on Argo (workflows/render/ reads it).
 Part of the one typed config (steps/config.py), kept apart for its size."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROLES = ("rollout", "reward", "train", "cpu", "memory")
 
 
 class RolePlacement(Strict):
-    """Where a role's pods run and as what. None takes the role's default (workflows/render.py:role_defaults),
+    """Where a role's pods run and as what. None takes the role's default (workflows/render/placement.py:role_defaults),
     which matches manifests/: nodes labelled and tainted `moeloop.dev/role=<role>`, service account
     `moeloop-<role>`, the role's image."""
 
@@ -64,7 +64,7 @@ class ClusterConfig(Strict):
     # The workflow's own service account, also used by resource templates (next chunk, JobSet, labels).
     orchestrator_service_account: str = "moeloop-orchestrator"
     # Iterations per Workflow: a run of any length is a chain of Workflows of this many iterations.
-    # None: 20, or fewer where rollout shards are many (workflows/render.py:chunk_size).
+    # None: 20, or fewer where rollout shards are many (workflows/render/chunk.py:chunk_size).
     chunk_iterations: int | None = Field(None, gt=0)
     # Pods of the multi-node trainer (a JobSet when > 1); trainer.world_size processes are split over them.
     train_nodes: int = Field(1, gt=0)

@@ -29,7 +29,7 @@ from jsonschema import Draft4Validator
 
 from moeloop.steps.config import MoeloopConfig, parse_config
 from tests.upstream import available, upstream
-from moeloop.workflows.lint import lint_document
+from moeloop.workflows.lint.documents import lint_document
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "rl"

@@ -1,6 +1,6 @@
 """Talk to an Argo server through Hera's WorkflowsService: submit, register, schedule, status, resubmit.
 
-submit, register and schedule send Hera objects (moeloop.workflows.render.build's), in the session's namespace.
+submit, register and schedule send Hera objects (moeloop.workflows.build's), in the session's namespace.
 
 Every request goes through one session and one error translation (`ArgoSession._call`): a refusal, an
 answer that is not the expected object, or an unreachable server becomes one `MoeloopError` line that

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from hera.workflows import Workflow
 
     from moeloop.workflows.argo import ArgoServer, ArgoSession
-    from moeloop.workflows.render import Loop
+    from moeloop.workflows.render.loop import Loop
 
 EXIT_WORKFLOW_FAILED = 1  # status: the server answered, and the workflow failed (2 stays "could not ask")
 
@@ -53,7 +53,8 @@ def command_run(args: argparse.Namespace) -> None:
 
 
 def command_render(args: argparse.Namespace) -> None:
-    from moeloop.workflows.render import build, write_rendered
+    from moeloop.workflows.render.files import write_rendered
+    from moeloop.workflows.render.loop import build
 
     config = _config(args)
     for path in write_rendered(build(config, run_uri(config, args.root)), args.output):
@@ -61,7 +62,7 @@ def command_render(args: argparse.Namespace) -> None:
 
 
 def command_lint(args: argparse.Namespace) -> None:
-    from moeloop.workflows.lint import lint_paths
+    from moeloop.workflows.lint.documents import lint_paths
 
     errors = lint_paths(args.paths)
     for error in errors:
@@ -83,8 +84,8 @@ def _build_and_send(
     """Build the config's loop, lint the object `pick` takes from it, and send that object; returns it and what
     `send` returned. Only an object that lints clean goes to the server, as only one does to disk (render)."""
     from moeloop.workflows.argo import ArgoSession
-    from moeloop.workflows.lint import lint_document
-    from moeloop.workflows.render import build
+    from moeloop.workflows.lint.documents import lint_document
+    from moeloop.workflows.render.loop import build
 
     config = _config(args)
     hera_object = pick(build(config, run_uri(config, args.root)))

@@ -9,7 +9,7 @@ Evaluation hangs off publish, so it runs while the next iteration's rollouts do.
 steps/config.py:policy_version): rollout i+1 runs while train i does, and train i and publish i follow their
 predecessors instead.
 
-On Argo a run is a chain of Workflows of `cluster.chunk_iterations` iterations each (workflows/render.py):
+On Argo a run is a chain of Workflows of `cluster.chunk_iterations` iterations each (workflows/render/):
 one chunk is `start -> plan -> iteration_tasks(slots 1..K, root="plan")`, where `plan` decides at run time
 which iteration slot 1 is (LATEST + 1).
 """

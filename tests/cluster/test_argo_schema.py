@@ -1,4 +1,4 @@
-"""workflows/argo_schema.py against Argo v4.1's full CRDs ($MOELOOP_SHARED/schemas/argo-crds): walked side by side,
+"""workflows/lint/argo_schema.py against Argo v4.1's full CRDs ($MOELOOP_SHARED/schemas/argo-crds): walked side by side,
 every field the CRDs declare is in lint's schema with the same type, and every enum, pattern, format, bound,
 required field and CEL rule the CRDs carry is in lint's schema at the same place. Also (no upstream files needed):
 the schema builds from the installed Hera, is closed, and a fact naming a field Hera lacks fails the build."""
@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from tests.upstream import needs_upstream, upstream
-from moeloop.workflows import argo_schema
-from moeloop.workflows.argo_schema import POD_ENUM_KEYWORD, RULES, RULES_KEYWORD, definitions
+from moeloop.workflows.lint import argo_schema
+from moeloop.workflows.lint.argo_schema import POD_ENUM_KEYWORD, RULES, RULES_KEYWORD, definitions
 
 CRD_KINDS = {"workflows": "Workflow", "workflowtemplates": "WorkflowTemplate", "cronworkflows": "CronWorkflow"}
 FACT_KEYWORDS = ("enum", "pattern", "format", "minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength")

@@ -23,10 +23,10 @@ from tests.argo_stand_in import (
     write_config,
 )
 from moeloop.workflows.argo import ArgoServer, ArgoSession
-from moeloop.workflows.lint import lint_document
+from moeloop.workflows.lint.documents import lint_document
 from hera.workflows import Workflow
 
-from moeloop.workflows.render import Loop, build
+from moeloop.workflows.render.loop import Loop, build
 
 pytestmark = pytest.mark.filterwarnings("ignore:The `json` method is deprecated:DeprecationWarning")
 STORED_VERSION = "4821"
@@ -218,14 +218,15 @@ def test_existing_object_without_a_resource_version_is_an_error(kind: Kind) -> N
 
 
 def test_an_invalid_manifest_is_not_sent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from moeloop.workflows import cli, render
+    from moeloop.workflows import cli
+    from moeloop.workflows.render import loop as loop_module
 
     def invalid(*args: object) -> Loop:
         loop = build(*args)
         loop.cron_workflow.concurrency_policy = "Forbidden"
         return loop
 
-    monkeypatch.setattr(render, "build", invalid)
+    monkeypatch.setattr(loop_module, "build", invalid)
     arguments = cli.parser().parse_args(["schedule", str(write_config(tmp_path)), "--namespace", NAMESPACE])
     with argo_stand_in({}) as (host, recorded):
         arguments.host = host

@@ -21,8 +21,8 @@ from tests.argo_stand_in import (
     write_config,
 )
 from tests.conftest import REPO
-from moeloop.workflows.lint import lint_document
-from moeloop.workflows.render import render
+from moeloop.workflows.lint.documents import lint_document
+from moeloop.workflows.render.loop import render
 
 TEMPLATES, WORKFLOWS = f"/api/v1/workflow-templates/{NAMESPACE}", f"/api/v1/workflows/{NAMESPACE}"
 TEMPLATE_NAME = "moeloop-cluster-test"

@@ -15,8 +15,17 @@ import pytest
 import yaml
 
 from tests.upstream import available, needs_upstream, upstream
-from moeloop.workflows import lint
-from moeloop.workflows.lint import LintError, YamlMap, is_argo_document, lint_document, lint_documents, lint_paths
+from moeloop.workflows.lint.documents import (
+    LintError,
+    document_label,
+    is_argo_document,
+    lint_document,
+    lint_documents,
+    lint_paths,
+)
+from moeloop.workflows.lint.helpers import YamlMap
+from moeloop.workflows.lint.references import WORKFLOW_SPEC_PATHS
+from moeloop.workflows.lint.schema_checks import schema_check, schema_validator
 
 SOURCES_PER_MUTATION = 3
 
@@ -43,7 +52,7 @@ def corpus_documents() -> tuple[tuple[str, YamlMap], ...]:
         (path,) = param.values
         for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
             if is_argo_document(doc):
-                documents.append((f"{param.id}:{lint._document_label(doc)}", doc))
+                documents.append((f"{param.id}:{document_label(doc)}", doc))
     return tuple(documents)
 
 
@@ -76,7 +85,7 @@ def workflow_spec(doc: YamlMap) -> YamlMap:
 
 def own_templates(doc: YamlMap) -> list[YamlMap]:
     """Templates of a spec that defines its own (no workflowTemplateRef); [] for other kinds."""
-    if doc["kind"] not in lint.WORKFLOW_SPEC_PATHS or "workflowTemplateRef" in workflow_spec(doc):
+    if doc["kind"] not in WORKFLOW_SPEC_PATHS or "workflowTemplateRef" in workflow_spec(doc):
         return []
     templates: list[YamlMap] = workflow_spec(doc).get("templates", [])
     return templates
@@ -131,8 +140,8 @@ def test_corpus_has_all_argo_documents_and_lints_clean_as_one_tree() -> None:
 def test_fast_schema_check_agrees_with_jsonschema_on_corpus() -> None:
     # lint skips jsonschema when the compiled check accepts: both must accept every valid document.
     for doc_id, doc in corpus_documents():
-        assert lint._schema_check(doc["kind"])(doc), doc_id
-        assert not list(lint._schema_validator(doc["kind"]).iter_errors(doc)), doc_id
+        assert schema_check(doc["kind"])(doc), doc_id
+        assert not list(schema_validator(doc["kind"]).iter_errors(doc)), doc_id
 
 
 # Values that break some schema types and fit others, including reference-like strings.
@@ -163,8 +172,8 @@ def test_fast_schema_check_agrees_with_jsonschema_on_random_mutations() -> None:
                 parent[f"{key}x"] = parent.pop(key, None)  # a misspelled key
             else:
                 parent[key] = copy.deepcopy(rng.choice(JUNK_VALUES))
-        jsonschema_accepts = not list(lint._schema_validator(doc["kind"]).iter_errors(doc))
-        assert lint._schema_check(doc["kind"])(doc) == jsonschema_accepts, doc_id
+        jsonschema_accepts = not list(schema_validator(doc["kind"]).iter_errors(doc))
+        assert schema_check(doc["kind"])(doc) == jsonschema_accepts, doc_id
         lint_document(doc)
 
 
@@ -551,7 +560,7 @@ def hourly(workflow: YamlMap) -> YamlMap:
 
 def rendered() -> dict[str, YamlMap]:
     from tests.conftest import small_config
-    from moeloop.workflows.render import render
+    from moeloop.workflows.render.loop import render
 
     return {name: copy.deepcopy(document) for name, document in render(small_config(), "s3://bucket/runs/tiny").items()}
 
@@ -673,8 +682,8 @@ def test_fast_schema_check_agrees_with_jsonschema_on_own_mutations() -> None:
                 parent[f"{key}x"] = parent.pop(key, None)
             else:
                 parent[key] = copy.deepcopy(rng.choice(JUNK_VALUES))
-        jsonschema_accepts = not list(lint._schema_validator(doc["kind"]).iter_errors(doc))
-        assert lint._schema_check(doc["kind"])(doc) == jsonschema_accepts
+        jsonschema_accepts = not list(schema_validator(doc["kind"]).iter_errors(doc))
+        assert schema_check(doc["kind"])(doc) == jsonschema_accepts
         lint_document(doc)
 
 
@@ -753,7 +762,7 @@ def make_a_cycle(doc: YamlMap) -> tuple[str, str] | None:
 
 
 def misspell_retry_policy(doc: YamlMap) -> tuple[str, str] | None:
-    if doc["kind"] not in lint.WORKFLOW_SPEC_PATHS:
+    if doc["kind"] not in WORKFLOW_SPEC_PATHS:
         return None
     templates = own_templates(doc)
     owner, path = (templates[0], f"{spec_path(doc)}.templates[0]") if templates else (workflow_spec(doc), spec_path(doc))
@@ -769,7 +778,7 @@ def misspell_concurrency_policy(doc: YamlMap) -> tuple[str, str] | None:
 
 
 def misspell_pod_gc(doc: YamlMap) -> tuple[str, str] | None:
-    if doc["kind"] not in lint.WORKFLOW_SPEC_PATHS:
+    if doc["kind"] not in WORKFLOW_SPEC_PATHS:
         return None
     workflow_spec(doc)["podGC"] = {**workflow_spec(doc).get("podGC", {}), "strategy": "OnPodSucess"}
     return f"{spec_path(doc)}.podGC.strategy", "'OnPodSucess' is not one of"

@@ -7,7 +7,7 @@
   preserve unknown fields (a structural CRD prunes unknown fields, which would silently drop a typo), then
   the CRDs' CEL rules (x-kubernetes-validations) with cel-python;
 - the Argo controller ConfigMap: each key against the controller's Config struct (CONTROLLER_CONFIG_KEYS),
-  each value parsed and validated against lint's Argo schema (workflows/argo_schema.py) where it has a definition;
+  each value parsed and validated against lint's Argo schema (workflows/lint/argo_schema.py) where it has a definition;
 - kustomize: every file a kustomization names exists and every object file is named; where `kubectl` is
   installed (it is on the development and CI machines), `kubectl kustomize` builds base and overlay and the
   built objects pass the same checks, with the overlay's replacements applied;
@@ -38,7 +38,7 @@ import yaml
 
 from tests.conftest import REPO
 from tests.upstream import needs_upstream, upstream
-from moeloop.workflows import lint
+from moeloop.workflows.lint.schema_checks import schema_validator
 
 MANIFESTS = REPO / "manifests"
 BASE, OVERLAY = MANIFESTS / "base", MANIFESTS / "overlays" / "example"
@@ -250,7 +250,7 @@ def schema_errors(source: str, doc: Doc) -> list[str]:
 
 
 def argo_validator(definition: str) -> Any:
-    return lint._schema_validator(definition)  # lint's own: Hera's models with the CRDs' facts, closed
+    return schema_validator(definition)  # lint's own: Hera's models with the CRDs' facts, closed
 
 
 def as_the_controller_reads_it(data: dict[str, str]) -> Any:
@@ -800,7 +800,7 @@ def pod_specs(document: Doc) -> Iterator[tuple[str, str, Doc]]:
 
 def test_every_rendered_pod_lands_on_its_roles_nodes_as_its_roles_service_account() -> None:
     from tests.conftest import small_config
-    from moeloop.workflows.render import render
+    from moeloop.workflows.render.loop import render
 
     objects, errors, placed = cluster_objects(), [], 0
     priority_classes = set(of_kind(objects, "PriorityClass"))

@@ -18,21 +18,15 @@ from moeloop.steps.errors import MoeloopError
 from moeloop.steps.start import load_config_argument
 from tests.argo_stand_in import moeloop
 from tests.conftest import REPO
-from moeloop.workflows import render as render_module
 from moeloop.workflows.dag import PLAN, START, STEPS, TRAIN, loop_tasks, run_values
-from moeloop.workflows.lint import lint_documents
+from moeloop.workflows.lint.documents import lint_documents
 from moeloop.workflows.local import local_argv
-from moeloop.workflows.render import (
-    MAX_CHUNK_TASKS,
-    MAX_OBJECT_BYTES,
-    build,
-    chunk_size,
-    dag_tasks,
-    object_bytes,
-    render,
-    step_placeholders,
-    write_rendered,
-)
+from moeloop.workflows.render import files as render_files
+from moeloop.workflows.render.chunk import MAX_CHUNK_TASKS, chunk_size, dag_tasks
+from moeloop.workflows.render.files import MAX_OBJECT_BYTES, object_bytes, write_rendered
+from moeloop.workflows.render.loop import build, render
+from moeloop.workflows.render.portable_paths import portable_config
+from moeloop.workflows.render.step_templates import step_placeholders
 
 RUN_URI = "s3://moeloop-runs/runs/render-test"
 FILES = ("workflow-template.yaml", "workflow.yaml", "cron-workflow.yaml")
@@ -206,7 +200,7 @@ def test_a_chunk_over_the_task_bound_is_refused(tmp_path: Path, monkeypatch: pyt
 def test_write_rendered_refuses_an_object_over_the_size_limit(
     config: MoeloopConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(render_module, "MAX_OBJECT_BYTES", 10_000)
+    monkeypatch.setattr(render_files, "MAX_OBJECT_BYTES", 10_000)
     with pytest.raises(MoeloopError, match=r"^workflow-template.yaml: \d+ bytes is over the 10000-byte object limit"):
         write_rendered(build(config, RUN_URI), tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -258,7 +252,7 @@ def test_template_parameters_fill_the_submit_form(config: MoeloopConfig, documen
     assert template["chain"]["enum"] == ["true", "false"] and template["chain"]["default"] == "true"
     # The config as YAML, which the UI's form shows line by line; moeloop.steps.start reads it back to the same config.
     assert template["config"]["default"].startswith("# The run's config (steps/config.py).")
-    shipped = render_module.portable_config(config)
+    shipped = portable_config(config)
     assert load_config_argument(template["config"]["default"]) == load_config_argument(shipped.to_json())
     # start applies iterations and model over the config; plan reads the stored config start adopted.
     templates = templates_by_name(documents["workflow-template.yaml"])

@@ -17,7 +17,8 @@ from moeloop.steps.config import load_config
 from tests.argo_stand_in import moeloop
 from tests.conftest import REPO
 from moeloop.workflows.dag import run_uri
-from moeloop.workflows.render import FILES, build, write_rendered
+from moeloop.workflows.render.files import write_rendered
+from moeloop.workflows.render.loop import FILES, build
 
 GOLDEN = REPO / "tests" / "golden"
 REGENERATE_ENV = "MOELOOP_REGENERATE_GOLDEN"

@@ -16,8 +16,11 @@ from moeloop.steps.config import MoeloopConfig, load_config, parse_config
 from moeloop.steps.errors import MoeloopError
 from tests.upstream import upstream
 from moeloop.workflows.dag import STEPS
-from moeloop.workflows.lint import lint_documents, lint_paths
-from moeloop.workflows.render import EFA_ENV, build, render, render_jobset, write_rendered
+from moeloop.workflows.lint.documents import lint_documents, lint_paths
+from moeloop.workflows.render.files import write_rendered
+from moeloop.workflows.render.jobset import render_jobset
+from moeloop.workflows.render.loop import build, render
+from moeloop.workflows.render.placement import EFA_ENV
 
 from tests.conftest import REPO
 RUN_URI = "s3://moeloop-runs/runs/placed"

@@ -23,8 +23,8 @@ from tests.argo_stand_in import (
     write_config,
 )
 from moeloop.workflows.argo import ArgoServer, ArgoSession, argo_server
-from moeloop.workflows.lint import lint_document
-from moeloop.workflows.render import build, render
+from moeloop.workflows.lint.documents import lint_document
+from moeloop.workflows.render.loop import build, render
 
 WORKFLOWS = f"/api/v1/workflows/{NAMESPACE}"
 # Hera 7.1.0's WorkflowsService serialises with pydantic's deprecated `.json()`; not ours to fix.

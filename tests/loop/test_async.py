@@ -19,7 +19,8 @@ from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 from moeloop.workflows.dag import loop_tasks, run_uri
 from moeloop.workflows.local import run_local
-from moeloop.workflows.render import chunk_tasks, dag_tasks, render
+from moeloop.workflows.render.chunk import chunk_tasks, dag_tasks
+from moeloop.workflows.render.loop import render
 
 
 def dependencies(config, iterations: int) -> dict[str, set[str]]:

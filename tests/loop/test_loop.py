@@ -23,7 +23,9 @@ from tests.conftest import small_config
 from moeloop.workflows import local
 from moeloop.workflows.dag import loop_tasks, run_uri, run_values
 from moeloop.workflows.local import run_local
-from moeloop.workflows.render import dag_tasks, render, step_placeholders
+from moeloop.workflows.render.chunk import dag_tasks
+from moeloop.workflows.render.loop import render
+from moeloop.workflows.render.step_templates import step_placeholders
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 No module of steps/ imports a program (a pod CLI of the DAG, or another `python -m moeloop.steps.<name>` entry
 point), so every program can change without its neighbours noticing; imports run one way, rl -> model and
-workflows/ -> steps/, never back up; and no file under steps/ is over 450 lines.
+workflows/ -> steps/, never back up; and no file under steps/ or workflows/ is over 450 lines.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 from moeloop.workflows.dag import STEPS
@@ -74,8 +76,9 @@ def test_the_import_scan_sees_imports_inside_functions(tmp_path: Path) -> None:
     assert {"moeloop.steps.reward", "moeloop.steps.train"} <= imported_modules(source) & PROGRAMS
 
 
-def test_no_file_under_steps_is_over_450_lines() -> None:
-    files = [p for p in STEPS_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+@pytest.mark.parametrize("folder", ["steps", "workflows"])
+def test_no_product_file_is_over_450_lines(folder: str) -> None:
+    files = [p for p in (REPO / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     lengths = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in files}
-    assert lengths, "no files found under steps/"
+    assert lengths, f"no files found under {folder}/"
     assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}

@@ -231,14 +231,14 @@ def test_wandb_offline_run_has_one_row_per_iteration(run_root: Path, tmp_path: P
 
 
 def rendered_metric_names(config: MoeloopConfig) -> set[str]:
-    from moeloop.workflows.render import build
+    from moeloop.workflows.render.loop import build
 
     templates = build(config, "s3://bucket/runs/x").template.to_dict()["spec"]["templates"]
     return {g["name"] for t in templates for g in t.get("metrics", {}).get("prometheus", [])}
 
 
 def test_step_templates_emit_their_figures_and_the_dashboard_queries_only_those() -> None:
-    from moeloop.workflows.render import build
+    from moeloop.workflows.render.loop import build
 
     config = small_config(iterations=1)
     document = build(config, "s3://bucket/runs/x").template.to_dict()

@@ -404,7 +404,7 @@ def _without_nulls(schema: Any) -> Any:
 
 def _known(defs: Mapping[str, Schema], name: str) -> Schema:
     if name not in defs:
-        raise KeyError(f"workflows/argo_schema.py: Hera has no definition {name!r}")
+        raise KeyError(f"workflows/lint/argo_schema.py: Hera has no definition {name!r}")
     return defs[name]
 
 
@@ -413,7 +413,7 @@ def _field(defs: Mapping[str, Schema], name: str, field: str) -> Schema:
     base = field.rstrip("[]{}")
     properties = _known(defs, name).get("properties", {})
     if base not in properties:
-        raise KeyError(f"workflows/argo_schema.py: Hera's {name} has no field {base!r}")
+        raise KeyError(f"workflows/lint/argo_schema.py: Hera's {name} has no field {base!r}")
     schema = properties[base]
     for suffix in re.findall(r"\[\]|\{\}", field[len(base) :]):
         schema = schema["items" if suffix == "[]" else "additionalProperties"]

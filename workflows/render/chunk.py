@@ -1,0 +1,155 @@
+"""The chunk: the WorkflowTemplate's DAG, start -> plan -> K iteration slots -> next chunk, and the resource
+templates that label the running Workflow and create the next chunk's.
+"""
+
+from __future__ import annotations
+
+import yaml
+from hera.workflows import DAG, Parameter, Resource, Workflow
+from hera.workflows import Task as HeraTask
+from hera.workflows import models as m
+
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.workflows.dag import EVALUATE, PLAN, START, Task, iteration_tasks
+from moeloop.workflows.render.parameters import PARAMETERS, run_labels
+from moeloop.workflows.render.placement import LABEL, orchestrator_pod
+
+API_VERSION = "argoproj.io/v1alpha1"
+ENTRYPOINT = "chunk"
+# Argo's CRDs allow at most 200 tasks in a DAG (dag.tasks maxItems). That also keeps a running chunk's status,
+# one entry (~0.5-1 KB with outputs) per task and retry, within etcd's limit.
+MAX_CHUNK_TASKS = 200
+DEFAULT_CHUNK_ITERATIONS = 20  # a Workflow per ~day of a large run: short enough to find, resubmit, archive
+PLAN_OUTPUTS = "tasks.plan.outputs.parameters"
+# The chunk's tasks besides its iteration slots.
+FIXED_CHUNK_TASKS = ("start", "plan", "eval-latest", "label", "next-chunk")
+# The label task's inputs: the iterations plan chose (a template cannot see the DAG's tasks).
+LABEL_INPUTS = {
+    "first": f"{{{{{PLAN_OUTPUTS}.first}}}}",
+    "last": f"{{{{=asInt({PLAN_OUTPUTS}.first) + asInt({PLAN_OUTPUTS}.count) - 1}}}}",
+}
+
+
+def template_name(config: MoeloopConfig) -> str:
+    return f"moeloop-{config.run_name}"
+
+
+def chunk_size(config: MoeloopConfig) -> int:
+    """Iterations per chunk: cluster.chunk_iterations, by default 20 or as many as MAX_CHUNK_TASKS allows."""
+    per_iteration = len(iteration_tasks(config, 1, PLAN.name))
+    fitting = (MAX_CHUNK_TASKS - len(FIXED_CHUNK_TASKS)) // per_iteration
+    if config.cluster.chunk_iterations is None:
+        return max(1, min(DEFAULT_CHUNK_ITERATIONS, fitting))
+    if config.cluster.chunk_iterations > fitting:
+        raise MoeloopError(
+            f"cluster.chunk_iterations {config.cluster.chunk_iterations} makes a Workflow of more than"
+            f" {MAX_CHUNK_TASKS} tasks at {per_iteration} tasks per iteration; at most {fitting}"
+        )
+    return config.cluster.chunk_iterations
+
+
+def chunk_tasks(config: MoeloopConfig) -> list[Task]:
+    """The chunk's iteration slots: dag.py's iterations 1..K named slot<j>, rooted at plan."""
+    return iteration_tasks(config, chunk_size(config), PLAN.name, prefix="slot")
+
+
+def slot_iteration(slot: int) -> str:
+    """The iteration slot j runs: LATEST + j, i.e. plan's `first` + j - 1."""
+    first = f"{PLAN_OUTPUTS}.first"
+    return f"{{{{{first}}}}}" if slot == 1 else f"{{{{=asInt({first}) + {slot - 1}}}}}"
+
+
+def _counted(slot: int) -> str:
+    """Slot j runs when plan's count reaches j: short chunks and the target skip the rest."""
+    return f"{{{{{PLAN_OUTPUTS}.count}}}} >= {slot}"
+
+
+def _dag_task(task: Task, when: str | None = None, **values: str) -> HeraTask:
+    """dag.py's task as a Hera task; `values` replace its arguments' values."""
+    arguments = [Parameter(name=p, value=values.get(p, v)) for p, v in task.arguments]
+    return HeraTask(
+        name=task.name,
+        template=task.step.name,
+        arguments=arguments or None,
+        dependencies=list(task.dependencies) or None,
+        when=when,
+    )
+
+
+def chunk_dag(config: MoeloopConfig) -> DAG:
+    start = Task(START.name, START, 0, (("iteration", "0"),), ())
+    plan = Task(PLAN.name, PLAN, 0, (("chunk", str(chunk_size(config))),), (START.name,))
+    latest = Task("eval-latest", EVALUATE, 0, (("iteration", f"{{{{{PLAN_OUTPUTS}.latest}}}}"),), (PLAN.name,))
+    slots = chunk_tasks(config)
+    return DAG(
+        name=ENTRYPOINT,
+        tasks=[
+            _dag_task(start),
+            _dag_task(plan),
+            _dag_task(latest, when=f"{{{{{PLAN_OUTPUTS}.evaluate}}}} == true"),
+            HeraTask(
+                name="label",
+                template="label",
+                arguments=[Parameter(name=k, value=v) for k, v in LABEL_INPUTS.items()],
+                dependencies=[PLAN.name],
+                when=_counted(1),
+            ),
+            *(_dag_task(task, when=_counted(task.iteration), iteration=slot_iteration(task.iteration)) for task in slots),
+            HeraTask(
+                name="next-chunk",
+                template="next-chunk",
+                dependencies=[f"slot{slots[-1].iteration}-eval"],
+                when=f"{{{{{PLAN_OUTPUTS}.more}}}} == true && {{{{workflow.parameters.chain}}}} == true",
+            ),
+        ],
+    )
+
+
+def label_template(config: MoeloopConfig) -> Resource:
+    """Labels the running Workflow with the iterations plan chose, so the UI finds a run's chunk by iteration."""
+    patch = {  # a merge patch, not a whole Workflow: a plain dict
+        "apiVersion": API_VERSION,
+        "kind": "Workflow",
+        "metadata": {
+            "name": "{{workflow.name}}",
+            "labels": {f"{LABEL}/{name}-iteration": f"{{{{inputs.parameters.{name}}}}}" for name in LABEL_INPUTS},
+        },
+    }
+    return Resource(
+        name="label",
+        inputs=[Parameter(name=name) for name in LABEL_INPUTS],
+        **orchestrator_pod(config),
+        action="patch",
+        merge_strategy="merge",
+        manifest=yaml.safe_dump(patch, sort_keys=False),
+    )
+
+
+def next_chunk_workflow(config: MoeloopConfig) -> Workflow:
+    """The Workflow the last task creates: the next chunk, with this Workflow's parameters. Argo substitutes
+    {{...}} into the manifest's text before parsing it: each value is written as toJson's JSON string, which YAML
+    reads back as the very value, whatever its quotes, colons or lines."""
+    return Workflow(
+        generate_name=f"{config.run_name}-",
+        labels={**run_labels(config), f"{LABEL}/chained-from": "{{workflow.name}}"},
+        workflow_template_ref=m.WorkflowTemplateRef(name=template_name(config)),
+        arguments=[Parameter(name=name, value=f"{{{{=toJson(workflow.parameters.{name})}}}}") for name in PARAMETERS],
+    )
+
+
+def next_chunk_template(config: MoeloopConfig) -> Resource:
+    return Resource(
+        name="next-chunk",
+        **orchestrator_pod(config),
+        # No owner reference: the next chunk outlives this Workflow (and its garbage collection).
+        action="create",
+        manifest=next_chunk_workflow(config),
+    )
+
+
+def dag_tasks(document: dict) -> dict[str, tuple[str, ...]]:
+    """Task name -> sorted dependencies of the entrypoint DAG of a rendered WorkflowTemplate."""
+    spec = document["spec"]
+    dag = next(template["dag"] for template in spec["templates"] if template["name"] == spec["entrypoint"])
+    return {task["name"]: tuple(sorted(task.get("dependencies", ()))) for task in dag["tasks"]}

@@ -1,0 +1,96 @@
+"""Multi-node training: the train task as a resource template creating a JobSet of `cluster.train_nodes` pods,
+each the single-node trainer pod, with torchrun's rendezvous over the JobSet's headless service.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from hera.workflows import Resource
+
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.outputs import OUTPUTS_ENV
+from moeloop.workflows.dag import TRAIN
+from moeloop.workflows.render.placement import (
+    LABEL,
+    ROLE_LABEL,
+    orchestrator_pod,
+    placement,
+    pod_container,
+    pod_placement,
+    pod_volumes,
+    train_processes_per_node,
+)
+from moeloop.workflows.render.step_templates import OUTPUTS_DIR, step_placeholders, template_io
+
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+JOBSET_REPLICATED_JOB = "node"
+RENDEZVOUS_PORT = 29500
+
+
+def render_jobset(config: MoeloopConfig) -> dict[str, Any]:
+    """The JobSet the multi-node train task creates (a Kubernetes object, so a plain dict); Argo fills its {{...}}."""
+    nodes = config.cluster.train_nodes
+    # Pod i of replicated job `node` is <jobset>-node-0-i, reachable as such under the subdomain <jobset>.
+    rendezvous = [
+        f"--nnodes={nodes}",
+        "--node-rank=$(NODE_RANK)",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=$(JOBSET_NAME)-{JOBSET_REPLICATED_JOB}-0-0.$(JOBSET_NAME):{RENDEZVOUS_PORT}",
+        "--rdzv-id=$(JOBSET_NAME)",
+    ]
+    argv = TRAIN.argv(step_placeholders(TRAIN), train_processes_per_node(config), rendezvous)
+    downward = [
+        ("JOBSET_NAME", "metadata.labels['jobset.sigs.k8s.io/jobset-name']"),
+        ("NODE_RANK", "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
+    ]
+    env = [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in downward]
+    env.append({"name": OUTPUTS_ENV, "value": OUTPUTS_DIR})
+    volumes, _ = pod_volumes("train", placement(config, "train"))
+    labels = {
+        f"{LABEL}/run": config.run_name,
+        f"{LABEL}/step": TRAIN.name,
+        ROLE_LABEL: TRAIN.role,
+        f"{LABEL}/iteration": "{{inputs.parameters.iteration}}",
+    }
+    pod_spec = {
+        "restartPolicy": "Never",
+        **pod_placement(config, "train"),
+        "containers": [pod_container(config, "train", argv, env)],
+        **({"volumes": volumes} if volumes else {}),
+    }
+    job = {
+        "parallelism": nodes,
+        "completions": nodes,
+        "completionMode": "Indexed",
+        "backoffLimit": 0,
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    return {
+        "apiVersion": JOBSET_API_VERSION,
+        "kind": "JobSet",
+        "metadata": {"generateName": f"{config.run_name}-", "labels": labels},
+        "spec": {
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            # A failed rank fails the iteration's train task; re-running it (Argo retry, resubmit) starts anew.
+            "failurePolicy": {"maxRestarts": 0},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [JOBSET_REPLICATED_JOB]},
+            "replicatedJobs": [{"name": JOBSET_REPLICATED_JOB, "replicas": 1, "template": {"spec": job}}],
+        },
+    }
+
+
+def jobset_train_template(config: MoeloopConfig) -> Resource:
+    io = template_io(TRAIN, TRAIN.role)
+    io["outputs"] = None  # the figures stay in the JobSet's pods (and reports/iter-N/train.json)
+    return Resource(
+        name=TRAIN.name,
+        **io,
+        **orchestrator_pod(config),
+        action="create",
+        set_owner_reference=True,  # deleted with the Workflow
+        manifest=yaml.safe_dump(render_jobset(config), sort_keys=False),
+        success_condition="status.terminalState == Completed",
+        failure_condition="status.terminalState == Failed",
+    )

@@ -1,0 +1,119 @@
+"""The run's Argo objects as Hera objects: `build` makes the WorkflowTemplate holding one chunk, and the Workflow
+and CronWorkflow that run it; `render` gives them as the dicts Argo reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hera.workflows import DAG, Container, CronWorkflow, Parameter, Resource, Workflow, WorkflowTemplate
+from hera.workflows import models as m
+
+from moeloop.steps.config import MoeloopConfig
+from moeloop.workflows.dag import STEPS, TRAIN, Step
+from moeloop.workflows.monitoring import run_annotations
+from moeloop.workflows.render.chunk import ENTRYPOINT, chunk_dag, label_template, next_chunk_template, template_name
+from moeloop.workflows.render.jobset import jobset_train_template
+from moeloop.workflows.render.parameters import PARAMETER_DESCRIPTIONS, PARAMETERS, run_arguments, run_labels
+from moeloop.workflows.render.placement import LABEL
+from moeloop.workflows.render.step_templates import container_template
+
+
+@dataclass(frozen=True)
+class Loop:
+    """The run's Argo objects, as Hera objects: a WorkflowTemplate holding one chunk, and the Workflow and
+    CronWorkflow that run it. Change them as Hera objects (`chunk` is the template's DAG); `moeloop render`
+    writes them with Hera's serialization, submit/register/schedule send them."""
+
+    template: WorkflowTemplate
+    workflow: Workflow
+    cron_workflow: CronWorkflow
+
+    @property
+    def chunk(self) -> DAG:
+        return next(t for t in self.template.templates if isinstance(t, DAG) and t.name == ENTRYPOINT)
+
+    def objects(self) -> dict[str, Workflow]:
+        """By the file name `moeloop render` writes each to."""
+        return dict(zip(FILES, (self.template, self.workflow, self.cron_workflow)))
+
+
+FILES = ("workflow-template.yaml", "workflow.yaml", "cron-workflow.yaml")
+
+
+def build(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -> Loop:
+    """Every Argo object of the run at `run_uri` (e.g. s3://bucket/runs/<run_name>). `iterations` sets the target;
+    the chunks do not depend on it."""
+    config = with_target(config, iterations)
+    metadata = {"namespace": config.cluster.namespace, "labels": run_labels(config)}
+    values = run_arguments(config, run_uri, chain=True)
+    template = WorkflowTemplate(
+        name=template_name(config),
+        **metadata,
+        entrypoint=ENTRYPOINT,
+        service_account_name=config.cluster.orchestrator_service_account,
+        # `value` is what the controller substitutes; `default` is what the UI's submit form pre-fills.
+        arguments=[
+            Parameter(
+                name=name,
+                value=values[name],
+                default=values[name],
+                description=PARAMETER_DESCRIPTIONS[name],
+                enum=["true", "false"] if name == "chain" else None,
+            )
+            for name in PARAMETERS
+        ],
+        # One chunk of a run at a time, whoever submitted it: a chained chunk waits for its predecessor.
+        synchronization=m.Synchronization(mutexes=[m.Mutex(name=f"moeloop-run-{config.run_name}")]),
+        workflow_metadata=m.WorkflowMetadata(labels=run_labels(config), annotations=run_annotations(run_uri)),
+        pod_metadata=m.Metadata(labels={f"{LABEL}/run": config.run_name}),
+        templates=[
+            chunk_dag(config),
+            *(_step_template(step, config) for step in STEPS),
+            label_template(config),
+            next_chunk_template(config),
+        ],
+    )
+    return Loop(
+        template=template,
+        workflow=Workflow(generate_name=f"{config.run_name}-", **metadata, **_referring(config, run_uri, True)),
+        # Each tick runs one chunk from LATEST (no chaining: the schedule is the chain); at the target a tick runs
+        # start and plan only and succeeds. Forbid: no tick while the previous one runs.
+        cron_workflow=CronWorkflow(
+            name=template_name(config),
+            **metadata,
+            schedules=list(config.cluster.schedule.schedules),
+            timezone=config.cluster.schedule.timezone,
+            concurrency_policy="Forbid",
+            starting_deadline_seconds=300,
+            successful_jobs_history_limit=3,
+            failed_jobs_history_limit=3,
+            **_referring(config, run_uri, False),
+        ),
+    )
+
+
+def _referring(config: MoeloopConfig, run_uri: str, chain: bool) -> dict[str, Any]:
+    """A Workflow spec that runs the template (the template must be registered) with the run's arguments."""
+    values = run_arguments(config, run_uri, chain)
+    return {
+        "workflow_template_ref": m.WorkflowTemplateRef(name=template_name(config)),
+        "arguments": [Parameter(name=name, value=values[name]) for name in PARAMETERS],
+    }
+
+
+def with_target(config: MoeloopConfig, iterations: int | None) -> MoeloopConfig:
+    return config if iterations is None else config.model_copy(update={"iterations": iterations})
+
+
+def render(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -> dict[str, dict]:
+    """Every object of the run as the dict Argo reads, by file name."""
+    return {name: hera_object.to_dict() for name, hera_object in build(config, run_uri, iterations).objects().items()}
+
+
+def _step_template(step: Step, config: MoeloopConfig) -> Container | Resource:
+    """The step's template; multi-node training is a resource template creating a JobSet."""
+    if step is TRAIN and config.cluster.train_nodes > 1:
+        return jobset_train_template(config)
+    return container_template(step, config)
