@@ -21,7 +21,7 @@ from tests.conftest import REPO
 from moeloop.workflows import render as render_module
 from moeloop.workflows.dag import PLAN, START, STEPS, TRAIN, loop_tasks, run_values
 from moeloop.workflows.lint import lint_documents
-from moeloop.workflows.local import local_argv
+from moeloop.workflows.local.launch import local_argv
 from moeloop.workflows.render import (
     MAX_CHUNK_TASKS,
     MAX_OBJECT_BYTES,

@@ -13,9 +13,9 @@ from typing import Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
-from moeloop.steps.capacity.hardware import GPUS
 from moeloop.steps.config import Strict, describe_validation_error
 from moeloop.steps.errors import MoeloopError
+from moeloop.workflows.capacity.hardware import GPUS
 
 LOCAL = "local"  # the local runner on this machine: steps share local.parallelism slots of its cores
 
@@ -30,7 +30,7 @@ class Batch(Strict):
 
 
 class Trainer(Strict):
-    """The train step's settings, as steps/capacity/memory.py takes them."""
+    """The train step's settings, as the memory model (`moeloop.steps.rl.memory`) takes them."""
 
     precision: Literal["bf16", "fp32"] = "bf16"
     activation_checkpointing: bool = True
@@ -43,7 +43,7 @@ class Trainer(Strict):
 
 class StatedRates(Strict):
     """Rates for the target's model on the target's GPU, stated by the user. Each one replaces the run's. For the
-    local runner, per core: "per GPU" is per core, and seconds are core-seconds (`moeloop.steps.capacity.rates`)."""
+    local runner, per core: "per GPU" is per core, and seconds are core-seconds (`moeloop.workflows.capacity.rates`)."""
 
     rollout_tokens_per_second_per_gpu: float | None = Field(None, gt=0)  # all of a shard's sequences together
     rollout_sequence_tokens_per_second: float | None = Field(None, gt=0)  # one sequence's decoding speed
@@ -70,7 +70,7 @@ class Search(Strict):
 
 
 class Target(Strict):
-    model: str | None = None  # a family name (steps/capacity/models.py) or an HF config.json path
+    model: str | None = None  # a family name (workflows/capacity/models.py) or an HF config.json path
     gpu: str = LOCAL  # H100, H200, or local
     measured_on: str = LOCAL  # where the run's rates were measured
     prices: str | None = None  # the prices table (required for a GPU target)

@@ -2,7 +2,7 @@
 
 A rollout shard's engine then stays loaded between iterations and only its weights are swapped
 (`moeloop.steps.engines.engine.engine_for`), as a long-lived rollout pod would do. The commands are exactly the pods'
-commands (`python -m steps.<name> ...`); each request is one JSON line on stdin,
+commands (`python -m moeloop.steps.<name> ...`); each request is one JSON line on stdin,
 {"argv": [...], "log": PATH, "threads": N or null}, and each reply one JSON line on stdout, {"returncode": N}.
 While a command runs, its output goes to its log file. A request {"warm": [MODULE, ...], "log": PATH} imports
 the modules (the step's, and the engine's it will build) and has no reply: the runner sends it as it starts the

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moeloop.steps.capacity.models import ModelShape, parameter_counts, shape_from_hf_config
+from moeloop.steps.model.shape import ModelShape, parameter_counts, shape_from_hf_config
 from moeloop.steps.config import TrainerConfig
 from moeloop.steps.errors import MoeloopError
 
