@@ -104,7 +104,7 @@ def test_memory_moves_the_right_way() -> None:
     assert predict_train_peak_bytes(shape, 8, 8, 16384).terms["gathered_layers"] < base.terms["gathered_layers"]
     unchecked = predict_train_peak_bytes(shape, 8, 1, 16384, activation_checkpointing=False)
     assert unchecked.terms["activations"] > 10 * base.terms["activations"]
-    offloaded = predict_train_peak_bytes(shape, 8, 1, 16384, optimizer_offload=True, reference="precomputed")
+    offloaded = predict_train_peak_bytes(shape, 8, 1, 16384, offload_optimizer=True, reference="precomputed")
     # trainer.offload_optimizer keeps AdamW's moments on the host; master weights and gradients stay on the GPU.
     assert [offloaded.terms[t] for t in ("adam_moments", "reference_policy")] == [0] * 2
     assert offloaded.terms["master_weights"] == base.terms["master_weights"]

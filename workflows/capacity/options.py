@@ -121,7 +121,7 @@ def train_memory(setup: Setup, world: int, ep: int) -> TrainMemory:
         t.max_tokens_per_microbatch,
         t.precision,
         t.activation_checkpointing,
-        t.optimizer_offload,
+        t.offload_optimizer,
         t.reference,
         routing_imbalance=t.routing_imbalance,
         workspace_bytes=int(t.workspace_gib * GIB),
@@ -316,7 +316,7 @@ def make_plan(
         raise MoeloopError(
             f"model {setup.model}: its trainer fits no option on {setup.gpu.name}"
             f" ({setup.gpu.memory_bytes / GIB:.0f} GiB per GPU): at {world} GPUs and EP {ep} it needs {least:.0f} GiB"
-            " per GPU; try more train nodes (search.train_nodes), trainer.optimizer_offload or a smaller"
+            " per GPU; try more train nodes (search.train_nodes), trainer.offload_optimizer or a smaller"
             " trainer.max_tokens_per_microbatch"
         )
     evaluated = sorted(

@@ -13,7 +13,7 @@ from typing import Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
-from moeloop.steps.config import Strict, describe_validation_error
+from moeloop.steps.config import Strict, TrainerConfig, describe_validation_error
 from moeloop.steps.errors import MoeloopError
 from moeloop.workflows.capacity.hardware import GPUS
 
@@ -30,12 +30,15 @@ class Batch(Strict):
 
 
 class Trainer(Strict):
-    """The train step's settings, as the memory model (`moeloop.steps.rl.memory`) takes them."""
+    """The train step's settings, as the memory model (`moeloop.steps.rl.memory`) takes them.
+    max_tokens_per_microbatch and offload_optimizer are the run config's trainer keys, defined there once
+    (TrainerConfig); precision and activation_checkpointing default to a GPU trainer of a large MoE (bf16, what the
+    run's `auto` takes on CUDA; checkpointing on), not to the run config's `auto` and off."""
 
     precision: Literal["bf16", "fp32"] = "bf16"
     activation_checkpointing: bool = True
-    max_tokens_per_microbatch: int = Field(16384, gt=0)
-    optimizer_offload: bool = False
+    max_tokens_per_microbatch: int = TrainerConfig.model_fields["max_tokens_per_microbatch"]
+    offload_optimizer: bool = TrainerConfig.model_fields["offload_optimizer"]
     reference: Literal["sharded", "precomputed", "none"] = "sharded"
     routing_imbalance: float = Field(1.0, ge=1)
     workspace_gib: float = Field(4.0, ge=0)
