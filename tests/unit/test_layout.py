@@ -1,7 +1,9 @@
 """The layout of steps/ (steps/README.md): the programs at the top, the libraries in rooms below them.
 
 No module of steps/ imports a program (a pod CLI of the DAG, or another `python -m steps.<name>` entry point), so
-every program can change without its neighbours noticing; and no file under steps/ is over 450 lines.
+every program can change without its neighbours noticing; no library (a room below the top) imports the programs'
+helper either, nor does anything under steps/ import workflows/ (what the pods run needs nothing of what runs
+them); and no file under steps/ is over 450 lines.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ MAX_LINES = 450
 # Programs besides the DAG's steps: run by hand (README), never imported.
 OTHER_PROGRAMS = ("reward_model", "demo_task")
 PROGRAMS = {f"moeloop.steps.{step.name}" for step in STEPS} | {f"moeloop.steps.{name}" for name in OTHER_PROGRAMS}
+PROGRAMS_HELPER = "moeloop.steps.common"  # what the pod CLIs share: their arguments, reports, opening an iteration
 
 
 def module_name(path: Path) -> str:
@@ -48,6 +51,20 @@ def test_no_module_of_steps_imports_a_program() -> None:
         if imported_modules(path) & PROGRAMS
     }
     assert offenders == {}
+
+
+def test_no_library_imports_the_programs_helper() -> None:
+    libraries = [path for path in sorted(STEPS_DIR.rglob("*.py")) if path.parent != STEPS_DIR]
+    assert libraries, "no libraries found under steps/"
+    assert [module_name(path) for path in libraries if PROGRAMS_HELPER in imported_modules(path)] == []
+
+
+def test_nothing_under_steps_imports_workflows() -> None:
+    offenders = {
+        module_name(path): sorted(m for m in imported_modules(path) if m.split(".")[:2] == ["moeloop", "workflows"])
+        for path in sorted(STEPS_DIR.rglob("*.py"))
+    }
+    assert {name: modules for name, modules in offenders.items() if modules} == {}
 
 
 def test_the_import_scan_sees_imports_inside_functions(tmp_path: Path) -> None:
