@@ -16,7 +16,7 @@ from moeloop.steps.config_base import Strict
 from moeloop.steps.config_cluster import ClusterConfig
 from moeloop.steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.inputs import check_location, load_yaml, read_limited
+from moeloop.steps.inputs import check_location, check_strings, load_yaml, read_limited
 
 # A config is a few KB; a file much larger is not one (a checkpoint, a log, /dev/zero), and is not read whole.
 MAX_CONFIG_BYTES = 1 << 20
@@ -312,6 +312,12 @@ class MoeloopConfig(Strict):
     cluster: ClusterConfig = ClusterConfig()
     local: LocalConfig = LocalConfig()
     observe: ObserveConfig = ObserveConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_for_manifests(cls, data: object) -> object:
+        check_strings(data)  # before the fields are read: no error line may echo a credential
+        return data
 
     @field_validator("run_name")
     @classmethod

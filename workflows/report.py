@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from moeloop.steps.inputs import output_folder
 from moeloop.steps.storage.metrics import committed_metrics
 from moeloop.steps.storage.run import RunStorage
 
@@ -73,6 +74,8 @@ def format_table(all_metrics: list[dict[str, Any]]) -> str:
 def print_report(run_uri: str, plot_dir: Path | None = None) -> None:
     storage = RunStorage(run_uri)
     storage.require_run()
+    if plot_dir is not None:
+        output_folder(plot_dir, "--plot")  # before the table: a bad folder is the one line printed
     all_metrics = committed_metrics(storage)
     print(format_table(all_metrics))
     if not all_metrics:

@@ -23,10 +23,9 @@ from pathlib import Path
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.inputs import output_folder
 from moeloop.steps.observe.events import event_file
 from moeloop.steps.observe.scalars import IterationScalars, iteration_scalars
-from moeloop.steps.storage.backends import LocalBackend
-from moeloop.steps.storage.manifest import TEMPORARY
 from moeloop.steps.storage.run import RunStorage
 
 # The package each tracker imports (TensorBoard's files need none).
@@ -58,12 +57,9 @@ class TensorBoardFiles:
         pass  # each iteration's file stands alone
 
     def record(self, scalars: IterationScalars) -> None:
+        # A local write killed midway leaves its temporary beside the file, and TensorBoard reads every file named
+        # *tfevents*: a whole one would repeat the points. The retry's write removes it (backends.local_temporary).
         name = self.name(scalars.iteration)
-        if isinstance(self.storage.backend, LocalBackend):
-            # A local write killed midway leaves its temporary beside the file, and TensorBoard reads every file
-            # named *tfevents*: a whole one would repeat the points. Only this iteration's retry writes this name.
-            for leftover in self.storage.fs.glob(f"{self.storage.full(name)}{TEMPORARY}*"):
-                self.storage.fs.rm(leftover)
         self.storage.write_bytes(name, event_file(scalars.iteration, scalars.wall_time, sorted(scalars.values.items())))
 
 
@@ -71,7 +67,7 @@ def sync_tensorboard(run_uri: str, local_dir: Path) -> list[Path]:
     """Copy the run's event files into local_dir (for `tensorboard --logdir`); files already there are kept."""
     storage = RunStorage(run_uri)
     storage.require_run()
-    local_dir.mkdir(parents=True, exist_ok=True)
+    output_folder(local_dir, "DIR")
     copied = []
     for name, size in sorted(storage.sizes(TensorBoardFiles.FOLDER).items()):
         target = local_dir / name

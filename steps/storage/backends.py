@@ -12,7 +12,6 @@ import fcntl
 import os
 import posixpath
 import signal
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +21,15 @@ import fsspec
 
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.storage import s3
-from moeloop.steps.storage.manifest import COMMIT, PART_SIZE, TEMPORARY, bytes_entry, copy_hashed, object_entry
+from moeloop.steps.storage.manifest import (
+    COMMIT,
+    PART_SIZE,
+    bytes_entry,
+    copy_hashed,
+    object_entry,
+    remove_dead_temporaries,
+    temporary_name,
+)
 
 if TYPE_CHECKING:
     from moeloop.steps.storage.run import RunStorage
@@ -244,7 +251,7 @@ class S3Backend:
 def local_temporary(path: str, data: bytes) -> Iterator[str]:
     """data in a fsynced temporary file beside path, removed afterwards unless it was renamed."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}{TEMPORARY}{uuid.uuid4().hex}"
+    temporary = temporary_name(path)
     try:
         with open(temporary, "wb") as file:
             file.write(data)
@@ -254,3 +261,4 @@ def local_temporary(path: str, data: bytes) -> Iterator[str]:
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+    remove_dead_temporaries(path)  # this write is whole: what a killed earlier writer of path left goes

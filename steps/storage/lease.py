@@ -11,7 +11,9 @@ Every change is a compare-and-swap of the backend (backends.py), so two drivers 
 lease cannot both win: on S3 a PutObject with If-None-Match: * creates it, PutObject and DeleteObject with
 If-Match: <the ETag read> renew, take over and remove it (S3 honours these on general purpose buckets, as does
 SeaweedFS); locally the lock file is read and replaced under an exclusive flock of the run's folder.
-Expiry compares the holder's clock with the reader's: hosts whose clocks differ by much less than TTL_SECONDS.
+Expiry compares the holder's clock with the reader's: hosts whose clocks differ by much less than TTL_SECONDS. A
+lease stamped by a clock ahead by more than CLOCK_SKEW_SECONDS is refused as busy like any other (the holder may be
+alive), with the LEASE to remove once no driver holds it.
 
 On Argo the chunks of a run are serialised by the Workflow-level mutex `moeloop-run-<run>` instead (see the
 render): Argo holds it for a Workflow's life and releases it when it ends, however it ends. The two do not see
@@ -32,11 +34,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.manifest import process_alive
 from moeloop.steps.storage.run import RunStorage
 
 LEASE = "LEASE"
 TTL_SECONDS = 120.0
 RENEW_SECONDS = 30.0
+# How far apart the hosts' clocks may be. A lease's expiry is at most TTL_SECONDS after its holder's last renewal, so
+# one further from now than that by more than this was stamped by a clock ahead of this host's (or written by hand):
+# no wait here tells when it really expires, and the refusal says so.
+CLOCK_SKEW_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -50,10 +57,14 @@ class Holder:
     def describe(self) -> str:
         return f"host {self.host}, pid {self.pid}, since {_utc(self.since)}"
 
+    def clock_ahead(self, now: float) -> float:
+        """At least how far the holder's clock is ahead of now's (0 when its expiry is within reach)."""
+        return max(0.0, self.expires_at - now - TTL_SECONDS)
+
     def is_stale(self, now: float) -> bool:
         if now > self.expires_at:
             return True
-        return self.host == socket.gethostname() and not _process_alive(self.pid)
+        return self.host == socket.gethostname() and not process_alive(self.pid)
 
     def record(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -61,16 +72,6 @@ class Holder:
 
 def _utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def parse_holder(raw: bytes, source: str) -> Holder:
@@ -120,6 +121,7 @@ class RunLease:
             raise MoeloopError(
                 f"run {self.storage.uri} is busy: another `moeloop run` holds its lease ({busy[0].describe()},"
                 f" expires {_utc(busy[0].expires_at)} unless renewed); wait for it to end or stop it"
+                + skew_advice(busy[0], self.storage)
             )
         self.holder, self.renewed_at = ours, now
 
@@ -190,4 +192,16 @@ def check_free(storage: RunStorage) -> None:
     if not holder.is_stale(time.time()):
         raise MoeloopError(
             f"run {storage.uri} is driven by a `moeloop run` ({holder.describe()}): refusing to run a chunk beside it"
+            + skew_advice(holder, storage)
         )
+
+
+def skew_advice(holder: Holder, storage: RunStorage) -> str:
+    """What a refusal adds when the holder's clock is ahead of this host's by more than CLOCK_SKEW_SECONDS."""
+    ahead = holder.clock_ahead(time.time())
+    if ahead <= CLOCK_SKEW_SECONDS:
+        return ""
+    return (
+        f"; but its expiry is {ahead:.0f} s further away than a lease runs, so the clock of {holder.host} is ahead"
+        f" of this host's: if no `moeloop run` drives this run any more, remove {storage.display(LEASE)}"
+    )

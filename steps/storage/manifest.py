@@ -7,10 +7,12 @@ the parts are also the multipart upload's, so each part is hashed by the thread 
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
 import re
+import socket
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +31,37 @@ MIN_PART_SIZE = 1 << 20  # in a COMMIT: smaller parts would have a reader send a
 PART_SIZE = 8 << 20
 MAX_PARTS = 10_000
 TEMPORARY = ".tmp-"  # in the name of a local write in progress; never part of a committed name
+
+
+def temporary_name(path: str | Path) -> str:
+    """The temporary a local write of path goes through: beside it, named for its writer (host and pid), so that a
+    later writer of path can tell a leftover of one that died."""
+    return f"{path}{TEMPORARY}{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
+
+
+def remove_dead_temporaries(path: str | Path) -> None:
+    """Remove the temporaries that writers of path left when they died (SIGKILL, a lost node): those of this host
+    whose process is gone, and those of a moeloop from before temporaries named their writer. A live writer's,
+    racing this one, stays; as do other hosts' (their processes cannot be seen from here)."""
+    for leftover in glob.glob(f"{glob.escape(str(path))}{TEMPORARY}*"):
+        writer = leftover[len(str(path)) + len(TEMPORARY) :].rpartition(".")[0]  # host.pid, less the uuid
+        host, _, pid = writer.rpartition(".")
+        if not writer or (host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid))):
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass  # another writer of path removed it first
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this host has that pid (a signal-0 probe)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def part_digest(data: bytes | memoryview) -> bytes:
@@ -70,7 +103,7 @@ def local_entry(path: Path) -> dict[str, Any]:
 def copy_hashed(source: Path, target: Path) -> dict[str, Any]:
     """Copy a local file through a fsynced temporary name, hashing its parts on the way: its COMMIT entry."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f"{target.name}{TEMPORARY}{uuid.uuid4().hex}")
+    temporary = Path(temporary_name(target))
     size = source.stat().st_size
     step = part_size(size)
     digests = []
@@ -88,6 +121,7 @@ def copy_hashed(source: Path, target: Path) -> dict[str, Any]:
     finally:
         if temporary.exists():
             temporary.unlink()
+    remove_dead_temporaries(target)
     return object_entry(size, step, digests)
 
 

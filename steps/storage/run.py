@@ -37,6 +37,7 @@ from typing import Any
 
 from moeloop.steps.config import MoeloopConfig, parse_config_text
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.inputs import check_location_text
 from moeloop.steps.storage import s3
 from moeloop.steps.storage.backends import Backend, LocalBackend, S3Backend, crash_point
 from moeloop.steps.storage.manifest import (
@@ -66,6 +67,10 @@ class RunStorage:
     uri: str
 
     def __post_init__(self) -> None:
+        try:
+            check_location_text(self.uri)  # a run URI reaches manifests and every step's argv: one token
+        except ValueError as error:
+            raise MoeloopError(f"the run's storage URI: {error}") from None
         backend: Backend
         if self.uri.startswith("s3://"):
             location = s3.parse_s3_uri(self.uri)

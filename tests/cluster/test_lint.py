@@ -126,15 +126,27 @@ def errors_at(errors: list[LintError], path: str) -> list[str]:
 # The corpus is accepted
 
 
+# The corpus's one defect, which lint names: this example gives its metadata `annotations` twice (PyYAML would keep
+# the second, dropping the first without a word).
+CORPUS_DEFECTS = {
+    "k8s-patch-json-workflow.yaml": "not valid YAML (key 'annotations' appears twice in one mapping, line 13)",
+}
+
+
+def corpus_defects(paths: list[Path]) -> list[str]:
+    return [f"{path}: {CORPUS_DEFECTS[path.name]}" for path in paths if path.name in CORPUS_DEFECTS]
+
+
 @pytest.mark.parametrize("path", corpus_files())
 def test_corpus_file_lints_clean(path: Path) -> None:
-    assert [str(error) for error in lint_paths([path])] == []
+    assert [str(error) for error in lint_paths([path])] == corpus_defects([path])
 
 
 def test_corpus_has_all_argo_documents_and_lints_clean_as_one_tree() -> None:
     assert len(corpus_documents()) == 225
     # One call: templateRefs are then checked against the corpus's own WorkflowTemplates.
-    assert [str(error) for error in lint_paths([corpus()])] == []
+    files = sorted(path for path in corpus().rglob("*") if path.suffix in (".yaml", ".yml"))
+    assert [str(error) for error in lint_paths([corpus()])] == corpus_defects(files)
 
 
 def test_fast_schema_check_agrees_with_jsonschema_on_corpus() -> None:
@@ -424,7 +436,7 @@ def test_broken_yaml_is_a_lint_error(tmp_path: Path) -> None:
     broken.write_text("apiVersion: argoproj.io/v1alpha1\nkind: Workflow\nspec: {templates: [\n")
     errors = lint_paths([tmp_path])
     assert len(errors) == 1 and errors[0].source == str(broken)
-    assert errors[0].message.startswith("invalid YAML: ") and "line" in errors[0].message
+    assert errors[0].message.startswith("not valid YAML (") and "line" in errors[0].message
     assert "\n" not in str(errors[0])
 
 

@@ -36,6 +36,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.argo_substitution import read_back
 from tests.conftest import REPO
 from tests.upstream import needs_upstream, upstream
 from moeloop.workflows.lint.schema_checks import schema_validator
@@ -791,7 +792,7 @@ def pod_specs(document: Doc) -> Iterator[tuple[str, str, Doc]]:
             )
         manifest = (template.get("resource") or {}).get("manifest")
         if manifest and manifest.startswith(f"apiVersion: {JOBSET_API_VERSION}\n"):
-            jobset = yaml.safe_load(manifest)
+            jobset = read_back(manifest)
             for job in jobset["spec"]["replicatedJobs"]:
                 pod = job["template"]["spec"]["template"]["spec"]
                 labels = job["template"]["spec"]["template"].get("metadata", {}).get("labels", {})
@@ -810,7 +811,7 @@ def test_every_rendered_pod_lands_on_its_roles_nodes_as_its_roles_service_accoun
             # Argo's own kinds (the next chunk's Workflow, YAML only once Argo substituted its {{...}}) are
             # `moeloop lint`'s; the rest must match their CRDs.
             if text and not text.startswith("apiVersion: argoproj.io/"):
-                errors += schema_errors(f"rendered {name}", yaml.safe_load(text))
+                errors += schema_errors(f"rendered {name}", read_back(text))
         for where, role, pod in pod_specs(document):
             pools = pools_for(objects, pod.get("nodeSelector") or {}, pod.get("tolerations") or [])
             if pools != [f"moeloop-{role}"]:

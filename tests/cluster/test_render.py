@@ -17,6 +17,7 @@ from moeloop.steps.config import MoeloopConfig, parse_config
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.start import load_config_argument
 from tests.argo_stand_in import moeloop
+from tests.argo_substitution import read_back
 from tests.conftest import REPO
 from moeloop.workflows.dag import PLAN, START, STEPS, TRAIN, loop_tasks, run_values
 from moeloop.workflows.lint.documents import lint_documents
@@ -162,7 +163,7 @@ def test_chunk_starts_with_start_and_plan_and_ends_with_the_next_chunk(
     assert tasks["plan"]["arguments"]["parameters"] == [{"name": "chunk", "value": "3"}]
     assert deps["next-chunk"] == ("slot3-eval",)
     assert tasks["next-chunk"]["when"] == (
-        "{{tasks.plan.outputs.parameters.more}} == true && {{workflow.parameters.chain}} == true"
+        "{{tasks.plan.outputs.parameters.more}} == true && {{=workflow.parameters.chain == 'true'}}"
     )
     assert len(tasks) == 4 + 3 * (config.rollout.num_shards + 4) + 1
 
@@ -335,7 +336,7 @@ def test_label_task_marks_the_workflow_with_its_iterations(documents: dict[str, 
     template = documents["workflow-template.yaml"]
     label = templates_by_name(template)["label"]
     assert (label["resource"]["action"], label["resource"]["mergeStrategy"]) == ("patch", "merge")
-    patch = yaml.safe_load(label["resource"]["manifest"])
+    patch = read_back(label["resource"]["manifest"])
     assert patch["metadata"]["name"] == "{{workflow.name}}"
     assert patch["metadata"]["labels"] == {
         "moeloop.dev/first-iteration": "{{inputs.parameters.first}}",

@@ -14,6 +14,7 @@ from jsonschema import Draft4Validator
 
 from moeloop.steps.config import MoeloopConfig, load_config, parse_config
 from moeloop.steps.errors import MoeloopError
+from tests.argo_substitution import read_back
 from tests.upstream import upstream
 from moeloop.workflows.dag import STEPS
 from moeloop.workflows.lint.documents import lint_documents, lint_paths
@@ -146,7 +147,7 @@ def test_trainer_pod_has_efa_hugepages_shared_memory_and_ipc_lock(config: Moeloo
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and volumes["dshm"]["emptyDir"]["sizeLimit"]
     assert volumes["hugepages"]["emptyDir"] == {"medium": "HugePages"}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    assert mounts == {"/dev/shm": "dshm", "/dev/hugepages": "hugepages"}
+    assert mounts == {"/tmp": "tmp", "/home/moeloop": "home", "/dev/shm": "dshm", "/dev/hugepages": "hugepages"}
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert {key: env[key] for key in EFA_ENV} == EFA_ENV
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
@@ -200,7 +201,7 @@ def test_multi_node_train_is_a_jobset_argo_waits_on(multi_node: MoeloopConfig) -
     assert resource["successCondition"] == "status.terminalState == Completed"
     assert resource["failureCondition"] == "status.terminalState == Failed"
     assert train["serviceAccountName"] == "moeloop-orchestrator"
-    jobset = yaml.safe_load(resource["manifest"])
+    jobset = read_back(resource["manifest"])
     assert jobset == render_jobset(multi_node)
     assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
 
@@ -242,7 +243,7 @@ def test_jobset_runs_torchrun_rendezvous_over_its_nodes(multi_node: MoeloopConfi
     assert pod["nodeSelector"] == {ROLE: "train"} and pod["serviceAccountName"] == "moeloop-train"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-    assert {v["name"] for v in pod["volumes"]} == {"dshm", "hugepages"}
+    assert {v["name"] for v in pod["volumes"]} == {"tmp", "home", "dshm", "hugepages"}
     assert pod["restartPolicy"] == "Never"
     assert job["template"]["metadata"]["labels"]["moeloop.dev/iteration"] == "{{inputs.parameters.iteration}}"
 
@@ -335,6 +336,7 @@ def test_every_pod_but_the_trainer_is_restricted(tmp_path: Path, nodes: int) -> 
     assert trainer_containers[0]["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+        "readOnlyRootFilesystem": True,
     }
     assert trainer_pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
 from moeloop.steps.config import TrainerConfig, describe_validation_error
 from moeloop.steps.config_base import Strict
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.inputs import load_yaml as read_yaml
+from moeloop.steps.inputs import read_limited
 from moeloop.workflows.capacity.hardware import GPUS
 
+MAX_FILE_BYTES = 1 << 20  # a target or a prices table is a few KB
 LOCAL = "local"  # the local runner on this machine: steps share local.parallelism slots of its cores
 
 
@@ -119,12 +121,9 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 def load_yaml(path: Path, model: type[Model], what: str) -> Model:
+    data = read_yaml(read_limited(path, f"{what} file", MAX_FILE_BYTES), f"{what} {path}")
     try:
-        return model.model_validate(yaml.safe_load(path.read_text()) or {})
-    except FileNotFoundError:
-        raise MoeloopError(f"{what} file not found: {path}") from None
-    except yaml.YAMLError as error:
-        raise MoeloopError(f"{what} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+        return model.model_validate(data or {})
     except ValidationError as error:
         raise MoeloopError(f"{what} {path}: {describe_validation_error(error)}") from None
 

@@ -8,14 +8,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.inputs import NotYaml, load_yaml_documents, read_limited
 from moeloop.workflows.lint import argo_schema
-from moeloop.workflows.lint.helpers import TemplateIndex, YamlMap, names_of, one_line
+from moeloop.workflows.lint.helpers import TemplateIndex, YamlMap, names_of
 from moeloop.workflows.lint.references import reference_findings
 from moeloop.workflows.lint.schema_checks import schema_findings
 
 ARGO_KINDS = frozenset(argo_schema.KINDS)
+# An Argo object is at most ~1.5 MB (etcd's request limit); a file of many is larger, but not this large.
+MAX_MANIFEST_BYTES = 64 << 20
 # Real kinds that share the argoproj.io API group but are not Argo Workflows manifests a user
 # writes (Argo Events, Argo CD, Argo Rollouts, and the Workflows controller's own bookkeeping):
 # skipped like any non-Argo document, so a kind typo under argoproj.io is still an error.
@@ -128,22 +130,13 @@ def _expand_paths(paths: Iterable[str | Path]) -> Iterator[Path | LintError]:
 
 
 def _load_yaml(path: Path) -> list[object] | LintError:
+    """The file's documents, read as moeloop reads every YAML file it is handed (steps/inputs.py)."""
     try:
-        return list(yaml.load_all(path.read_text(encoding="utf-8"), Loader=_YAML_LOADER))
-    except yaml.YAMLError as error:
-        return LintError(str(path), "", "", _yaml_error_message(error))
-    except (OSError, UnicodeDecodeError) as error:
-        return LintError(str(path), "", "", f"cannot read file: {error}")
-
-
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-def _yaml_error_message(error: yaml.YAMLError) -> str:
-    problem = getattr(error, "problem", None) or str(error)
-    mark = getattr(error, "problem_mark", None)
-    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    return one_line(f"invalid YAML: {problem}{where}")
+        return load_yaml_documents(read_limited(path, "manifest file", MAX_MANIFEST_BYTES), str(path))
+    except NotYaml as error:
+        return LintError(str(path), "", "", error.reason)
+    except MoeloopError as error:  # unreadable, too large, not UTF-8
+        return LintError(str(path), "", "", str(error).removeprefix(f"{path}: "))
 
 
 def _index_templates(docs: Iterable[object]) -> dict[tuple[bool, str], frozenset[str]]:

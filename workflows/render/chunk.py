@@ -4,7 +4,6 @@ templates that label the running Workflow and create the next chunk's.
 
 from __future__ import annotations
 
-import yaml
 from hera.workflows import DAG, Parameter, Resource, Workflow
 from hera.workflows import Task as HeraTask
 from hera.workflows import models as m
@@ -12,7 +11,7 @@ from hera.workflows import models as m
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.workflows.dag import EVALUATE, PLAN, START, Task, iteration_tasks
-from moeloop.workflows.render.parameters import PARAMETERS, run_labels
+from moeloop.workflows.render.parameters import PARAMETERS, manifest_text, run_labels
 from moeloop.workflows.render.placement import LABEL, orchestrator_pod
 
 API_VERSION = "argoproj.io/v1alpha1"
@@ -100,7 +99,8 @@ def chunk_dag(config: MoeloopConfig) -> DAG:
                 name="next-chunk",
                 template="next-chunk",
                 dependencies=[f"slot{slots[-1].iteration}-eval"],
-                when=f"{{{{{PLAN_OUTPUTS}.more}}}} == true && {{{{workflow.parameters.chain}}}} == true",
+                # `chain` comes from the submit form: compared inside the expression, as data, not pasted into it.
+                when=f"{{{{{PLAN_OUTPUTS}.more}}}} == true && {{{{=workflow.parameters.chain == 'true'}}}}",
             ),
         ],
     )
@@ -122,19 +122,18 @@ def label_template(config: MoeloopConfig) -> Resource:
         **orchestrator_pod(config),
         action="patch",
         merge_strategy="merge",
-        manifest=yaml.safe_dump(patch, sort_keys=False),
+        manifest=manifest_text(patch),
     )
 
 
 def next_chunk_workflow(config: MoeloopConfig) -> Workflow:
-    """The Workflow the last task creates: the next chunk, with this Workflow's parameters. Argo substitutes
-    {{...}} into the manifest's text before parsing it: each value is written as toJson's JSON string, which YAML
-    reads back as the very value, whatever its quotes, colons or lines."""
+    """The Workflow the last task creates: the next chunk, with this Workflow's parameters (manifest_text passes
+    each as data)."""
     return Workflow(
         generate_name=f"{config.run_name}-",
         labels={**run_labels(config), f"{LABEL}/chained-from": "{{workflow.name}}"},
         workflow_template_ref=m.WorkflowTemplateRef(name=template_name(config)),
-        arguments=[Parameter(name=name, value=f"{{{{=toJson(workflow.parameters.{name})}}}}") for name in PARAMETERS],
+        arguments=[Parameter(name=name, value=f"{{{{workflow.parameters.{name}}}}}") for name in PARAMETERS],
     )
 
 
@@ -144,7 +143,7 @@ def next_chunk_template(config: MoeloopConfig) -> Resource:
         **orchestrator_pod(config),
         # No owner reference: the next chunk outlives this Workflow (and its garbage collection).
         action="create",
-        manifest=next_chunk_workflow(config),
+        manifest=manifest_text(next_chunk_workflow(config).to_dict()),
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.inputs import output_folder
 from moeloop.workflows.lint.documents import lint_documents
 from moeloop.workflows.render.loop import Loop
 
@@ -41,11 +42,9 @@ def write_rendered(loop: Loop, out_dir: Path) -> list[Path]:
 def write_files(texts: dict[str, str], out_dir: Path) -> list[Path]:
     """Write each text to out_dir/<name>, replacing what is there: all or none. Every text goes to a temporary
     name first; only when all are written are they renamed into place."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise MoeloopError(f"{out_dir}: not a folder; -o names the folder to write into")
+    output_folder(out_dir, "-o")
     temporaries: list[str] = []
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
         for name, text in texts.items():
             temporaries.append(_write_temporary(out_dir / name, text))
     except OSError as error:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
 from hera.workflows import Resource
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.outputs import OUTPUTS_ENV
 from moeloop.workflows.dag import TRAIN
+from moeloop.workflows.render.parameters import manifest_text
 from moeloop.workflows.render.placement import (
     LABEL,
     ROLE_LABEL,
@@ -90,7 +90,7 @@ def jobset_train_template(config: MoeloopConfig) -> Resource:
         **orchestrator_pod(config),
         action="create",
         set_owner_reference=True,  # deleted with the Workflow
-        manifest=yaml.safe_dump(render_jobset(config), sort_keys=False),
+        manifest=manifest_text(render_jobset(config)),
         success_condition="status.terminalState == Completed",
         failure_condition="status.terminalState == Failed",
     )

@@ -29,6 +29,11 @@ ROLE_IMAGES = {
     "memory": "moeloop-cpu",
 }
 IMAGE_USER = 1000  # the images' user `moeloop` (uid and gid 1000)
+# Every container's root filesystem is read-only; what the steps and their libraries write goes to these emptyDirs:
+# /tmp (scratch, $MOELOOP_CACHE, the outputs, torch's and DeepEP's JIT caches) and the images' $HOME (the caches of
+# Hugging Face, vLLM and Triton under ~/.cache, W&B's and matplotlib's settings).
+IMAGE_HOME = "/home/moeloop"
+WRITABLE_PATHS = {"tmp": "/tmp", "home": IMAGE_HOME}
 # What AWS documents for NCCL over EFA on p5/p6 (aws-ofi-nccl): libfabric's EFA provider with GPUDirect RDMA;
 # NVLink SHARP off (no NVSwitch multicast across EFA nodes); fork-safe registration for dataloader workers.
 EFA_ENV = {
@@ -110,12 +115,14 @@ def container_security(role: str) -> dict[str, Any]:
     capabilities: dict[str, Any] = {"drop": ["ALL"]}
     if role == "train":
         capabilities["add"] = ["IPC_LOCK"]
-    return {"allowPrivilegeEscalation": False, "capabilities": capabilities}
+    return {"allowPrivilegeEscalation": False, "capabilities": capabilities, "readOnlyRootFilesystem": True}
 
 
 def pod_volumes(role: str, where: RolePlacement) -> tuple[list[dict], list[dict]]:
-    """(volumes, mounts): /dev/shm in memory for NCCL and vLLM workers, huge pages for EFA on the trainer."""
-    volumes, mounts = [], []
+    """(volumes, mounts): the writable paths, /dev/shm in memory for NCCL and vLLM workers, huge pages for EFA on
+    the trainer."""
+    volumes = [{"name": name, "emptyDir": {}} for name in WRITABLE_PATHS]
+    mounts = [{"name": name, "mountPath": path} for name, path in WRITABLE_PATHS.items()]
     if where.shm_size:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": where.shm_size}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
