@@ -334,7 +334,7 @@ class MoeloopConfig(Strict):
     @field_validator("storage_root")
     @classmethod
     def _storage_root(cls, value: str) -> str:
-        return check_location(value, "storage_root")
+        return check_location(value, "storage_root", run=True)
 
     @model_validator(mode="after")
     def _sizes_agree(self) -> MoeloopConfig:

@@ -55,31 +55,33 @@ def check_strings(data: Any, where: str = "") -> None:
             raise ValueError(f"{where}: {error}") from None
 
 
-def unsafe_character(value: str) -> str | None:
-    """The first whitespace, quote or control (or invisible format) character of value, described; None if none."""
+def unsafe_character(value: str, one_token: bool) -> str | None:
+    """The first control (or invisible format) character of value, or with one_token whitespace or quote too,
+    described; None if none."""
     for character in value:
-        if character.isspace() or character in QUOTES or unicodedata.category(character) in ("Cc", "Cf"):
+        spacing = character.isspace() or character in QUOTES
+        if unicodedata.category(character) in ("Cc", "Cf") or (one_token and spacing):
             return f"{unicodedata.name(character, 'a control character')} ({character!r})"
     return None
 
 
-def check_location_text(value: str) -> None:
-    """A location is one token: no whitespace, quotes or control characters (a newline and a quote made a run URI
-    into YAML of its own in a manifest), nor what check_text refuses."""
+def check_location_text(value: str, run: bool = False) -> None:
+    """No location holds a control character, nor what check_text refuses. A run's location (the run URI, its root)
+    is one token besides: no whitespace or quotes, as a newline and a quote in it once made YAML of their own in a
+    manifest; it is every step's argument and the submit form's `run`."""
     check_text(value)
-    found = unsafe_character(value)
+    found = unsafe_character(value, one_token=run)
     if found is not None:
-        raise ValueError(
-            f"{value!r} holds {found}: a location is one token, without whitespace, quotes or control characters"
-        )
+        rule = "whitespace, quotes or control characters" if run else "control characters"
+        raise ValueError(f"{value!r} holds {found}: a {'run' if run else 'storage'} location has no {rule}")
 
 
-def check_location(value: str, what: str) -> str:
-    """A storage location (prompt file, checkpoint, run root): a local path, file://, or s3://bucket[/key].
+def check_location(value: str, what: str, run: bool = False) -> str:
+    """A storage location (prompt file, checkpoint, run root with `run`): a local path, file://, or s3://bucket[/key].
     Other schemes would be read by whatever fsspec finds, and an s3:// without a bucket by nothing."""
     if not value.strip():
         raise ValueError(f"{what} is empty")
-    check_location_text(value)
+    check_location_text(value, run)
     if "://" not in value:
         return value
     scheme = value.split("://", 1)[0]

@@ -27,7 +27,7 @@ EXIT_WORKFLOW_FAILED = 1  # status: the server answered, and the workflow failed
 def _config(args: argparse.Namespace) -> MoeloopConfig:
     if getattr(args, "root", None) is not None:
         try:
-            check_location(args.root, "--root")
+            check_location(args.root, "--root", run=True)
         except ValueError as error:
             raise MoeloopError(f"--root: {error}") from None
     config = load_config(args.config)

@@ -68,7 +68,7 @@ class RunStorage:
 
     def __post_init__(self) -> None:
         try:
-            check_location_text(self.uri)  # a run URI reaches manifests and every step's argv: one token
+            check_location_text(self.uri, run=True)
         except ValueError as error:
             raise MoeloopError(f"the run's storage URI: {error}") from None
         backend: Backend

@@ -402,3 +402,44 @@ def test_shipped_configs_render_and_lint(name: str, tmp_path: Path, monkeypatch:
     config = load_config(REPO / "configs" / name)
     paths = write_rendered(build(config, "s3://moeloop-runs/runs/" + config.run_name), tmp_path)
     assert lint_paths(paths) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Read-only root filesystems: what the images and the steps write lies on the pod's emptyDirs
+
+# The images' variables that name where their programs write (images/*/Dockerfile): $HOME holds the caches of
+# Hugging Face, vLLM and Triton (~/.cache) and W&B's and matplotlib's settings.
+WRITTEN_BY_THE_IMAGES = ("HOME", "MOELOOP_CACHE", "EP_JIT_CACHE_DIR")
+
+
+def image_paths() -> dict[str, set[str]]:
+    """Each image's writable paths, by Dockerfile, from its ENV lines."""
+    found = {}
+    for dockerfile in sorted((REPO / "images").glob("*/Dockerfile")):
+        text = dockerfile.read_text().replace("\\\n", " ")
+        settings = dict(re.findall(r"\b([A-Z_]+)=(\S+)", "\n".join(re.findall(r"^ENV (.*)$", text, re.MULTILINE))))
+        found[dockerfile.parent.name] = {settings[name] for name in WRITTEN_BY_THE_IMAGES if name in settings}
+    return found
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_every_container_has_a_read_only_root_and_volumes_where_the_images_write(tmp_path: Path, nodes: int) -> None:
+    config = make_config(tmp_path, cluster={"train_nodes": nodes}, trainer={"world_size": 16})
+    images = image_paths()
+    assert images["trainer"] == {"/home/moeloop", "/tmp/moeloop-cache", "/tmp/deep_ep-jit"}
+    assert images["cpu"] == images["rollout"] == {"/home/moeloop", "/tmp/moeloop-cache"}
+    checked = 0
+    for name, (pod, containers) in rendered_pods(config).items():
+        if "resource" in pod:
+            continue  # Argo's executor runs these: the controller's settings (test_admission_policy.py)
+        for container in containers:
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, name
+            mounted = [mount["mountPath"] for mount in container["volumeMounts"]]
+            volumes = {volume["name"]: volume for volume in pod["volumes"]}
+            assert all("emptyDir" in volumes[mount["name"]] for mount in container["volumeMounts"]), name
+            image = next(kind for kind in images if f"moeloop-{kind}:" in container["image"])
+            outputs = {env["value"] for env in container["env"] if env["name"] == "MOELOOP_OUTPUTS"}
+            for path in images[image] | outputs:
+                assert any(Path(path).is_relative_to(base) for base in mounted), (name, path, mounted)
+            checked += 1
+    assert checked == len(STEPS)  # with 2 nodes, the JobSet's pod is the trainer's
