@@ -45,13 +45,17 @@ def main() -> None:
         engine = TransformersEngine(policy, "bfloat16")
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(2, len(tokenizer)) for _ in range(rng.randrange(3, 8))] for _ in range(args.prompts)]
-        sampling = Sampling(args.samples, 1.0, 1.0, base.rollout.max_new_tokens, args.seed, record_routing=True)
+        # The prompt's last position's routes only, as the figures in replay_mismatch.md were measured.
+        sampling = Sampling(
+            args.samples, 1.0, 1.0, base.rollout.max_new_tokens, args.seed, record_routing=True, prompt_routes="last"
+        )
         samples = [(p, c) for p, cs in zip(prompts, engine.generate(prompts, sampling), strict=True) for c in cs]
         rollouts = {
             "prompt_token_ids": [p for p, _ in samples],
             "response_token_ids": [c.token_ids for _, c in samples],
             "behavior_logprobs": [c.logprobs for _, c in samples],
-            "routed_experts": [c.routed_experts for _, c in samples],
+            "routed_experts": [c.routed_experts.reshape(-1) for _, c in samples],
+            "routed_layers": [list(engine.routed_layers)] * len(samples),
             "sample_id": [str(i) for i in range(len(samples))],
             "prompt_id": [i // args.samples for i in range(len(samples))],
         }

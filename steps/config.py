@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from moeloop.steps.config_algorithm import AlgorithmConfig
 from moeloop.steps.config_base import Strict
 from moeloop.steps.config_cluster import ClusterConfig
 from moeloop.steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe
@@ -89,9 +90,13 @@ class RolloutConfig(Strict):
     # The asynchronous loop: rollouts run up to max_staleness iterations ahead of training (policy_version below).
     # 0 is the synchronous loop.
     max_staleness: int = Field(0, ge=0)
-    # Store each response token's routed experts (the transformers engine; `routing_agreement` in the metrics).
-    # algorithm.routing_replay rollout records them whatever this says.
+    # Store the engine's routed experts (`routing_agreement` in the metrics); algorithm.routing_replay rollout
+    # records them whatever this says.
     record_routing: bool = False
+    # Which prompt positions' routes are recorded (and replayed): all, the whole prefill's (as verl and slime replay);
+    # last, the prompt's last position only (the forward that sampled the first response token), the others then
+    # routing as the trainer does. Every response position's are recorded either way.
+    prompt_routes: Literal["all", "last"] = "all"
 
     def policy_version(self, iteration: int) -> int:
         return policy_version(iteration, self.max_staleness)
@@ -142,65 +147,6 @@ class RewardConfig(Strict):
     def _some_reward(self) -> RewardConfig:
         if not self.functions and not self.models:
             raise ValueError("name at least one reward function or reward model")
-        return self
-
-
-class MismatchConfig(Strict):
-    """Drop from the policy loss the tokens (level token) or whole sequences (level sequence, the length-normalised
-    ratio) whose trainer/behaviour ratio pi_old / pi_behavior leaves [low, high]; off keeps them all."""
-
-    level: Literal["off", "token", "sequence"] = "off"
-    low: float = Field(0.5, gt=0, le=1)
-    high: float = Field(2.0, ge=1)
-
-
-class AlgorithmConfig(Strict):
-    """The policy update: GRPO (group advantages, no value model) or PPO (a critic, GAE). README: "Algorithms"."""
-
-    name: Literal["grpo", "ppo"] = "grpo"
-    clip_eps: float = Field(0.2, gt=0)  # the ratio's clip range is [1 - clip_eps, 1 + clip_eps_high]
-    clip_eps_high: float | None = Field(None, gt=0)  # DAPO clip-higher; None: clip_eps (symmetric)
-    # GRPO: coefficient of the k3 KL(policy || reference) added to the loss. PPO: of the per-token k1 KL penalty
-    # subtracted from the token rewards.
-    kl_coef: float = Field(0.0, ge=0)
-    # At kl_coef 0 the reference policy feeds only the `kl` metric: it is then measured on the batch's first this
-    # many samples (the metrics' kl_samples says on how many), 0: not at all (kl is None, the reference not loaded).
-    kl_metric_samples: int = Field(32, ge=0)
-    # GRPO: divide each group's centred rewards by the group's standard deviation.
-    scale_rewards: bool = True
-    # token: mean over the minibatch's tokens; sequence: mean over each sequence's tokens, then over sequences;
-    # dr_grpo: sum over each sequence's tokens / rollout.max_new_tokens, then mean over sequences (Dr. GRPO).
-    loss_aggregation: Literal["token", "sequence", "dr_grpo"] = "token"
-    # Leave out groups whose rewards are all equal (DAPO's dynamic-sampling filter): the batch shrinks.
-    drop_equal_groups: bool = False
-    # Decoupled objective: each token's surrogate is weighted by min(pi_old / pi_behavior, cap), the truncated
-    # importance weight of the trainer's policy at the start of the update against the one that sampled.
-    # None: no weight (pi_old is taken as the behaviour policy).
-    behavior_weight_cap: float | None = Field(2.0, gt=0)
-    # The clipped ratio pi / pi_old: token; sequence, GSPO's length-normalised sequence ratio (one advantage per
-    # sequence, each sequence weighs the same); sequence_token, GSPO-token (token advantages work). The behaviour
-    # weights follow: per sequence at both sequence levels. steps/rl/importance.py.
-    importance_level: Literal["token", "sequence", "sequence_token"] = "token"
-    mismatch: MismatchConfig = MismatchConfig()
-    # rollout: the trainer's MoE blocks route each response token to the experts the rollout engine recorded
-    # (gate weights from the trainer's router at those experts), in pi_old's pass and the update's. steps/model/moe.py.
-    routing_replay: Literal["off", "rollout"] = "off"
-    # PPO: GAE over the response tokens, the critic's clipped value loss and its optimizer.
-    gae_gamma: float = Field(1.0, ge=0, le=1)
-    gae_lambda: float = Field(0.95, ge=0, le=1)
-    value_clip: float | None = Field(0.2, gt=0)  # None: the value loss is not clipped
-    critic_learning_rate: float = Field(1e-3, gt=0)
-
-    @model_validator(mode="after")
-    def _consistent(self) -> AlgorithmConfig:
-        if self.loss_aggregation == "dr_grpo" and self.scale_rewards:
-            raise ValueError(
-                "loss_aggregation dr_grpo uses advantages without std normalisation: set scale_rewards false"
-            )
-        if self.importance_level == "sequence" and self.name == "ppo":
-            raise ValueError("importance_level sequence needs one advantage per sequence: with ppo use sequence_token")
-        if self.importance_level == "sequence" and self.loss_aggregation != "sequence":
-            raise ValueError("importance_level sequence weighs every sequence the same: set loss_aggregation sequence")
         return self
 
 

@@ -54,7 +54,9 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: flo
         "loss": train.get("loss"),
         "logprob_mismatch": train.get("logprob_mismatch"),
         "behavior_kl": train.get("behavior_kl"),
-        "clip_fraction": train.get("clip_fraction"),
+        "entropy": train.get("entropy"),  # the policy's mean token entropy over the update's forwards
+        "clip_fraction_binding": train.get("clip_fraction_binding"),
+        "clip_fraction_out_of_range": train.get("clip_fraction_out_of_range"),
         "mismatch_masked": train.get("mismatch_masked"),  # algorithm.mismatch's share of response tokens dropped
         "router": router_health(train),
         # Shards generate side by side, so their rates add up.

@@ -27,8 +27,10 @@ from moeloop.steps.common import (
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.engines.engine import Completion, Sampling, engine_for
 from moeloop.steps.errors import MoeloopError, run_cli
+from moeloop.steps.model.families import num_experts
+from moeloop.steps.model.policy import read_config
 from moeloop.steps.storage.cache import fetch_checkpoint
-from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, read_rollout_shard, table_bytes
+from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, read_rollout_shard, rollout_schema, table_bytes
 from moeloop.steps.storage.prompts import train_prompts
 
 
@@ -58,7 +60,9 @@ def rollout_rows(
     prompt_tokens: list[list[int]],
     completions: list[list[Completion]],
     decode: Any,
+    routed_layers: tuple[int, ...] = (),
 ) -> dict[str, list]:
+    """The shard's columns; routed_layers: the decoder layer of each layer of the samples' routes."""
     columns: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
     for prompt_id, record, tokens, samples in zip(prompt_ids, prompts, prompt_tokens, completions, strict=False):
         for index, sample in enumerate(samples):
@@ -76,7 +80,8 @@ def rollout_rows(
                 "finish_reason": sample.finish_reason,
                 "policy_version": policy_version,
                 "engine": engine_name,
-                "routed_experts": sample.routed_experts,
+                "routed_experts": None if sample.routed_experts is None else sample.routed_experts.reshape(-1),
+                "routed_layers": None if sample.routed_experts is None else list(routed_layers),
             }
             for name, value in row.items():
                 columns[name].append(value)
@@ -115,6 +120,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         max_new_tokens=config.rollout.max_new_tokens,
         seed=derive_seed(config.run_name, config.seed, "rollout", iteration, shard),
         record_routing=config.records_routing,
+        prompt_routes=config.rollout.prompt_routes,
     )
     started = time.perf_counter()
     completions = engine.generate(prompt_tokens, sampling)
@@ -129,6 +135,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         prompt_tokens,
         completions,
         lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
+        engine.routed_layers,
     )
     tokens = sum(len(ids) for ids in columns["response_token_ids"])
     report = {
@@ -146,7 +153,8 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
     }
     # The report goes first: the shard is the commit point, and a re-run after a crash rewrites both.
     write_report(storage, iteration, f"rollout-{shard}", report)
-    storage.write_bytes(output, table_bytes(pa.table(columns, schema=ROLLOUT_SCHEMA)))
+    schema = rollout_schema(num_experts(read_config(checkpoint_dir)[0]))
+    storage.write_bytes(output, table_bytes(pa.table(columns, schema=schema)))
     return report
 
 

@@ -35,7 +35,8 @@ from moeloop.steps.common import (
 )
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError, run_cli
-from moeloop.steps.model.policy import read_config
+from moeloop.steps.model.families import moe_layers
+from moeloop.steps.model.policy import hf_model_on_meta, read_config
 from moeloop.steps.rl.batch import experience_batch, recorded_routes
 from moeloop.steps.rl.checkpoint import commit_trainer_state
 from moeloop.steps.rl.memory import refuse_unfit_trainer
@@ -44,7 +45,7 @@ from moeloop.steps.rl.router_bias import bias_update_rate
 from moeloop.steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state
 from moeloop.steps.rl.update import Critic, policy_update, require_finite
 from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
-from moeloop.steps.storage.experience import read_rewards, read_rollouts
+from moeloop.steps.storage.experience import read_rewards, read_rollouts, rollout_columns
 from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
 
 
@@ -61,7 +62,7 @@ def update_policy(
     storage: RunStorage, config: MoeloopConfig, iteration: int, scratch: Path, parallel: Parallel = Parallel()
 ) -> UpdatedTrainer:
     """The iteration's update in memory: the policy (PPO: and the critic) after it, and the report. Deterministic."""
-    rollouts = read_rollouts(storage, iteration, config.rollout.num_shards).to_pydict()
+    rollouts = rollout_columns(read_rollouts(storage, iteration, config.rollout.num_shards))
     recorded = recorded_routes(rollouts)
     if config.algorithm.routing_replay == "rollout" and not recorded:
         raise MoeloopError(
@@ -75,8 +76,11 @@ def update_policy(
     seed = derive_seed(config.run_name, config.seed, "train", iteration)
     torch.manual_seed(seed)
     settings = config.trainer
-    top_k = read_config(fetch_checkpoint(storage, 0))[0].num_experts_per_tok if recorded else None
-    batch = experience_batch(rollouts, rewards_by_sample, top_k).to(parallel.device)
+    architecture = read_config(fetch_checkpoint(storage, 0))[0]
+    top_k = architecture.num_experts_per_tok if recorded else None
+    layers = moe_layers(hf_model_on_meta(architecture)) if recorded else ()  # for shards that name none
+    batch = experience_batch(rollouts, rewards_by_sample, top_k, layers)
+    batch = batch.to(parallel.device)
     ref_logprobs_BT = reference_logprobs(fetch_checkpoint(storage, 0), batch, config, parallel)
     model, tokenizer, optimizer, critic = load_trainer_start(storage, iteration, scratch, config, parallel)
     started = time.perf_counter()

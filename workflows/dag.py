@@ -74,7 +74,7 @@ TRAIN = Step(
     "train",
     ("iteration",),
     torchrun=True,
-    outputs=("loss", "kl", "grad_norm", "clip_fraction", "train_tokens_per_second", "seconds"),
+    outputs=("loss", "kl", "grad_norm", "clip_fraction_binding", "entropy", "train_tokens_per_second", "seconds"),
 )
 # Publish copies the checkpoint the next rollouts load: on memory-optimized nodes, which cache it.
 PUBLISH = Step("publish", "memory", ("iteration",), outputs=("seconds",))

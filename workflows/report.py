@@ -25,9 +25,11 @@ COLUMNS = (
     ("reward wait", "reward_wait_seconds"),
     ("train wait", "train_wait_seconds"),
     ("iteration s", "iteration_seconds"),
-    # The MoE's stability: the routers' health and the engine/trainer mismatch (README "Metrics").
+    # The MoE's stability: the policy's entropy, the routers' health and the engine/trainer mismatch (README
+    # "Metrics").
+    ("entropy", "entropy"),
     ("imbalance", "router_load_imbalance"),
-    ("entropy", "router_entropy"),
+    ("router entropy", "router_entropy"),
     ("agreement", "routing_agreement"),
     ("mismatch", "logprob_mismatch"),
     ("masked", "mismatch_masked"),

@@ -12,11 +12,18 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from moeloop.steps.config import RolloutConfig, VLLMConfig
+from moeloop.steps.engines.routes import (
+    RouteRecorder,
+    expert_id_dtype,
+    vllm_completion_routes,
+    vllm_route_columns,
+)
 from moeloop.steps.errors import MoeloopError
 
 
@@ -27,7 +34,8 @@ class Sampling:
     top_p: float
     max_new_tokens: int
     seed: int
-    record_routing: bool = False  # record each response token's experts (`Completion.routed_experts`)
+    record_routing: bool = False  # record the experts of each position (`Completion.routed_experts`)
+    prompt_routes: Literal["all", "last"] = "all"  # from the prompt's first position, or from its last
 
 
 @dataclass(frozen=True)
@@ -35,15 +43,17 @@ class Completion:
     token_ids: list[int]  # the response, ending with EOS when finish_reason is "stop"
     logprobs: list[float]  # the sampling distribution's logprob of each response token
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens)
-    # With Sampling.record_routing: the top-k experts of each MoE layer in the forward that sampled each response
-    # token, flattened [token][layer][k] in the router's order.
-    routed_experts: list[int] | None = None
+    # With Sampling.record_routing: the top-k experts in the router's order of each MoE layer (the engine's
+    # routed_layers) at each position from the prompt's first or last (Sampling.prompt_routes) to the response's second
+    # to last, [positions, layers, K] in the narrowest integer type (steps/engines/routes.py).
+    routed_experts: np.ndarray | None = None
 
 
 class Engine(Protocol):
     name: str
     tokenizer: Any
     checkpoint_dir: Path
+    routed_layers: tuple[int, ...]  # the decoder layer of each layer of its routed_experts (empty: none recorded)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         """For each prompt, sampling.n completions."""
@@ -71,6 +81,7 @@ class TransformersEngine:
         """The checkpoint's model in place of the current one (through from_pretrained: the files hold each expert
         apart, the in-memory model fuses them), on the GPU where there is one, else on the CPU; dtype auto is bf16 on
         the GPU and fp32 on the CPU, as vLLM's `dtype: auto`."""
+        from moeloop.steps.model.families import moe_layers, num_experts
         from moeloop.steps.model.policy import load_policy
 
         cuda = torch.cuda.is_available()
@@ -79,6 +90,8 @@ class TransformersEngine:
         self.model, self.tokenizer = load_policy(checkpoint_dir, dtype, device)
         self.model.eval()
         self.checkpoint_dir = checkpoint_dir
+        self.routed_layers = moe_layers(self.model)
+        self.expert_ids = expert_id_dtype(num_experts(self.model.config))
 
     def close(self) -> None:
         """Nothing runs outside this process."""
@@ -101,15 +114,17 @@ class TransformersEngine:
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         greedy = sampling.temperature == 0
         prompt_ids_GT = torch.tensor(prompts, dtype=torch.long, device=self.model.device)
-        with RouteRecorder(self.model, sampling.record_routing) as recorder:
+        whole_prompt = sampling.prompt_routes == "all"
+        with RouteRecorder(self.model, sampling.record_routing, whole_prompt) as recorder:
             output = self._sample(prompt_ids_GT, sampling, greedy)
         new_tokens_BT = output.sequences[:, prompt_ids_GT.shape[1] :]
         # scores are the processed logits (after temperature and top-p): the distribution sampled from.
         logprobs_BTV = torch.stack(output.scores, dim=1).float().log_softmax(dim=-1)
         chosen_BT = logprobs_BTV.gather(-1, new_tokens_BT.unsqueeze(-1)).squeeze(-1)
         routes_BTLK = recorder.routes_BTLK(len(new_tokens_BT))
+        prompt_positions = prompt_ids_GT.shape[1] if whole_prompt else 1  # of the prompt's, recorded
         samples = [
-            self._completion(t, lp, routes_BTLK[b] if routes_BTLK is not None else None)
+            self._completion(t, lp, routes_BTLK[b] if routes_BTLK is not None else None, prompt_positions)
             for b, (t, lp) in enumerate(zip(new_tokens_BT, chosen_BT, strict=True))
         ]
         per_prompt = 1 if greedy else sampling.n
@@ -132,42 +147,17 @@ class TransformersEngine:
         )
 
     def _completion(
-        self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor, routes_TLK: torch.Tensor | None
+        self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor, routes_TLK: torch.Tensor | None, prompt_positions: int
     ) -> Completion:
+        """The sample up to its EOS; its routes up to the forward that sampled its last token (prompt_positions: how
+        many of the prompt's positions were recorded)."""
         tokens = tokens_T.tolist()
         eos = self.tokenizer.eos_token_id
         end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
-        routes = routes_TLK[:end].reshape(-1).tolist() if routes_TLK is not None else None
+        routes = None
+        if routes_TLK is not None:
+            routes = routes_TLK[: prompt_positions - 1 + end].cpu().numpy().astype(self.expert_ids)
         return Completion(tokens[:end], logprobs_T[:end].tolist(), "stop" if eos in tokens else "length", routes)
-
-
-class RouteRecorder:
-    """Records, while active, the top-k experts every MoE router of an HF model picks in each generate step
-    (forward hooks on the routers, which return (logits, weights, experts)); off, it does nothing."""
-
-    def __init__(self, model: torch.nn.Module, active: bool) -> None:
-        from moeloop.steps.model.families import is_router
-
-        self.routers = [m for m in model.modules() if is_router(m)] if active else []
-        self.steps_L: list[list[torch.Tensor]] = [[] for _ in self.routers]
-        self.handles: list[Any] = []
-
-    def __enter__(self) -> RouteRecorder:
-        for router, steps in zip(self.routers, self.steps_L, strict=True):
-            self.handles.append(router.register_forward_hook(lambda _m, _i, out, steps=steps: steps.append(out[2])))
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def routes_BTLK(self, rows: int) -> torch.Tensor | None:
-        """[B, T, L, K]: generate step t's experts for each row. A step's forward routes [B * tokens, K]: the prompt
-        at step 0, whose last position sampled the first token, then one token per row."""
-        if not self.routers:
-            return None
-        last_of_step_L = [[step.view(rows, -1, step.shape[-1])[:, -1] for step in steps] for steps in self.steps_L]
-        return torch.stack([torch.stack(steps, 1) for steps in last_of_step_L], 2)
 
 
 # vLLM returns routed experts (`LLM(enable_return_routed_experts=True)`) from its Model Runner V2 only, which needs
@@ -237,6 +227,18 @@ class VLLMEngine:
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self.checkpoint_dir = checkpoint_dir
         self.asleep = False
+        # Before anything is sampled: vLLM's capture columns must be where the checkpoint's MoE layers are.
+        self.routed_layers = self.route_columns(checkpoint_dir) if record_routing else ()
+
+    def route_columns(self, checkpoint_dir: Path) -> tuple[int, ...]:
+        """The columns of vLLM's routed experts the checkpoint's MoE layers are in (`vllm_route_columns`), from the
+        layout its workers capture in and the checkpoint's HF model on the meta device."""
+        from moeloop.steps.model.families import moe_layers
+        from moeloop.steps.model.policy import hf_model_on_meta, read_config
+
+        config = read_config(checkpoint_dir)[0]
+        layout = self.llm.collective_rpc("route_layout")[0]
+        return vllm_route_columns(layout, moe_layers(hf_model_on_meta(config)), config.num_hidden_layers)
 
     def load_weights(self, checkpoint_dir: Path) -> None:
         self._wake()
@@ -261,8 +263,8 @@ class VLLMEngine:
                 seed=None if greedy else sampling.seed + index,
                 logprobs=0,
                 detokenize=False,
-                # Routes from the prompt's last position on: row t is the forward that sampled response token t.
-                **({"routed_experts_prompt_start": len(prompt) - 1} if sampling.record_routing else {}),
+                # Routes from the prompt's first or last position (Sampling.prompt_routes) on.
+                **({"routed_experts_prompt_start": route_start(prompt, sampling)} if sampling.record_routing else {}),
             )
             for index, prompt in enumerate(prompts)
         ]
@@ -271,7 +273,14 @@ class VLLMEngine:
         if self.settings.sleep_after_rollout:
             self.llm.sleep(level=1)
             self.asleep = True
-        return [[self._completion(sample, sampling.record_routing) for sample in output.outputs] for output in outputs]
+        columns = self.routed_layers if sampling.record_routing else None
+        return [
+            [
+                self._completion(sample, columns, len(prompt) - route_start(prompt, sampling))
+                for sample in output.outputs
+            ]
+            for prompt, output in zip(prompts, outputs, strict=True)
+        ]
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -287,19 +296,22 @@ class VLLMEngine:
             self.asleep = False
 
     @staticmethod
-    def _completion(sample: Any, record_routing: bool) -> Completion:
+    def _completion(sample: Any, columns: tuple[int, ...] | None, prompt_positions: int = 1) -> Completion:
+        """A vLLM sample; with columns (the MoE layers' in its routed experts, [positions, decoder layers, K]), its
+        routes there, of prompt_positions of the prompt's positions (from routed_experts_prompt_start) and the
+        response's."""
         tokens = list(sample.token_ids)
         logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
         routes = None
-        if record_routing:  # vLLM's CompletionOutput.routed_experts: [tokens, layers, k]
-            routed = sample.routed_experts
-            if routed is None or len(routed) != len(tokens):
-                rows = "none" if routed is None else len(routed)
-                raise MoeloopError(
-                    f"vLLM returned routed experts for {rows} positions of a {len(tokens)}-token response"
-                )
-            routes = routed.reshape(-1).tolist()
+        if columns is not None:
+            positions = prompt_positions + len(tokens) - 1  # the last token is never fed back
+            routes = vllm_completion_routes(sample.routed_experts, columns, positions, len(tokens))
         return Completion(tokens, logprobs, "stop" if sample.finish_reason == "stop" else "length", routes)
+
+
+def route_start(prompt: list[int], sampling: Sampling) -> int:
+    """The first position whose routes are recorded: the prompt's first, or its last."""
+    return 0 if sampling.prompt_routes == "all" else len(prompt) - 1
 
 
 def check_routes_recordable(engine: str, record_routing: bool) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class PolicyWeightReload:
-    """In-place weight reload that also holds on CPU.
+    """In-place weight reload that also holds on CPU; and the layout vLLM captures routed experts in.
 
     vLLM 0.32 prepacks MoE expert weights for its CPU kernel only on the first load: on a weight update
     `UnquantizedFusedMoEMethod` copies the new, unpacked weights into the packed storage and skips the
@@ -30,3 +30,15 @@ class PolicyWeightReload:
                     "supported by this vLLM; set local.workers: false"
                 )
             experts.process_weights_after_loading(module)
+
+    def route_layout(self) -> tuple[int, list[int]]:
+        """(the routed-experts capture's columns, the decoder layers its MoE layers write to): vLLM's
+        `RoutedExpertsCapturer` has one column per decoder layer (`get_total_num_hidden_layers`), and
+        `bind_routed_experts_capturer` has each MoE runner (or capture source) write its routes at its `layer_id`,
+        the index in its module name; a dense layer's column stays 0. Read from the modules it binds."""
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCaptureSource
+
+        modules = self.model_runner.get_model().modules()
+        captured = {m.layer_id for m in modules if isinstance(m, (MoERunner, RoutedExpertsCaptureSource))}
+        return self.vllm_config.model_config.get_total_num_hidden_layers(), sorted(captured)

@@ -23,6 +23,7 @@ Dense layers (DeepSeek-V3's first `first_k_dense_replace`) stay HF's modules: on
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -311,6 +312,24 @@ def is_router(module: nn.Module) -> bool:
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """model's routers (of `MoeBlock`s or HF's own blocks) in layer order: that of its recorded router logits."""
     return [module for module in model.modules() if is_router(module)]
+
+
+def moe_layers(model: nn.Module) -> tuple[int, ...]:
+    """The decoder layer of each of model's routers, in `moe_routers`' order: [1, 2] for a 3-layer DeepSeek-V3 whose
+    first layer is dense. Recorded routes are keyed by these (vLLM's capture too: one column per decoder layer)."""
+    return tuple(decoder_layer(name) for name, module in model.named_modules() if is_router(module))
+
+
+LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def decoder_layer(module_name: str) -> int:
+    """The decoder layer of a module of an HF model, from its name (`model.layers.3.mlp.gate` is in layer 3), as
+    vLLM's `extract_layer_index` gives its MoE layers their capture column."""
+    found = LAYER_NAME.search(module_name)
+    if found is None:
+        raise MoeloopError(f"{module_name} is in no decoder layer (no 'layers.<index>' in its name)")
+    return int(found.group(1))
 
 
 def routing_of(router: nn.Module) -> type[FusedRouter]:

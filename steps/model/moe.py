@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model import kernels
 from moeloop.steps.model.dispatch import TokenDispatcher
-from moeloop.steps.model.families import Activation, FusedRouter, MoeFamily, family_of_block
+from moeloop.steps.model.families import Activation, FusedRouter, MoeFamily, decoder_layer, family_of_block
 
 ExpertsImpl = Literal["grouped_mm", "loop"]
 
@@ -251,17 +252,37 @@ def replay_routing(
     return torch.where(has_T1, replayed_TK.to(weights_TK.dtype), weights_TK), experts_TK
 
 
+@dataclass(frozen=True)
+class Routes:
+    """The engine's recorded routing of a batch's (or a packed microbatch's) rows: the K experts at each position and
+    MoE layer (-1 where none was recorded), keyed by decoder layer, and which positions' forwards sampled a response
+    token (the others are the prompt's)."""
+
+    experts_bTLK: torch.Tensor
+    layers: tuple[int, ...]  # the decoder layer of each L column, as `moe_layers` numbers a model's MoE layers
+    sampled_bT: torch.Tensor
+
+
+def check_route_layers(recorded: tuple[int, ...], model: tuple[int, ...]) -> None:
+    """Routes recorded for other decoder layers than the model's MoE layers are refused, in one line."""
+    if tuple(recorded) != tuple(model):
+        raise MoeloopError(
+            f"the recorded routes are of decoder layers {list(recorded)}, the model's MoE layers are {list(model)}"
+        )
+
+
 @contextmanager
-def replaying(model: nn.Module, routes_bTLK: torch.Tensor | None) -> Iterator[None]:
-    """Within it, model's forward routes token t of row b in MoE layer l to routes_bTLK[b, t, l] (K experts; -1
-    for the token's own choice): the engine's recorded routing. None replays nothing. A layer's tokens are the
-    forward's [b, T] flattened, as every MoE block flattens them."""
-    blocks = [module for module in model.modules() if isinstance(module, MoeBlock)]
-    if routes_bTLK is not None and routes_bTLK.shape[2] != len(blocks):
-        raise MoeloopError(f"recorded routes name {routes_bTLK.shape[2]} MoE layers, the model has {len(blocks)}")
+def replaying(model: nn.Module, routes: Routes | None) -> Iterator[None]:
+    """Within it, model's forward routes token t of row b in the MoE block of decoder layer routes.layers[l] to
+    routes.experts_bTLK[b, t, l] (K experts; -1 for the token's own choice): the engine's recorded routing. None
+    replays nothing. A layer's tokens are the forward's [b, T] flattened, as every MoE block flattens them."""
+    named = [(name, module) for name, module in model.named_modules() if isinstance(module, MoeBlock)]
+    blocks = [block for _, block in named]
+    if routes is not None:
+        check_route_layers(routes.layers, tuple(decoder_layer(name) for name, _ in named))
     for layer, block in enumerate(blocks):
-        routes = routes_bTLK[:, :, layer] if routes_bTLK is not None else None
-        block.replay_TK = routes.reshape(-1, routes.shape[-1]) if routes is not None else None
+        experts_bTK = routes.experts_bTLK[:, :, layer] if routes is not None else None
+        block.replay_TK = experts_bTK.reshape(-1, experts_bTK.shape[-1]) if experts_bTK is not None else None
     try:
         yield
     finally:

@@ -1,6 +1,7 @@
 """The run's pictures, PNGs drawn headless (matplotlib's Agg) from its committed metrics files.
 
-- learning_curves.png: eval and train reward with KL on a second axis; logprob mismatch; clip fraction.
+- learning_curves.png: eval and train reward with KL on a second axis; logprob mismatch; clip fractions; the
+  policy's entropy.
 - time_balance.png: per iteration, stacked bars of the steps' seconds and of the waits between them.
 - expert_load.png: the router's load imbalance per layer (`router/...` metrics holding "imbalance"), when the
   metrics carry them.
@@ -61,7 +62,7 @@ def series(all_metrics: list[dict[str, Any]], *path: str) -> tuple[list[int], li
 
 
 def learning_curves(plt: Any, all_metrics: list[dict[str, Any]], path: Path) -> None:
-    figure, (rewards, mismatch, clipped) = plt.subplots(1, 3, figsize=(15, 4), layout="constrained")
+    figure, (rewards, mismatch, clipped, entropy) = plt.subplots(1, 4, figsize=(20, 4), layout="constrained")
     rewards.plot(*series(all_metrics, "eval_reward_mean"), "o-", label="eval reward (greedy)")
     rewards.plot(*series(all_metrics, "reward_mean"), "s-", label="train reward (sampled)")
     rewards.set(xlabel="iteration", ylabel="reward", title="Rewards and KL")
@@ -74,8 +75,12 @@ def learning_curves(plt: Any, all_metrics: list[dict[str, Any]], path: Path) -> 
     mismatch.plot(*series(all_metrics, "behavior_kl"), "s-", label="behaviour KL")
     mismatch.set(xlabel="iteration", title="Engine / trainer mismatch")
     mismatch.legend(fontsize="small")
-    clipped.plot(*series(all_metrics, "clip_fraction"), "o-")
-    clipped.set(xlabel="iteration", ylabel="fraction of tokens", title="Clip fraction")
+    clipped.plot(*series(all_metrics, "clip_fraction_binding"), "o-", label="clip binds")
+    clipped.plot(*series(all_metrics, "clip_fraction_out_of_range"), "s-", label="ratio out of range")
+    clipped.set(xlabel="iteration", ylabel="fraction of tokens", title="Clip fractions")
+    clipped.legend(fontsize="small")
+    entropy.plot(*series(all_metrics, "entropy"), "o-")
+    entropy.set(xlabel="iteration", ylabel="nats", title="Policy entropy (mean per token)")
     save(plt, figure, path)
 
 

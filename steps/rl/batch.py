@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -14,7 +14,7 @@ from moeloop.steps.config import TrainerConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.logprobs import packed_token_logprobs
 from moeloop.steps.model.microbatch import Microbatch, pack_rows
-from moeloop.steps.model.moe import replaying
+from moeloop.steps.model.moe import Routes, replaying
 from moeloop.steps.model.policy import pack_sequences
 from moeloop.steps.model.sharding import reshard
 from moeloop.steps.rl.packing import plan_microbatches
@@ -30,9 +30,11 @@ class ExperienceBatch:
     behavior_logprobs_BT: torch.Tensor  # the engine's logprobs, at the response positions
     rewards_B: torch.Tensor
     group_ids_B: torch.Tensor  # samples of one prompt form a group
-    # The engine's experts per input position and MoE layer, [B, T, L, K]: at position t those of the forward that
-    # sampled token t + 1 (so response positions shifted back by one); -1 elsewhere. None: not recorded.
+    # The engine's experts per input position and MoE layer, [B, T, L, K] (int16): at position t those of the
+    # forward at t, which sampled token t + 1 where that is a response token; -1 where none were recorded (the
+    # prompt's positions but its last with rollout.prompt_routes last). None: not recorded.
     routes_BTLK: torch.Tensor | None = None
+    route_layers: tuple[int, ...] = ()  # the decoder layer of each L column
 
     def to(self, device: torch.device) -> ExperienceBatch:
         return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)))
@@ -40,9 +42,17 @@ class ExperienceBatch:
     def select(self, rows_b: torch.Tensor) -> ExperienceBatch:
         return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t[rows_b]) for f in fields(self)))
 
+    def routes_of(self, micro: Microbatch) -> Routes | None:
+        """The recorded routes at the microbatch's tokens, as its packed forward takes them ([1, N, L, K])."""
+        if self.routes_BTLK is None:
+            return None
+        sampled_BT = self.response_mask_BT.roll(-1, 1)  # position t's forward sampled token t + 1
+        packed = (micro.pack(self.routes_BTLK).unsqueeze(0), micro.pack(sampled_BT).unsqueeze(0))
+        return Routes(packed[0], self.route_layers, packed[1])
 
-def _apply(tensor: torch.Tensor | None, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
-    return function(tensor) if tensor is not None else None
+
+def _apply(value: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return function(value) if isinstance(value, torch.Tensor) else value
 
 
 def recorded_routes(rollouts: dict[str, list]) -> bool:
@@ -51,10 +61,14 @@ def recorded_routes(rollouts: dict[str, list]) -> bool:
 
 
 def experience_batch(
-    rollouts: dict[str, list], rewards_by_sample: dict[str, float], top_k: int | None = None
+    rollouts: dict[str, list],
+    rewards_by_sample: dict[str, float],
+    top_k: int | None = None,
+    moe_layers: tuple[int, ...] = (),
 ) -> ExperienceBatch:
     """The rollouts right-padded (with token 0, which no forward reads: they run on packed microbatches); with top_k
-    (the model's experts per token), the recorded routes as well."""
+    (the model's experts per token), the recorded routes as well, keyed by the decoder layers the shards name
+    (moe_layers, the model's MoE layers, for shards from before they named them)."""
     prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
     input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id=0)
     behavior_BT = torch.zeros(input_ids_BT.shape)
@@ -67,27 +81,40 @@ def experience_batch(
         behavior_BT,
         torch.tensor([rewards_by_sample[s] for s in rollouts["sample_id"]], dtype=torch.float32),
         torch.tensor(rollouts["prompt_id"]),
-        routes_tensor(rollouts, prompts, responses, input_ids_BT.shape, top_k) if top_k is not None else None,
+        *(routes_tensor(rollouts, prompts, responses, input_ids_BT.shape, top_k, moe_layers) if top_k else (None, ())),
     )
 
 
 def routes_tensor(
-    rollouts: dict[str, list], prompts: list, responses: list, shape: torch.Size, top_k: int
-) -> torch.Tensor:
-    """`ExperienceBatch.routes_BTLK` from the rows' flat routed_experts ([token][layer][k] per response token)."""
-    tokens, routed = next(((len(r), len(e)) for r, e in zip(responses, rollouts["routed_experts"], strict=True) if r))
-    layers = max(routed // (tokens * top_k), 1)
-    routes_BTLK = torch.full((*shape, layers, top_k), -1, dtype=torch.long)
+    rollouts: dict[str, list],
+    prompts: list,
+    responses: list,
+    shape: torch.Size,
+    top_k: int,
+    moe_layers: tuple[int, ...],
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(`ExperienceBatch.routes_BTLK`, its columns' decoder layers) from the rows' routed_experts, flat
+    [position][layer][k] from the prompt's first position (prompt_routes all) or its last (last) to the response's
+    second to last, and routed_layers (null in shards from before it, whose routes are the response's only)."""
+    named = next((tuple(layers) for layers in rollouts.get("routed_layers", []) if layers is not None), None)
+    if named is None:  # the response's positions only, of the MoE layers in order
+        tokens, routed = next(
+            ((len(r), len(e)) for r, e in zip(responses, rollouts["routed_experts"], strict=True) if r)
+        )
+        named = moe_layers or tuple(range(max(routed // (tokens * top_k), 1)))
+    routes_BTLK = torch.full((*shape, len(named), top_k), -1, dtype=torch.int16)
     recorded = zip(prompts, responses, rollouts["routed_experts"], strict=True)
     for row, (prompt, response, routes) in enumerate(recorded):
-        if len(routes) != len(response) * layers * top_k:
+        end = len(prompt) + len(response) - 1  # every position has a forward but the last token's
+        positions, rest = divmod(len(routes), len(named) * top_k)
+        if rest or end - positions not in (0, len(prompt) - 1):
             raise MoeloopError(
-                f"sample {rollouts['sample_id'][row]}: {len(routes)} routed experts for {len(response)} tokens,"
-                f" {layers} MoE layers and top-{top_k}: damaged data"
+                f"sample {rollouts['sample_id'][row]}: {len(routes)} routed experts for a {len(prompt)}-token prompt,"
+                f" a {len(response)}-token response, {len(named)} MoE layers and top-{top_k}: damaged data"
             )
-        start = len(prompt) - 1  # the position whose forward sampled the first response token
-        routes_BTLK[row, start : start + len(response)] = torch.tensor(routes).view(len(response), layers, top_k)
-    return routes_BTLK
+        ids = torch.from_numpy(np.asarray(routes, dtype=np.int16))  # a copy: the shard's arrays are read-only
+        routes_BTLK[row, end - positions : end] = ids.view(positions, len(named), top_k)
+    return routes_BTLK, named
 
 
 def minibatches(order_B: torch.Tensor, size: int, world_size: int) -> list[torch.Tensor]:
@@ -128,12 +155,12 @@ def frozen_pass(
     model.eval()
     values_BT = torch.zeros(batch.input_ids_BT.shape, device=batch.input_ids_BT.device)
     for micro in rank_microbatches(batch, torch.arange(len(batch.input_ids_BT)), max_tokens, parallel):
-        routes_1NLK = micro.pack(batch.routes_BTLK).unsqueeze(0) if batch.routes_BTLK is not None else None
-        with replaying(model, routes_1NLK if replay else None):
+        routes = batch.routes_of(micro)
+        with replaying(model, routes if replay else None):
             values_nT, router_logits_L = per_token(model, micro)
         values_BT[micro.rows_n] = values_nT
         if health is not None:
-            health.add(router_logits_L, micro.real_tokens().unsqueeze(0), routes_1NLK, replayed=replay)
+            health.add(router_logits_L, micro.real_tokens().unsqueeze(0), routes, replayed=replay)
     reshard(model)
     if parallel.world_size > 1:
         dist.all_reduce(values_BT)
@@ -161,7 +188,11 @@ def frozen_logprobs(
     health: RouterHealth | None = None,
 ) -> torch.Tensor:
     """The whole batch's token logprobs on every rank."""
-    logprobs = partial(packed_token_logprobs, temperature=temperature)
+
+    def logprobs(model: torch.nn.Module, micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        logprobs_nT, _, router_logits_L = packed_token_logprobs(model, micro, temperature)
+        return logprobs_nT, router_logits_L
+
     return frozen_pass(logprobs, model, batch, max_tokens, parallel, replay, health)
 
 

@@ -1,7 +1,9 @@
-"""GRPO's group advantages and the clipped surrogate policy loss that GRPO and PPO share. Pure tensor math.
+"""GRPO's group advantages, and the clipped surrogate policy loss and the KL estimators that GRPO and PPO share.
+Pure tensor math.
 
 The loss has the variants users ask for: token, sequence or Dr. GRPO aggregation, asymmetric clipping (DAPO's
-clip-higher) and truncated importance weights for a behaviour policy older than the trainer's (decoupled objective).
+clip-higher), dual clip, an entropy bonus, four KL estimators, and truncated importance weights for a behaviour
+policy older than the trainer's (decoupled objective). steps/rl/README.md names the peer function each term equals.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from moeloop.steps.config_algorithm import KlEstimator
 from moeloop.steps.rl.importance import ImportanceLevel, importance_ratio
 
 
@@ -95,12 +98,34 @@ def behavior_weights(behavior_ratio_BT: torch.Tensor, cap: float) -> tuple[torch
     return ratio_BT.clamp(max=cap), ratio_BT > cap
 
 
+def kl_estimate(
+    logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimator: KlEstimator, clamp: float | None = None
+) -> torch.Tensor:
+    """Per-token estimates of KL(pi || pi_ref) at tokens sampled from pi (Schulman, "Approximating KL divergence",
+    2020), with x = log pi - log pi_ref: k1 = x; k2 = x^2 / 2; k3 = r - log r - 1 with r = pi_ref / pi = e^-x;
+    k3_plus: k3's value with k2's gradient (x grad log pi, whose mean is the KL's gradient; straight-through, as
+    verl's "k3+"). Each value clamped to [-clamp, clamp], no gradient past it (k3_plus' k2 gradient is not)."""
+    x_BT = logprobs_BT - ref_logprobs_BT
+    value_BT = x_BT if estimator == "k1" else 0.5 * x_BT**2 if estimator == "k2" else torch.exp(-x_BT) + x_BT - 1
+    if clamp is not None:
+        value_BT = value_BT.clamp(-clamp, clamp)
+    if estimator == "k3_plus":
+        k2_BT = 0.5 * x_BT**2
+        value_BT = k2_BT - k2_BT.detach() + value_BT.detach()
+    return value_BT
+
+
 @dataclass(frozen=True)
 class LossTerms:
     loss: torch.Tensor  # what is minimised
     policy_loss: torch.Tensor
-    kl: torch.Tensor  # KL(policy || reference), k3 estimator, aggregated like the policy loss
-    clip_fraction: torch.Tensor  # share of tokens whose ratio was clipped
+    kl: torch.Tensor  # KL(policy || reference) by the kl_estimator, aggregated like the policy loss
+    entropy: torch.Tensor  # the policy's token entropy, aggregated like the policy loss
+    # Shares of the masked tokens: the ratio outside [1 - clip_low, 1 + clip_high]; the clip binding (the clipped
+    # term the larger loss); the dual clip binding (the loss held at -c A).
+    out_of_range: torch.Tensor
+    clipped: torch.Tensor
+    dual_clipped: torch.Tensor
 
 
 def clipped_policy_loss(
@@ -118,29 +143,55 @@ def clipped_policy_loss(
     ref_logprobs_BT: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     importance_level: ImportanceLevel = "token",
+    dual_clip: float | None = None,
+    kl_estimator: KlEstimator = "k3",
+    kl_clamp: float | None = None,
+    entropy_BT: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> LossTerms:
-    """Clipped surrogate -w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), aggregated, plus kl_coef * k3 KL.
+    """Clipped surrogate -w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), where A < 0 at most -dual_clip A,
+    aggregated; plus kl_coef times the KL estimate; minus entropy_coef times the entropy, aggregated alike.
 
     advantages is per sequence [B] (GRPO) or per token [B, T] (PPO). weights_BT are the behaviour importance
     weights (None: 1). clip_high None is clip_low (symmetric); a larger one is DAPO's clip-higher (Yu et al. 2025,
-    arXiv:2503.14476), which lets unlikely tokens with A > 0 gain more before the clip stops them.
-    importance_level picks r (`moeloop.steps.rl.importance.importance_ratio`): per token, or GSPO's per sequence over mask_BT.
+    arXiv:2503.14476), which lets unlikely tokens with A > 0 gain more before the clip stops them. dual_clip c > 1
+    bounds a negative advantage's loss, whatever the ratio (Ye et al. 2020, arXiv:1912.09729). importance_level picks
+    r (`moeloop.steps.rl.importance.importance_ratio`): per token, or GSPO's per sequence over mask_BT. entropy_BT:
+    the policy's entropy at each token's position (`moeloop.steps.model.logprobs`).
     """
     clip_high = clip_low if clip_high is None else clip_high
     mask = mask_BT.to(logprobs_BT.dtype)
     advantages_BT = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     ratio_BT = importance_ratio(logprobs_BT, old_logprobs_BT, mask_BT, importance_level)
-    unclipped_BT = ratio_BT * advantages_BT
-    clipped_BT = torch.clamp(ratio_BT, 1 - clip_low, 1 + clip_high) * advantages_BT
-    surrogate_BT = -torch.minimum(unclipped_BT, clipped_BT)
+    unclipped_BT = -ratio_BT * advantages_BT
+    clipped_BT = -torch.clamp(ratio_BT, 1 - clip_low, 1 + clip_high) * advantages_BT
+    surrogate_BT = torch.maximum(unclipped_BT, clipped_BT)
+    dual_clipped_BT = torch.zeros_like(mask_BT, dtype=torch.bool)
+    if dual_clip is not None:
+        bound_BT = -dual_clip * advantages_BT
+        dual_clipped_BT = (advantages_BT < 0) & (surrogate_BT > bound_BT)
+        surrogate_BT = torch.where(advantages_BT < 0, torch.minimum(surrogate_BT, bound_BT), surrogate_BT)
     if weights_BT is not None:
         surrogate_BT = surrogate_BT * weights_BT
     counts = {"max_length": max_length, "num_tokens": num_tokens, "num_sequences": num_sequences}
     policy_loss = aggregate(surrogate_BT, mask_BT, aggregation, **counts)
-    clip_fraction = ((unclipped_BT != clipped_BT).to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-    if ref_logprobs_BT is None:
-        kl = torch.zeros((), dtype=logprobs_BT.dtype, device=logprobs_BT.device)
-    else:
-        log_ratio_BT = ref_logprobs_BT - logprobs_BT
-        kl = aggregate(torch.exp(log_ratio_BT) - log_ratio_BT - 1, mask_BT, aggregation, **counts)
-    return LossTerms(policy_loss + kl_coef * kl, policy_loss, kl, clip_fraction)
+    zero = torch.zeros((), dtype=logprobs_BT.dtype, device=logprobs_BT.device)
+    kl = zero
+    if ref_logprobs_BT is not None:
+        kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, kl_estimator, kl_clamp)
+        kl = aggregate(kl_BT, mask_BT, aggregation, **counts)
+    entropy = zero if entropy_BT is None else aggregate(entropy_BT, mask_BT, aggregation, **counts)
+
+    def share(flags_BT: torch.Tensor) -> torch.Tensor:
+        return (flags_BT.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
+
+    out_of_range_BT = (ratio_BT < 1 - clip_low) | (ratio_BT > 1 + clip_high)
+    return LossTerms(
+        policy_loss + kl_coef * kl - entropy_coef * entropy,
+        policy_loss,
+        kl,
+        entropy,
+        share(out_of_range_BT.detach()),
+        share(clipped_BT.detach() > unclipped_BT.detach()),
+        share(dual_clipped_BT.detach()),
+    )

@@ -42,14 +42,23 @@ def importance_ratio(
     raise ValueError(f"unknown importance level {level!r}")
 
 
+SequenceWeight = Literal["geometric", "product"]
+
+
 def behavior_ratio(
-    old_logprobs_BT: torch.Tensor, behavior_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, sequence: bool
+    old_logprobs_BT: torch.Tensor,
+    behavior_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    sequence: SequenceWeight | None = None,
 ) -> torch.Tensor:
-    """pi_old / pi_behavior per token, or (sequence) each row's length-normalised ratio exp(mean_t log(...)) on
-    every token of the row, as GSPO normalises. A constant: no gradient flows through it."""
+    """pi_old / pi_behavior per token (sequence None), or each row's ratio on every token of the row: geometric, the
+    length-normalised exp(mean_t log(...)), as GSPO normalises; product, exp(sum_t log(...)), the whole sequence's
+    likelihood ratio (an overflow is inf: a cap truncates it). A constant: no gradient flows through it."""
     log_ratio_BT = (old_logprobs_BT - behavior_logprobs_BT).detach()
-    if sequence:
+    if sequence == "geometric":
         log_ratio_BT = sequence_mean(log_ratio_BT, mask_BT).unsqueeze(1).expand_as(log_ratio_BT)
+    elif sequence == "product":
+        log_ratio_BT = (log_ratio_BT * mask_BT).sum(1, keepdim=True).expand_as(log_ratio_BT)
     return torch.exp(log_ratio_BT)
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from moeloop.steps.rl.grpo import aggregate
+from moeloop.steps.config_algorithm import KlEstimator
+from moeloop.steps.rl.grpo import aggregate, kl_estimate
 
 
 def last_token_index(mask_BT: torch.Tensor) -> torch.Tensor:
@@ -23,11 +24,14 @@ def token_rewards(
     kl_coef: float,
     logprobs_BT: torch.Tensor,
     ref_logprobs_BT: torch.Tensor,
+    kl_estimator: KlEstimator = "k1",
+    kl_clamp: float | None = None,
 ) -> torch.Tensor:
-    """The per-token rewards: -kl_coef * (log pi - log pi_ref) on every response token (the k1 KL estimate, its
-    sum over a sequence the sequence's KL), plus the sequence's reward on its last token. Zero elsewhere."""
+    """The per-token rewards: -kl_coef * the KL estimate (`kl_estimate`; k1, log pi - log pi_ref, by default: its
+    sum over a sequence the sequence's KL) on every response token, plus the sequence's reward on its last token.
+    Zero elsewhere."""
     mask = mask_BT.to(logprobs_BT.dtype)
-    rewards_BT = -kl_coef * (logprobs_BT - ref_logprobs_BT) * mask
+    rewards_BT = -kl_coef * kl_estimate(logprobs_BT, ref_logprobs_BT, kl_estimator, kl_clamp).detach() * mask
     rows_B = torch.arange(len(rewards_B), device=rewards_BT.device)
     rewards_BT[rows_B, last_token_index(mask_BT)] += rewards_B.to(rewards_BT.dtype)
     return rewards_BT

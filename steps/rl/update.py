@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from moeloop.steps.config import MismatchConfig, MoeloopConfig
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.config_algorithm import MismatchConfig
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.model.families import moe_routers
+from moeloop.steps.model.families import moe_layers
 from moeloop.steps.model.logprobs import packed_token_logprobs, packed_token_values
 from moeloop.steps.model.microbatch import Microbatch
-from moeloop.steps.model.moe import replaying
+from moeloop.steps.model.moe import check_route_layers, replaying
 from moeloop.steps.rl.batch import (
     ExperienceBatch,
     frozen_logprobs,
@@ -30,7 +31,7 @@ from moeloop.steps.rl.batch import (
     minibatch_schedule,
     rank_microbatches,
 )
-from moeloop.steps.rl.grpo import behavior_weights, clipped_policy_loss, group_advantages, varied_groups
+from moeloop.steps.rl.grpo import behavior_weights, clipped_policy_loss, group_advantages, kl_estimate, varied_groups
 from moeloop.steps.rl.importance import behavior_ratio, mismatch_mask
 from moeloop.steps.rl.parallel import Parallel, all_reduce_sum, clip_grad_norm
 from moeloop.steps.rl.ppo import gae, token_rewards, value_loss, whiten
@@ -85,11 +86,11 @@ def minibatch_step(
     optimizer.zero_grad(set_to_none=True)
     sums: list[torch.Tensor] = []
     for micro in microbatches:
-        routes_1NLK = micro.pack(batch.routes_BTLK).unsqueeze(0) if batch.routes_BTLK is not None else None
-        with replaying(model, routes_1NLK if replay else None):
+        routes = batch.routes_of(micro)
+        with replaying(model, routes if replay else None):
             loss, router_logits_L, figures = loss_of(micro)
             (loss + router_aux_loss(model, router_logits_L, micro.real_tokens(), minibatch_tokens, parallel)).backward()
-        step_load_LE += health.add(router_logits_L, micro.real_tokens().unsqueeze(0), routes_1NLK, replayed=replay)
+        step_load_LE += health.add(router_logits_L, micro.real_tokens().unsqueeze(0), routes, replayed=replay)
         sums = [a + b.detach() for a, b in zip(sums, figures, strict=True)] if sums else [f.detach() for f in figures]
     grad_norm = clip_grad_norm(model.parameters(), settings.max_grad_norm, parallel)
     optimizer.step()
@@ -113,7 +114,10 @@ def ppo_advantages(
     algorithm, mask_BT = config.algorithm, batch.response_mask_BT
     budget = config.trainer.max_tokens_per_microbatch
     old_values_BT = frozen_pass(packed_token_values, critic.model, batch, budget, parallel) * mask_BT
-    rewards_BT = token_rewards(batch.rewards_B, mask_BT, algorithm.kl_coef, old_logprobs_BT, ref_logprobs_BT)
+    rewards_BT = token_rewards(
+        batch.rewards_B, mask_BT, algorithm.kl_coef, old_logprobs_BT, ref_logprobs_BT, algorithm.kl_estimator,
+        algorithm.kl_clamp,
+    )  # fmt: skip
     advantages_BT, returns_BT = gae(rewards_BT, old_values_BT, mask_BT, algorithm.gae_gamma, algorithm.gae_lambda)
     return whiten(advantages_BT, mask_BT), returns_BT, old_values_BT
 
@@ -129,7 +133,9 @@ def mismatch_loss_mask(
     [low, high]. Reports the share of response tokens and of sequences masked (0 with masking off)."""
     loss_mask_BT = mask_BT
     if settings.level != "off":
-        ratio_BT = behavior_ratio(old_logprobs_BT, behavior_logprobs_BT, mask_BT, sequence=settings.level == "sequence")
+        ratio_BT = behavior_ratio(
+            old_logprobs_BT, behavior_logprobs_BT, mask_BT, "geometric" if settings.level == "sequence" else None
+        )
         loss_mask_BT = mismatch_mask(ratio_BT, mask_BT, settings.low, settings.high)
     responses_B = mask_BT.any(1)
     report["mismatch_masked"] = 1 - float(loss_mask_BT.sum()) / max(float(mask_BT.sum()), 1.0)
@@ -172,27 +178,27 @@ def policy_update(
     replay = algorithm.routing_replay == "rollout"
     if replay and batch.routes_BTLK is None:
         raise MoeloopError("algorithm.routing_replay rollout needs the engine's recorded routed_experts")
+    if batch.routes_BTLK is not None:  # before any forward: routes of other layers are refused in one line
+        check_route_layers(batch.route_layers, moe_layers(model))
     # pi_old is the trainer's own policy at the start of the update, so the first step's ratio is exactly 1. Its pass
     # measures the routing agreement: pi_old is the policy the engine sampled with (at max_staleness 0), which the
     # training forwards move away from.
-    old_health = RouterHealth(moe_routers(model), parallel.device)
+    old_health = RouterHealth.of(model, parallel.device)
     budget = settings.max_tokens_per_microbatch
     old_logprobs_BT = frozen_logprobs(model, batch, temperature, budget, parallel, replay, old_health)
     old_routing = old_health.report(distributed=parallel.world_size > 1)
-    log_ratio_BT = ref_logprobs_BT - old_logprobs_BT
     kl_mask_BT = mask_BT & measured_B.unsqueeze(1)
     report["kl_samples"] = int(measured_B.sum())
-    report["kl"] = masked_mean(torch.exp(log_ratio_BT) - log_ratio_BT - 1, kl_mask_BT) if kl_mask_BT.any() else None
+    kl_BT = kl_estimate(old_logprobs_BT, ref_logprobs_BT, "k3")  # the metric: k3, unclamped, whatever the loss's
+    report["kl"] = masked_mean(kl_BT, kl_mask_BT) if kl_mask_BT.any() else None
     # Engine vs trainer: mean |difference| and KL(behaviour || trainer), k3. With a stale behaviour policy
     # (rollout.max_staleness) it also measures how far the policy moved since the rollouts' checkpoint.
-    behavior_gap_BT = old_logprobs_BT - batch.behavior_logprobs_BT
-    report["logprob_mismatch"] = masked_mean(behavior_gap_BT.abs(), mask_BT)
-    report["behavior_kl"] = masked_mean(torch.exp(behavior_gap_BT) - behavior_gap_BT - 1, mask_BT)
+    report["logprob_mismatch"] = masked_mean((old_logprobs_BT - batch.behavior_logprobs_BT).abs(), mask_BT)
+    report["behavior_kl"] = masked_mean(kl_estimate(batch.behavior_logprobs_BT, old_logprobs_BT, "k3"), mask_BT)
     weights_BT = None
     if algorithm.behavior_weight_cap is not None:
-        ratio_BT = behavior_ratio(
-            old_logprobs_BT, batch.behavior_logprobs_BT, mask_BT, sequence=algorithm.importance_level != "token"
-        )
+        sequence = algorithm.sequence_weight if algorithm.importance_level != "token" else None
+        ratio_BT = behavior_ratio(old_logprobs_BT, batch.behavior_logprobs_BT, mask_BT, sequence)
         weights_BT, truncated_BT = behavior_weights(ratio_BT, algorithm.behavior_weight_cap)
         report["behavior_weight_mean"] = masked_mean(weights_BT, mask_BT)
         report["behavior_weight_truncated"] = masked_mean(truncated_BT.to(weights_BT.dtype), mask_BT)
@@ -215,8 +221,7 @@ def policy_update(
         config, parallel,
     )  # fmt: skip
     report.update(measured.pop("router_health"))
-    if "routing_agreement" in old_routing:
-        report["routing_agreement"] = old_routing["routing_agreement"]
+    report.update({key: value for key, value in old_routing.items() if key.startswith("routing_agreement")})
     if critic is not None:
         measured |= critic_steps(critic, batch, schedule, old_values_BT, returns_BT, config, parallel)
     report.update({name: sum(values) / len(values) for name, values in measured.items()})
@@ -225,6 +230,11 @@ def policy_update(
     report["optimizer_steps"] = len(measured["loss"])
     report["response_tokens"] = int(mask_BT.sum())
     return report
+
+
+# The policy's token figures, each a mean over the minibatch's loss tokens, then over the optimizer steps: its
+# entropy, the shares of ratios outside the clip range, of clips that bind, of dual clips that bind.
+TOKEN_FIGURES = ("entropy", "clip_fraction_out_of_range", "clip_fraction_binding", "dual_clip_fraction")
 
 
 def actor_steps(
@@ -240,13 +250,13 @@ def actor_steps(
     config: MoeloopConfig,
     parallel: Parallel,
 ) -> dict[str, Any]:
-    """One clipped-surrogate step of the policy per minibatch of the schedule, with the routers' aux loss and, given
-    kl_reference_BT (GRPO with kl_coef > 0), the k3 KL to the reference in the loss. loss_mask_BT: the response
-    tokens the loss keeps (`mismatch_loss_mask`). With routing replay each forward routes as the engine did. Also
-    the routers' health over these forwards, under "router_health"."""
+    """One clipped-surrogate step of the policy per minibatch of the schedule, with the routers' aux loss, the
+    entropy bonus and, given kl_reference_BT (GRPO with kl_coef > 0), the KL to the reference in the loss.
+    loss_mask_BT: the response tokens the loss keeps (`mismatch_loss_mask`). With routing replay each forward routes
+    as the engine did. Also the routers' health over these forwards, under "router_health"."""
     algorithm, temperature = config.algorithm, config.rollout.temperature
     replay = algorithm.routing_replay == "rollout"
-    health = RouterHealth(moe_routers(model), parallel.device)
+    health = RouterHealth.of(model, parallel.device)
     measured: dict[str, Any] = defaultdict(list)
     model.train()
     for number, minibatch_rows in enumerate(schedule, start=1):
@@ -254,7 +264,7 @@ def actor_steps(
         num_sequences = max(int(loss_mask_BT[minibatch_rows].any(1).sum()), 1)  # masked-out sequences drop out
 
         def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
-            logprobs_nT, router_logits_L = packed_token_logprobs(model, micro, temperature)
+            logprobs_nT, entropy_nT, router_logits_L = packed_token_logprobs(model, micro, temperature)
             rows = micro.rows_n
             terms = clipped_policy_loss(
                 logprobs_nT,
@@ -271,20 +281,29 @@ def actor_steps(
                 ref_logprobs_BT=kl_reference_BT[rows] if kl_reference_BT is not None else None,
                 kl_coef=algorithm.kl_coef if kl_reference_BT is not None else 0.0,
                 importance_level=algorithm.importance_level,
+                dual_clip=algorithm.dual_clip,
+                kl_estimator=algorithm.kl_estimator,
+                kl_clamp=algorithm.kl_clamp,
+                entropy_BT=entropy_nT,
+                entropy_coef=algorithm.entropy_coef,
             )
-            # The microbatch's part of the minibatch's loss; its clip fraction is over its own tokens.
-            return terms.loss, router_logits_L, [terms.loss, terms.clip_fraction * loss_mask_BT[rows].sum()]
+            # The microbatch's part of the minibatch's loss; the token figures over its own tokens, summed.
+            tokens = loss_mask_BT[rows].sum()
+            entropy_sum = (entropy_nT.detach() * loss_mask_BT[rows]).sum()
+            shares = (terms.out_of_range, terms.clipped, terms.dual_clipped)
+            return terms.loss, router_logits_L, [terms.loss, entropy_sum, *(share * tokens for share in shares)]
 
-        grad_norm, (loss, clipped) = minibatch_step(
+        grad_norm, (loss, *token_sums) = minibatch_step(
             model, optimizer, batch, minibatch_rows, loss_of, config, parallel, health, replay,
             f"the policy at minibatch {number} of {len(schedule)}",
         )  # fmt: skip
         measured["grad_norm"].append(grad_norm)
         measured["loss"].append(loss)
-        measured["clip_fraction"].append(clipped / num_tokens)
+        for name, token_sum in zip(TOKEN_FIGURES, token_sums, strict=True):
+            measured[name].append(token_sum / num_tokens)
     health_report = health.report(distributed=parallel.world_size > 1)
-    health_report.pop("routing_agreement", None)  # measured on pi_old's pass (policy_update)
-    measured["router_health"] = health_report
+    # The agreements are measured on pi_old's pass (policy_update).
+    measured["router_health"] = {k: v for k, v in health_report.items() if not k.startswith("routing_agreement")}
     return measured
 
 
@@ -301,7 +320,7 @@ def critic_steps(
     mask_BT = batch.response_mask_BT
     measured: dict[str, list[float]] = defaultdict(list)
     critic.model.train()
-    health = RouterHealth(moe_routers(critic.model), parallel.device)  # its load, for the correction bias
+    health = RouterHealth.of(critic.model, parallel.device)  # its load, for the correction bias
     for number, minibatch_rows in enumerate(schedule, start=1):
         num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
 

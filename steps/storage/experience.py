@@ -36,13 +36,34 @@ ROLLOUT_SCHEMA = pa.schema(
         ("finish_reason", pa.string()),  # "stop" or "length"
         ("policy_version", pa.int32()),  # iteration of the checkpoint that generated it
         ("engine", pa.string()),
-        # The engine's top-k experts per response token and MoE layer, flattened [token][layer][k]: those of the
-        # forward that sampled the token. Null where the engine did not record them (`rollout.record_routing`).
+        # The engine's top-k experts per position and MoE layer, flattened [position][layer][k], from the prompt's
+        # first or last position to the response's second to last (steps/engines/routes.py), as uint8 where the
+        # model has at most 256 experts (`rollout_schema`). Null where the engine did not record them.
         ("routed_experts", pa.list_(pa.uint16())),
+        # The decoder layer of each layer of routed_experts (the model's MoE layers); null where not recorded.
+        ("routed_layers", pa.list_(pa.uint16())),
     ]
 )
 # Columns that shards written before they existed lack: read as nulls.
-LATER_COLUMNS = {"routed_experts"}
+LATER_COLUMNS = {"routed_experts", "routed_layers"}
+# The expert ids' types routed_experts comes in: the narrowest that holds the model's (`expert_id_type`).
+ROUTE_TYPES = (pa.list_(pa.uint8()), pa.list_(pa.uint16()))
+
+
+def expert_id_type(num_experts: int) -> pa.DataType:
+    """The narrowest type that holds every expert id: uint8 up to 256 experts, else uint16 (as vLLM's capture)."""
+    return pa.uint8() if num_experts <= 256 else pa.uint16()
+
+
+def rollout_schema(num_experts: int) -> pa.Schema:
+    """The rollout shards' schema for a model of num_experts experts: its routes' ids in the narrowest type."""
+    return with_route_type(ROLLOUT_SCHEMA, pa.list_(expert_id_type(num_experts)))
+
+
+def with_route_type(schema: pa.Schema, route_type: pa.DataType) -> pa.Schema:
+    index = schema.get_field_index("routed_experts")
+    return schema.set(index, pa.field("routed_experts", route_type))
+
 
 REWARD_SCHEMA = pa.schema(
     [
@@ -54,8 +75,10 @@ REWARD_SCHEMA = pa.schema(
 
 
 def table_bytes(table: pa.Table) -> bytes:
+    """The table as Parquet: dictionary-encoded (the default), zstd-compressed, which of the encodings measured keeps
+    the routes smallest or as small as any (benchmarks/route_storage.md)."""
     buffer = io.BytesIO()
-    pq.write_table(table, buffer)
+    pq.write_table(table, buffer, compression="zstd")
     return buffer.getvalue()
 
 
@@ -71,9 +94,19 @@ def parse_table(data: bytes, source: str, schema: pa.Schema) -> pa.Table:
     for index, column in enumerate(schema):
         if column.name in LATER_COLUMNS and column.name not in table.schema.names and index == table.num_columns:
             table = table.append_column(column, pa.nulls(table.num_rows, column.type))
+    if "routed_experts" in schema.names and table.schema.field("routed_experts").type in ROUTE_TYPES:
+        schema = with_route_type(schema, table.schema.field("routed_experts").type)
     if not table.schema.equals(schema, check_metadata=False):
         raise MoeloopError(f"unexpected Parquet schema: {source}")
     return table
+
+
+def rollout_columns(table: pa.Table) -> dict[str, list]:
+    """The shards' columns as lists, the routes each row's numpy array of expert ids (None where not recorded), not
+    a Python int per id."""
+    columns = table.drop_columns(["routed_experts"]).to_pydict()
+    columns["routed_experts"] = list(table["routed_experts"].to_numpy(zero_copy_only=False))
+    return columns
 
 
 def check_rollout_rows(table: pa.Table, source: str, iteration: int, shard: int) -> None:
@@ -122,7 +155,7 @@ def read_written_rollouts(storage: RunStorage, iteration: int, num_shards: int) 
         table, data = read_rollout_shard(storage, iteration, k, num_shards)
         tables.append(table)
         shards[shard_name(iteration, k, num_shards)] = data
-    return pa.concat_tables(tables), shards
+    return pa.concat_tables(tables, promote_options="permissive"), shards
 
 
 def commit_experience(storage: RunStorage, iteration: int, shards: dict[str, bytes], rewards: pa.Table) -> None:
@@ -165,7 +198,7 @@ def read_rollouts(storage: RunStorage, iteration: int, num_shards: int) -> pa.Ta
         table = parse_table(objects[name], f"{storage.display(folder)}/{name}", ROLLOUT_SCHEMA)
         check_rollout_rows(table, f"{storage.display(folder)}/{name}", iteration, k)
         tables.append(table)
-    return pa.concat_tables(tables)
+    return pa.concat_tables(tables, promote_options="permissive")  # shards of an older version: their route type
 
 
 def read_rewards(storage: RunStorage, iteration: int) -> pa.Table:

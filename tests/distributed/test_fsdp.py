@@ -101,7 +101,7 @@ def check_mesh(rank: int, expert_parallel: int, checkpointing: bool, offload: bo
             logits_NV = model.lm_head(body_forward(model.model, micro)[0])
         if not micro.empty:
             torch.testing.assert_close(logits_NV, micro.pack(ref.logits_BTV), **TOLERANCE)
-        logprobs_nT, _ = packed_token_logprobs(model, micro)
+        logprobs_nT, _, _ = packed_token_logprobs(model, micro)
         loss = -(logprobs_nT * weights_BT[micro.rows_n]).sum() / count
         loss.backward()
         loss_sum += loss.detach()

@@ -96,14 +96,16 @@ def reference_logprobs_of(model: torch.nn.Module, batch: ExperienceBatch) -> tor
 
 
 def train_config(activation_checkpointing: bool = False) -> MoeloopConfig:
-    """One optimizer step over the whole batch, clipped (max_grad_norm is below the gradient's norm), with KL. The
-    token budget gives every rank one microbatch, so the load-balancing loss is HF's over the minibatch (with more,
-    it is the token-weighted mean of the microbatches'; tests/distributed/test_fsdp.py checks several microbatches)."""
+    """One optimizer step over the whole batch, clipped (max_grad_norm is below the gradient's norm), with every
+    term of the loss: the KL (k3_plus: k3's value, k2's gradient), the entropy bonus (its gradient through the
+    chunked LM head), dual clip. The token budget gives every rank one microbatch, so the load-balancing loss is HF's
+    over the minibatch (with more, it is the token-weighted mean of the microbatches'; tests/distributed/test_fsdp.py
+    checks several microbatches)."""
     return small_config(
         iterations=1,
         trainer={"minibatch_size": 12, "epochs": 1, "learning_rate": 1e-3, "max_grad_norm": 0.05,
                  "max_tokens_per_microbatch": 1024, "activation_checkpointing": activation_checkpointing},
-        algorithm={"kl_coef": 0.1},
+        algorithm={"kl_coef": 0.1, "kl_estimator": "k3_plus", "entropy_coef": 0.01, "dual_clip": 3.0},
     )  # fmt: skip
 
 
@@ -171,7 +173,8 @@ def check_mesh(parallel: Parallel, ref: Reference, checkpointing: bool, save_to:
     torch.testing.assert_close(logits_NV, micro.pack(ref.logits_BTV), **TOLERANCE)
 
     report = policy_update(model, ref_logprobs_BT, optimizer, batch, config, SEED, parallel)
-    for key in ("loss", "kl", "clip_fraction", "grad_norm", "logprob_mismatch", "behavior_kl"):
+    keys = ("loss", "kl", "entropy", "clip_fraction_binding", "clip_fraction_out_of_range", "dual_clip_fraction")
+    for key in (*keys, "grad_norm", "logprob_mismatch", "behavior_kl"):
         assert report[key] == pytest.approx(ref.report[key], rel=1e-5, abs=1e-7), key
     experts = expert_parameters(model)
     for name, parameter in model.named_parameters():

@@ -137,6 +137,7 @@ def rollout_table(iteration: int, shard: int, rows: int = 2) -> pa.Table:
         "policy_version": [iteration - 1] * rows,
         "engine": ["transformers"] * rows,
         "routed_experts": [None] * rows,
+        "routed_layers": [None] * rows,
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

@@ -66,13 +66,14 @@ def test_fused_passes_equal_their_eager_selves() -> None:
         hidden, weight = (t.detach().to(device).requires_grad_() for t in (hidden_NH, weight_VH))
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr("moeloop.steps.model.logprobs.CHUNK_ROWS", 3)
-            logprobs_N = ChunkedTokenLogprobs.apply(hidden, weight, targets_N.to(device), 0.7)
-            logprobs_N.backward(grad_N.to(device))
+            logprobs_N, entropy_N = ChunkedTokenLogprobs.apply(hidden, weight, targets_N.to(device), 0.7)
+            ((logprobs_N * grad_N.to(device)).sum() + (entropy_N * grad_N.flip(0).to(device)).sum()).backward()
         logits = logits_tE.detach().to(device).requires_grad_()
         assigned_E, probability_sum_E = layer_routing(logits, mask_t.to(device), 4)
         probability_sum_E.square().sum().backward()
-        results[device] = [t.detach().cpu() for t in (logprobs_N, hidden.grad, weight.grad, assigned_E, logits.grad)]
-    for name, got, want in zip(("logprobs", "d hidden", "d weight", "assigned", "d router logits"),
+        computed = (logprobs_N, entropy_N, hidden.grad, weight.grad, assigned_E, logits.grad)
+        results[device] = [t.detach().cpu() for t in computed]
+    for name, got, want in zip(("logprobs", "entropy", "d hidden", "d weight", "assigned", "d router logits"),
                                results["cuda"], results["cpu"], strict=True):  # fmt: skip
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
 

@@ -84,3 +84,15 @@ def test_trl_benchmark_measures_a_curve_as_its_table_defines() -> None:
     assert figures["CPU cores used, on average"] == 1.5
     unreached = measures(curve[:3], total=20.0, cores=1.0)
     assert unreached["seconds to SFT + 0.20"] is None and unreached["iterations to SFT + 0.20"] is None
+
+
+def test_route_storage_benchmark_prints_both_shapes_before_and_now() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/route_storage.py", "--smoke"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith(("| Qwen3", "| Deep"))]
+    labels = {(cells[1].strip(), cells[2].strip()) for cells in rows if len(cells) > 8}
+    for shape in ("Qwen3-30B-A3B", "DeepSeek-V3"):
+        assert {(shape, "before"), (shape, "now, prompt_routes last"), (shape, "now, prompt_routes all")} <= labels
+    ids = {cells[2].strip(): cells[4].strip() for cells in rows if cells[1].strip() == "DeepSeek-V3" and len(cells) > 8}
+    assert ids == {"before": "uint16", "now, prompt_routes last": "uint8", "now, prompt_routes all": "uint8"}

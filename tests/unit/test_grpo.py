@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 
-from moeloop.steps.rl.grpo import aggregate, behavior_weights, clipped_policy_loss, group_advantages, varied_groups
+from moeloop.steps.rl.grpo import (
+    aggregate,
+    behavior_weights,
+    clipped_policy_loss,
+    group_advantages,
+    kl_estimate,
+    varied_groups,
+)
 from moeloop.steps.rl.importance import behavior_ratio
 
 EPS = 1e-6  # group_advantages' default eps
@@ -179,7 +186,7 @@ def test_single_token_clipped_objective(case: str) -> None:
 
     assert terms.policy_loss.item() == pytest.approx(want_loss, rel=1e-12)
     assert terms.loss.item() == pytest.approx(want_loss, rel=1e-12)
-    assert terms.clip_fraction.item() == (1.0 if want_clipped else 0.0)
+    assert terms.out_of_range.item() == (1.0 if want_clipped else 0.0)
     terms.loss.backward()
     assert float(logprobs.grad[0, 0]) == pytest.approx(want_gradient, rel=1e-12, abs=1e-15)
 
@@ -205,7 +212,7 @@ def test_clipping_on_both_sides_over_a_batch() -> None:
     assert float(terms.policy_loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
     assert float(terms.loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
     # Outside the range [0.8, 1.2]: row 0: 1.5, 0.5, 1.35; row 1: 1.5, 0.5, 0.7; row 2: 1.25, 0.79; row 3: 2.0, 0.1, 1.21.
-    assert float(terms.clip_fraction) == pytest.approx(11 / 16, rel=1e-12)
+    assert float(terms.out_of_range) == pytest.approx(11 / 16, rel=1e-12)
     assert expected["clip_fraction"] == pytest.approx(11 / 16)
     # Written out for row 0 (A = 1.3): -(1.2 A) - (0.5 A) - (1.1 A) - (1.2 A), over 16 tokens in all.
     row0 = -(1.2 * 1.3) - (0.5 * 1.3) - (1.1 * 1.3) - (1.2 * 1.3)
@@ -213,6 +220,114 @@ def test_clipping_on_both_sides_over_a_batch() -> None:
         logprobs[:1], old[:1], torch.tensor([1.3], dtype=torch.float64), torch.ones(1, 4), clip_low=CLIP
     )
     assert float(row0_alone.policy_loss) == pytest.approx(row0 / 4, rel=1e-12)
+
+
+def test_the_binding_clip_fraction_counts_only_clips_the_min_picks() -> None:
+    """The batch above: 11 of 16 ratios lie outside [0.8, 1.2], but the clip binds (its term is the larger loss,
+    verl's pg_clipfrac) only above the range with A > 0 and below it with A < 0: 6 of 16."""
+    ratios = [[1.50, 0.50, 1.10, 1.35], [1.50, 0.50, 0.95, 0.70], [1.25, 0.79, 1.19, 0.81], [2.00, 0.10, 1.00, 1.21]]
+    advantages = [1.3, -0.7, 0.4, -2.0]
+    logprobs = -torch.rand(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(11)) * 3
+    old = old_for_ratios(logprobs, ratios)
+    terms = clipped_policy_loss(logprobs, old, torch.tensor(advantages, dtype=torch.float64), torch.ones(4, 4), CLIP)
+    binding = sum(
+        (ratio > 1 + CLIP and advantage > 0) or (ratio < 1 - CLIP and advantage < 0)
+        for row, advantage in zip(ratios, advantages, strict=True)
+        for ratio in row
+    )
+    assert binding == 6
+    assert float(terms.clipped) == pytest.approx(6 / 16, rel=1e-12)
+    assert float(terms.out_of_range) == pytest.approx(11 / 16, rel=1e-12)
+    assert float(terms.dual_clipped) == 0.0
+
+
+# (ratio, advantage): the token's loss with dual clip c = 3, d loss / d logprob, (out of range, clip binds, dual binds)
+DUAL_CLIP_CASES = {
+    "A<0, ratio 4: the dual clip holds the loss at 3": (4.0, -1.0, 3.0, 0.0, (True, False, True)),
+    "A<0, ratio 2: below the bound, the unclipped loss": (2.0, -1.0, 2.0, 2.0, (True, False, False)),
+    "A<0, ratio 0.5: the clip binds, under the bound": (0.5, -1.0, 0.8, 0.0, (True, True, False)),
+    "A>0, ratio 4: the clip binds, no dual clip for A>0": (4.0, 1.0, -1.2, 0.0, (True, True, False)),
+    "A<0, ratio 1.1: inside": (1.1, -1.0, 1.1, 1.1, (False, False, False)),
+}
+
+
+@pytest.mark.parametrize("case", DUAL_CLIP_CASES)
+def test_dual_clip_bounds_a_negative_advantages_loss(case: str) -> None:
+    """Dual-clip PPO (verl's clip_ratio_c): for A < 0 the loss is min(max(-r A, -clip(r) A), -c A)."""
+    ratio, advantage, want_loss, want_gradient, (outside, clipped, dual) = DUAL_CLIP_CASES[case]
+    logprobs = torch.tensor([[-1.1]], dtype=torch.float64, requires_grad=True)
+    terms = clipped_policy_loss(
+        logprobs,
+        old_for_ratios(logprobs.detach(), [[ratio]]),
+        torch.tensor([advantage], dtype=torch.float64),
+        torch.ones(1, 1),
+        clip_low=CLIP,
+        dual_clip=3.0,
+    )
+    assert float(terms.loss) == pytest.approx(want_loss, rel=1e-12)
+    terms.loss.backward()
+    assert float(logprobs.grad[0, 0]) == pytest.approx(want_gradient, rel=1e-12, abs=1e-15)
+    shares = (terms.out_of_range, terms.clipped, terms.dual_clipped)
+    assert [float(share) for share in shares] == [float(outside), float(clipped), float(dual)]
+    old = old_for_ratios(logprobs.detach(), [[ratio]])
+    without = clipped_policy_loss(logprobs.detach(), old, torch.tensor([advantage]), torch.ones(1, 1), CLIP)
+    assert float(without.loss) == pytest.approx(-min(ratio * advantage, min(max(ratio, 0.8), 1.2) * advantage))
+
+
+# x = log pi - log pi_ref per token: the estimators' values and d/d log pi, clamped at 10 (k3 at x = -4 is 49.6).
+KL_XS = [0.3, -0.5, 1.2, -4.0, 12.0]
+
+
+def hand_kl(estimator: str, x: float, clamp: float | None) -> tuple[float, float]:
+    """(value, d value / d log pi) of one token's estimate, as the README writes them."""
+    value, gradient = {
+        "k1": (x, 1.0),
+        "k2": (x * x / 2, x),
+        "k3": (math.exp(-x) + x - 1, 1 - math.exp(-x)),
+        "k3_plus": (math.exp(-x) + x - 1, x),  # k3's value, k2's gradient
+    }[estimator]
+    if clamp is not None and abs(value) > clamp:
+        value = math.copysign(clamp, value)
+        gradient = x if estimator == "k3_plus" else 0.0  # k3_plus keeps k2's gradient past the clamp, as verl's
+    return value, gradient
+
+
+@pytest.mark.parametrize("clamp", [None, 10.0], ids=["unclamped", "clamp10"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3_plus"])
+def test_kl_estimators_values_and_gradients_are_the_hand_formulas(estimator: str, clamp: float | None) -> None:
+    ref = torch.tensor([[-1.0, -2.0, -0.7, -3.0, -15.0]], dtype=torch.float64)
+    logprobs = (ref + torch.tensor([KL_XS], dtype=torch.float64)).requires_grad_()
+    value_BT = kl_estimate(logprobs, ref, estimator, clamp)
+    value_BT.sum().backward()
+    want = [hand_kl(estimator, x, clamp) for x in KL_XS]
+    assert value_BT.detach()[0].tolist() == pytest.approx([v for v, _ in want], rel=1e-12)
+    assert logprobs.grad[0].tolist() == pytest.approx([g for _, g in want], rel=1e-12, abs=1e-15)
+    if estimator == "k3" and clamp is None:
+        assert float(value_BT[0, 3]) == pytest.approx(math.exp(4) - 5)  # 49.6, the unclamped outlier
+
+
+def test_the_loss_adds_kl_coef_times_the_estimators_aggregate_and_subtracts_the_entropy_bonus() -> None:
+    """Sequence aggregation, two rows of 2 and 3 tokens, A = 0 (no policy gradient): loss = kl_coef * mean over rows
+    of each row's mean k2 - entropy_coef * the same mean of the entropies; gradients by hand."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    ref = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -1.5, -2.5]], dtype=torch.float64)
+    xs = [[0.4, -0.2, 5.0], [0.1, 0.3, -0.6]]
+    logprobs = (ref + torch.tensor(xs, dtype=torch.float64)).requires_grad_()
+    entropy = torch.tensor([[1.5, 0.5, 9.0], [2.0, 1.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    terms = clipped_policy_loss(
+        logprobs, logprobs.detach(), torch.zeros(2, dtype=torch.float64), mask, CLIP, aggregation="sequence",
+        ref_logprobs_BT=ref, kl_coef=0.5, kl_estimator="k2", entropy_BT=entropy, entropy_coef=0.01,
+    )  # fmt: skip
+    kl = ((0.4**2 + 0.2**2) / 2 / 2 + (0.1**2 + 0.3**2 + 0.6**2) / 2 / 3) / 2
+    mean_entropy = ((1.5 + 0.5) / 2 + (2.0 + 1.0 + 0.0) / 3) / 2
+    assert float(terms.kl) == pytest.approx(kl, rel=1e-12)
+    assert float(terms.entropy) == pytest.approx(mean_entropy, rel=1e-12)
+    assert float(terms.loss) == pytest.approx(0.5 * kl - 0.01 * mean_entropy, rel=1e-12)
+    terms.loss.backward()
+    # d/d log pi of 0.5 * k2 / (row length * 2 rows) = 0.5 * x / (2 L); d/d H = -0.01 / (2 L); 0 where masked.
+    want_logprob = [[0.5 * x / (2 * 2) for x in xs[0][:2]] + [0.0], [0.5 * x / (2 * 3) for x in xs[1]]]
+    assert logprobs.grad.tolist() == [pytest.approx(row, rel=1e-12) for row in want_logprob]
+    assert entropy.grad.tolist() == [pytest.approx([-0.01 / 4] * 2 + [0.0]), pytest.approx([-0.01 / 6] * 3)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +348,7 @@ def test_masked_tokens_do_not_count_and_every_unmasked_token_weighs_the_same() -
 
     expected = hand_loss(logprobs.tolist(), old.tolist(), advantages, mask, CLIP)
     assert float(terms.policy_loss) == pytest.approx(expected["policy_loss"], rel=1e-12)
-    assert float(terms.clip_fraction) == pytest.approx(expected["clip_fraction"], rel=1e-12)
+    assert float(terms.out_of_range) == pytest.approx(expected["clip_fraction"], rel=1e-12)
 
     # Token mean over all 8 unmasked tokens, not the mean of the two sequence means.
     per_token = {
@@ -254,7 +369,7 @@ def test_masked_tokens_do_not_count_and_every_unmasked_token_weighs_the_same() -
     )
     garbage = clipped_policy_loss(logprobs, garbage_old, adv_t, mask_t, clip_low=CLIP)
     assert float(garbage.policy_loss) == float(terms.policy_loss)
-    assert float(garbage.clip_fraction) == float(terms.clip_fraction)
+    assert float(garbage.out_of_range) == float(terms.out_of_range)
 
 
 def test_num_tokens_makes_minibatch_losses_add_up_to_the_batch_loss() -> None:
@@ -495,13 +610,13 @@ def test_clip_higher_bounds_each_side_separately(case: str) -> None:
         clip_high=0.28,
     )
     assert float(terms.policy_loss) == pytest.approx(-effective_ratio * advantage, rel=1e-12)
-    assert float(terms.clip_fraction) == (1.0 if clipped else 0.0)
+    assert float(terms.out_of_range) == (1.0 if clipped else 0.0)
 
 
 def test_behavior_weights_are_truncated_ratios_of_old_to_behavior() -> None:
     old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, -1.2]], dtype=torch.float64)
     behavior = torch.tensor([[-1.0, -1.0, -2.0], [-2.5, -0.1, -0.2]], dtype=torch.float64)
-    weights, truncated = behavior_weights(behavior_ratio(old, behavior, torch.ones_like(old), sequence=False), cap=2.0)
+    weights, truncated = behavior_weights(behavior_ratio(old, behavior, torch.ones_like(old), ), cap=2.0)
     # exp(0) = 1, exp(-1) = 0.368, exp(1.5) = 4.48 -> 2, exp(-0.5) = 0.607, exp(0) = 1, exp(-1) = 0.368.
     want = [[1.0, math.exp(-1.0), 2.0], [math.exp(-0.5), 1.0, math.exp(-1.0)]]
     assert weights.reshape(-1).tolist() == pytest.approx([w for row in want for w in row], rel=1e-12)
@@ -512,7 +627,7 @@ def test_behavior_weights_scale_each_tokens_loss_and_gradient_without_a_gradient
     logprobs_value, old, advantages, mask = random_batch(8, rows=3, length=5)
     behavior = old + (torch.rand(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) - 0.5) * 2
     old_requiring = old.clone().requires_grad_(True)
-    ratio = behavior_ratio(old_requiring, behavior, torch.ones_like(old), sequence=False)
+    ratio = behavior_ratio(old_requiring, behavior, torch.ones_like(old), )
     weights, _ = behavior_weights(ratio, cap=1.5)
     assert not weights.requires_grad
     logprobs = logprobs_value.clone().requires_grad_(True)
@@ -555,8 +670,11 @@ def test_varied_groups_marks_samples_of_groups_with_unequal_rewards() -> None:
         {"drop_equal_groups": True},
         {"behavior_weight_cap": None},
         {"kl_coef": 0.1, "loss_aggregation": "sequence"},
+        {"kl_coef": 0.1, "kl_estimator": "k3_plus", "kl_clamp": None},
+        {"dual_clip": 3.0, "entropy_coef": 0.01},
     ],
-    ids=["token", "sequence", "dr_grpo", "clip_higher", "drop_equal_groups", "no_behavior_weights", "kl"],
+    ids=["token", "sequence", "dr_grpo", "clip_higher", "drop_equal_groups", "no_behavior_weights", "kl", "k3_plus",
+         "dual_clip_entropy"],
 )
 def test_every_variant_updates_the_policy_with_a_finite_loss(algorithm: dict, tmp_path) -> None:
     import copy
@@ -652,7 +770,7 @@ def test_at_kl_coef_0_the_reference_runs_on_the_kl_metrics_sample_only_and_the_u
         )
         weights[samples] = [p.detach().clone() for p in policy.parameters()]
     for samples in (0, 4):
-        for key in ("loss", "grad_norm", "clip_fraction", "behavior_kl"):
+        for key in ("loss", "grad_norm", "clip_fraction_binding", "entropy", "behavior_kl"):
             assert reports[samples][key] == reports[12][key], key
         assert all(torch.equal(a, b) for a, b in zip(weights[samples], weights[12], strict=True))
     assert [reports[s]["kl_samples"] for s in (0, 4, 12)] == [0, 4, 12]
@@ -666,3 +784,69 @@ def test_at_kl_coef_0_the_reference_runs_on_the_kl_metrics_sample_only_and_the_u
     with pytest.raises(MoeloopError, match="kl_coef > 0 needs"):
         policy = copy.deepcopy(model)
         policy_update(policy, refs[4], make_optimizer(policy, kl_config.trainer), experience(), kl_config, seed=0)
+
+
+def test_the_entropy_metric_is_the_policys_and_its_bonus_lowers_the_loss_by_coef_times_it(tmp_path) -> None:
+    """One minibatch, one epoch: the update's one forward is the start policy's, so `entropy` is its mean token
+    entropy over the response tokens, counted here from HF's whole logits; with entropy_coef c (token aggregation) the
+    loss is c times it lower, the policy loss being the same."""
+    import copy
+
+    from moeloop.steps.rl.state import make_optimizer
+    from moeloop.steps.rl.update import policy_update
+    from tests.conftest import small_config
+    from tests.distributed.test_train_ep import experience, reference_logprobs_of, tiny_policy
+
+    model = tiny_policy(tmp_path)
+    batch = experience()
+    with torch.no_grad():
+        logits_BTV = copy.deepcopy(model)(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+    log_p_BTV = torch.log_softmax(logits_BTV.float(), dim=-1)
+    entropy_BT = torch.nn.functional.pad(-(log_p_BTV.exp() * log_p_BTV).sum(-1)[:, :-1], (1, 0))  # drew token t
+    hand = [float(entropy_BT[row, col]) for row, col in batch.response_mask_BT.nonzero().tolist()]
+    reports = {}
+    for coef in (0.0, 0.05):
+        trainer = {"minibatch_size": 12, "epochs": 1}
+        config = small_config(iterations=1, algorithm={"entropy_coef": coef}, trainer=trainer)
+        policy = copy.deepcopy(model)
+        reference = reference_logprobs_of(policy, batch)
+        reports[coef] = policy_update(policy, reference, make_optimizer(policy, config.trainer), batch, config, seed=0)
+    assert reports[0.0]["entropy"] == pytest.approx(sum(hand) / len(hand), rel=1e-5)
+    assert reports[0.05]["entropy"] == pytest.approx(reports[0.0]["entropy"], rel=1e-6)
+    assert reports[0.05]["loss"] == pytest.approx(reports[0.0]["loss"] - 0.05 * reports[0.0]["entropy"], rel=1e-5)
+    assert reports[0.05]["grad_norm"] != reports[0.0]["grad_norm"]  # the bonus has a gradient of its own
+
+
+def test_product_sequence_weights_in_the_update_are_the_capped_sequence_likelihood_ratios(tmp_path) -> None:
+    """GSPO-token with sequence_weight product: each sequence's behaviour weight is min(prod_t pi_old / pi_behavior,
+    cap) on every one of its tokens; the report's mean is over the response tokens."""
+    import copy
+    import dataclasses
+
+    from moeloop.steps.model.policy import token_logprobs
+    from moeloop.steps.rl.state import make_optimizer
+    from moeloop.steps.rl.update import policy_update
+    from tests.conftest import small_config
+    from tests.distributed.test_train_ep import experience, reference_logprobs_of, tiny_policy
+
+    model = tiny_policy(tmp_path)
+    batch = experience()
+    with torch.no_grad():
+        old_BT, _ = token_logprobs(copy.deepcopy(model).eval(), batch.input_ids_BT, batch.attention_mask_BT)
+    noise_BT = 0.4 * torch.randn(old_BT.shape, generator=torch.Generator().manual_seed(3))
+    # A behaviour policy near pi_old, so that some sequences' products pass the cap and some do not.
+    batch = dataclasses.replace(batch, behavior_logprobs_BT=(old_BT + noise_BT) * batch.response_mask_BT)
+    algorithm = {"importance_level": "sequence_token", "sequence_weight": "product", "behavior_weight_cap": 2.0}
+    config = small_config(iterations=1, algorithm=algorithm, trainer={"minibatch_size": 12, "epochs": 1})
+    report = policy_update(
+        model, reference_logprobs_of(model, batch), make_optimizer(model, config.trainer), batch, config, seed=0
+    )
+    weights, truncated = [], []
+    for row in range(12):
+        positions = batch.response_mask_BT[row].nonzero().squeeze(1).tolist()
+        product = math.exp(sum(float(old_BT[row, t] - batch.behavior_logprobs_BT[row, t]) for t in positions))
+        weights += [min(product, 2.0)] * len(positions)
+        truncated += [product > 2.0] * len(positions)
+    assert report["behavior_weight_mean"] == pytest.approx(sum(weights) / len(weights), rel=1e-4)
+    assert report["behavior_weight_truncated"] == pytest.approx(sum(truncated) / len(truncated))
+    assert 0 < sum(truncated) < len(truncated)  # some sequences capped, some not

@@ -104,7 +104,7 @@ def test_the_gspo_loss_and_gradient_match_the_hand_computed_objective(seed: int)
                 gradient[row][t] = -advantage * s / length / rows
     assert float(terms.loss.detach()) == pytest.approx(loss, rel=1e-12)
     assert_equal_to(logprobs.grad, gradient)
-    assert float(terms.clip_fraction) == pytest.approx(clipped_tokens / int(mask.sum()))
+    assert float(terms.out_of_range) == pytest.approx(clipped_tokens / int(mask.sum()))
     assert 0 < clipped_tokens < int(mask.sum()) or seed == 0  # seeds 3, 4 clip some sequences, not all
 
 
@@ -153,10 +153,10 @@ def test_mismatch_masks_tokens_or_whole_sequences_outside_the_band() -> None:
     # pi_old / pi_behavior: row 0 [1, 3, 0.4, pad]; row 1 [1.5, 1.5, 0.9, 1.2]
     behavior = old - torch.log(torch.tensor([[1.0, 3.0, 0.4, 1.0], [1.5, 1.5, 0.9, 1.2]]))
     mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
-    token = mismatch_mask(behavior_ratio(old, behavior, mask, sequence=False), mask, 0.5, 2.0)
+    token = mismatch_mask(behavior_ratio(old, behavior, mask), mask, 0.5, 2.0)
     assert token.tolist() == [[True, False, False, False], [True, True, True, True]]
     # Sequence ratios: row 0 (1 * 3 * 0.4) ** (1/3) = 1.0627, kept; row 1 (1.5 * 1.5 * 0.9 * 1.2) ** (1/4) = 1.2359.
-    sequence_ratio = behavior_ratio(old, behavior, mask, sequence=True)
+    sequence_ratio = behavior_ratio(old, behavior, mask, sequence="geometric")
     assert sequence_ratio[:, 0].tolist() == pytest.approx([1.2 ** (1 / 3), 2.43 ** (1 / 4)], rel=1e-5)
     assert mismatch_mask(sequence_ratio, mask, 0.5, 2.0).tolist() == mask.tolist()
     assert mismatch_mask(sequence_ratio, mask, 0.5, 1.1).tolist() == [[True, True, True, False], [False] * 4]
@@ -165,10 +165,29 @@ def test_mismatch_masks_tokens_or_whole_sequences_outside_the_band() -> None:
 def test_behaviour_weights_per_sequence_truncate_the_sequence_ratio() -> None:
     old = torch.zeros(1, 3)
     behavior = -torch.log(torch.tensor([[4.0, 4.0, 1.0]]))
-    weights, truncated = behavior_weights(behavior_ratio(old, behavior, torch.ones(1, 3), sequence=True), cap=2.0)
+    ratio = behavior_ratio(old, behavior, torch.ones(1, 3), sequence="geometric")
+    weights, truncated = behavior_weights(ratio, cap=2.0)
     assert weights.tolist() == [[2.0] * 3] and truncated.tolist() == [[True] * 3]  # 16 ** (1/3) = 2.52 > 2
-    weights, truncated = behavior_weights(behavior_ratio(old, behavior, torch.ones(1, 3), sequence=True), cap=3.0)
+    weights, truncated = behavior_weights(ratio, cap=3.0)
     assert weights[0].tolist() == pytest.approx([16 ** (1 / 3)] * 3) and not truncated.any()
+
+
+def test_behaviour_weights_per_sequence_by_product_are_the_whole_sequences_likelihood_ratio() -> None:
+    """algorithm.sequence_weight product: the product of the masked tokens' ratios (verl's rollout_is sequence),
+    truncated at the cap; an overflowing product is capped, never NaN."""
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64))
+    # pi_old / pi_behavior: row 0 [1.5, 0.8, 1.25, pad (9)], row 1 [0.5, 0.5, 1.1, 1.0]
+    ratios = [[1.5, 0.8, 1.25, 9.0], [0.5, 0.5, 1.1, 1.0]]
+    behavior = old - torch.log(torch.tensor(ratios, dtype=torch.float64))
+    mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    product = behavior_ratio(old, behavior, mask, sequence="product")
+    assert product[:, 0].tolist() == pytest.approx([1.5 * 0.8 * 1.25, 0.5 * 0.5 * 1.1 * 1.0], rel=1e-12)
+    assert product[0].tolist() == pytest.approx([1.5] * 4, rel=1e-12)  # the same on every token of the row
+    weights, truncated = behavior_weights(product, cap=1.2)
+    assert weights[:, 0].tolist() == pytest.approx([1.2, 0.275], rel=1e-12)
+    assert truncated[:, 0].tolist() == [True, False]
+    huge = behavior_ratio(torch.zeros(1, 200), torch.full((1, 200), -5.0), torch.ones(1, 200), sequence="product")
+    assert behavior_weights(huge, cap=2.0)[0].tolist() == [[2.0] * 200]  # e^1000 overflows to inf: capped
 
 
 BASE = {
@@ -189,6 +208,9 @@ BASE = {
         ({"importance_level": "sequence"}, "set loss_aggregation sequence"),
         ({"mismatch": {"level": "token", "low": 1.5}}, "algorithm.mismatch.low"),
         ({"mismatch": {"level": "token", "high": 0.9}}, "algorithm.mismatch.high"),
+        ({"sequence_weight": "product"}, "it needs importance_level sequence or sequence_token"),
+        ({"dual_clip": 1.0}, "algorithm.dual_clip: Input should be greater than 1"),
+        ({"kl_estimator": "k4"}, "algorithm.kl_estimator"),
     ],
 )
 def test_meaningless_combinations_are_refused_in_one_line(algorithm: dict, message: str) -> None:

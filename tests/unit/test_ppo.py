@@ -91,6 +91,12 @@ def test_token_rewards_put_the_reward_on_the_last_token_and_k1_kl_on_every_token
     for row in range(2):
         assert got[row].tolist() == pytest.approx(want[row], rel=1e-12, abs=1e-15)
     assert last_token_index(mask_BT).tolist() == [3, 3]
+    # algorithm.kl_estimator k3 (e^-x + x - 1, x = log pi - log pi_ref), clamped at 0.1: row 0's tokens at x = 0.5,
+    # 0, -1 give 0.1065 (clamped to 0.1), 0, 0.7183 (clamped to 0.1).
+    k3 = token_rewards(rewards_B, mask_BT, 0.1, logprobs_BT, ref_BT, "k3", kl_clamp=0.1)
+    assert k3[0].tolist() == pytest.approx([0.0, -0.1 * 0.1, 0.0, -0.1 * 0.1 + 0.75, 0.0], rel=1e-12, abs=1e-15)
+    x = -0.3 + 0.1
+    assert k3[1].tolist() == pytest.approx([0.0, 0.0, 0.0, -0.1 * (math.exp(-x) + x - 1) - 1.0, 0.0], rel=1e-12)
 
 
 def test_whiten_gives_mean_zero_std_one_over_the_masked_tokens() -> None:

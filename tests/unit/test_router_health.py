@@ -11,7 +11,9 @@ import torch
 
 from transformers import Qwen3MoeConfig
 
+from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.families import Qwen3MoeRouter
+from moeloop.steps.model.moe import Routes
 from moeloop.steps.rl.router_health import RouterHealth
 from tests.distributed.test_train_ep import experience, reference_logprobs_of, tiny_policy
 
@@ -34,13 +36,15 @@ def test_imbalance_entropy_and_agreement_match_hand_counts() -> None:
     routes[0, 1, 0] = torch.tensor([0, 1])  # picks {0, 2}: disagrees
     routes[1, 1, 1] = torch.tensor([3, 2])  # layer 1 picks {2, 3}: agrees
     routes[1, 2, 0] = torch.tensor([0, 1])  # padding: never counted
-    health = RouterHealth(softmax_routers(2), torch.device("cpu"))
-    health.add(logits_L, attention_mask, routes)
+    routes[1, 0, 1] = torch.tensor([3, 1])  # a prompt position (no response token sampled there): picks {1, 2}
+    sampled = torch.tensor([[True, True, True], [False, True, True]])  # the positions that sampled a response token
+    health = RouterHealth(softmax_routers(2), (1, 3), torch.device("cpu"))  # keyed by decoder layer
+    health.add(logits_L, attention_mask, Routes(routes, (1, 3), sampled))
     report = health.report()
     # Layer 0's picks over the 5 tokens: {0,1} {0,2} {1,2} {0,1} {2,3}: loads [3, 3, 3, 1], mean 2.5.
-    assert report["router_load_imbalance_layer_0"] == pytest.approx(3 / 2.5 - 1)
+    assert report["router_load_imbalance_layer_1"] == pytest.approx(3 / 2.5 - 1)
     # Layer 1's: {2,3} {2,3} {0,1} {1,2} {2,3}: loads [1, 2, 4, 3].
-    assert report["router_load_imbalance_layer_1"] == pytest.approx(4 / 2.5 - 1)
+    assert report["router_load_imbalance_layer_3"] == pytest.approx(4 / 2.5 - 1)
     assert report["router_load_imbalance"] == pytest.approx((0.2 + 0.6) / 2)
     entropies = []
     for logits in logits_L:
@@ -48,19 +52,24 @@ def test_imbalance_entropy_and_agreement_match_hand_counts() -> None:
             z = sum(math.exp(v) for v in row)
             entropies.append(-sum(math.exp(v) / z * (v - math.log(z)) for v in row))
     assert report["router_entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-6)
-    # Agreement over the recorded unpadded (token, layer) pairs: two of three.
+    # Agreement over the recorded unpadded (position, layer) pairs that sampled a response token: two of three; at
+    # the prompt's: none of one.
     assert report["routing_agreement"] == pytest.approx(2 / 3)
+    assert report["routing_agreement_prompt"] == 0.0
+    with pytest.raises(MoeloopError, match=r"decoder layers \[0, 1\], the model's MoE layers are \[1, 3\]"):
+        health.add(logits_L, attention_mask, Routes(routes, (0, 1), sampled))
 
 
 def test_replayed_forwards_count_the_recorded_experts() -> None:
     logits_L = (torch.tensor([[4.0, 3, 0, 0], [4, 3, 0, 0]]),)
     routes = torch.tensor([[[[2, 3]], [[-1, -1]]]])  # token 0 replayed to {2, 3}, token 1 free
-    health = RouterHealth(softmax_routers(1), torch.device("cpu"))
-    load_LE = health.add(logits_L, torch.ones(1, 2), routes, replayed=True)
+    health = RouterHealth(softmax_routers(1), (0,), torch.device("cpu"))
+    load_LE = health.add(logits_L, torch.ones(1, 2), Routes(routes, (0,), torch.ones(1, 2)), replayed=True)
     assert load_LE.tolist() == [[1, 1, 1, 1]]  # the forward's load, which the correction-bias update counts
     report = health.report()
     assert report["router_load_imbalance_layer_0"] == pytest.approx(0.0)  # loads [1, 1, 1, 1]
     assert report["routing_agreement"] == 0.0  # the trainer's own pick {0, 1} against the recorded {2, 3}
+    assert "routing_agreement_prompt" not in report  # no prompt position recorded
 
 
 def test_the_update_reports_the_routers_health_of_its_forward(tmp_path) -> None:
@@ -126,6 +135,7 @@ def test_the_report_table_has_the_stability_columns() -> None:
         {"iteration": 0, "eval_reward_mean": 0.5},
         {
             "iteration": 1,
+            "entropy": 0.7342,  # the policy's
             "router": {"load_imbalance": 0.4321, "entropy": 1.98765, "routing_agreement": 0.875},
             "logprob_mismatch": 0.01234,
             "mismatch_masked": 0.0625,
@@ -133,9 +143,11 @@ def test_the_report_table_has_the_stability_columns() -> None:
         },
     ]
     header, first, second = format_table(metrics).splitlines()
-    assert header.split()[-7:] == ["imbalance", "entropy", "agreement", "mismatch", "masked", "eval", "reward"]
-    assert first.split()[-6:] == ["-", "-", "-", "-", "-", "0.500"]
-    assert second.split()[-6:] == ["0.432", "1.988", "0.875", "0.012", "0.062", "0.610"]
+    assert header.split()[-9:] == [
+        "entropy", "imbalance", "router", "entropy", "agreement", "mismatch", "masked", "eval", "reward"
+    ]
+    assert first.split()[-7:] == ["-", "-", "-", "-", "-", "-", "0.500"]
+    assert second.split()[-7:] == ["0.734", "0.432", "1.988", "0.875", "0.012", "0.062", "0.610"]
 
 
 def test_the_metrics_carry_the_router_health_where_the_plots_find_it(tmp_path) -> None:

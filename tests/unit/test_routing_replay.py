@@ -1,11 +1,13 @@
-"""Rollout routing replay: the transformers engine records each response token's experts, the rollout shard
-stores them, and the trainer's MoE blocks route to them (steps/moe.py:replaying), in one process and under EP = 2
-on gloo (processes spawned here)."""
+"""Rollout routing replay: the transformers engine records the experts of every position (the whole prompt's, or its
+last's, and the response's), keyed by decoder layer, the rollout shard stores them, and the trainer's MoE blocks
+route to them (steps/model/moe.py:replaying), in one process and under EP = 2 on gloo (processes spawned here).
+vLLM's layout, from its own capture code: tests/loop/test_vllm_routes.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -14,12 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from moeloop.steps.engines.engine import Sampling, TransformersEngine
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.model.families import moe_routers
-from moeloop.steps.model.moe import MoeBlock, replaying
+from moeloop.steps.model.moe import MoeBlock, Routes, replaying
 from moeloop.steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
 from moeloop.steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
 from moeloop.steps.rl.router_health import RouterHealth
-from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
+from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, parse_table, rollout_columns, rollout_schema, table_bytes
 from tests.unit.test_moe import FAMILY_NAMES, TOP_K, tiny_config
 from tests.distributed.test_moe_ep import run_ranks
 
@@ -44,19 +45,23 @@ def save_models(folder: Path, family: str = "qwen3_moe") -> tuple[Path, Path]:
     return folder / "policy", folder / "perturbed"
 
 
-def recorded_batch(checkpoint: Path) -> ExperienceBatch:
+def recorded_batch(checkpoint: Path, prompt_routes: str = "all") -> ExperienceBatch:
     """Two samples per prompt from the transformers engine on checkpoint, with their routes, packed for the trainer."""
     engine = TransformersEngine(checkpoint)
-    sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=0, record_routing=True)
+    sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=0, record_routing=True,
+                        prompt_routes=prompt_routes)  # fmt: skip
     generated = zip(PROMPTS, engine.generate(PROMPTS, sampling), strict=True)
     samples = [(prompt, completion) for prompt, completions in generated for completion in completions]
-    for _, completion in samples:
-        assert len(completion.routed_experts) == len(completion.token_ids) * 2 * TOP_K  # 2 MoE layers
+    for prompt, completion in samples:
+        prompt_positions = len(prompt) if prompt_routes == "all" else 1
+        assert completion.routed_experts.shape == (prompt_positions + len(completion.token_ids) - 1, 2, TOP_K)
+        assert completion.routed_experts.dtype == np.uint8  # 8 experts
     rollouts = {
         "prompt_token_ids": [p for p, _ in samples],
         "response_token_ids": [c.token_ids for _, c in samples],
         "behavior_logprobs": [c.logprobs for _, c in samples],
-        "routed_experts": [c.routed_experts for _, c in samples],
+        "routed_experts": [c.routed_experts.reshape(-1) for _, c in samples],
+        "routed_layers": [list(engine.routed_layers)] * len(samples),
         "sample_id": [f"s{i}" for i in range(len(samples))],
         "prompt_id": [i // 2 for i in range(len(samples))],
     }
@@ -64,16 +69,24 @@ def recorded_batch(checkpoint: Path) -> ExperienceBatch:
     return experience_batch(rollouts, {f"s{i}": 0.0 for i in range(len(samples))}, top_k=TOP_K)
 
 
+def routes(batch: ExperienceBatch, rows: slice | torch.Tensor = slice(None)) -> Routes:
+    """The batch's recorded routes in its padded layout ([b, T, L, K]), as a padded forward takes them."""
+    sampled_BT = batch.response_mask_BT.roll(-1, 1)  # position t's forward sampled token t + 1
+    return Routes(batch.routes_BTLK[rows], batch.route_layers, sampled_BT[rows])
+
+
 def trainer(checkpoint: Path, dispatcher: str = "auto", ep_group=None) -> torch.nn.Module:
     return load_policy_shard(checkpoint, dispatcher, "grouped_mm", ep_group, torch.device("cpu"))[0]
 
 
-def agreement(model: torch.nn.Module, batch: ExperienceBatch) -> float:
-    health = RouterHealth(moe_routers(model), torch.device("cpu"))
+def agreement(model: torch.nn.Module, batch: ExperienceBatch) -> dict[str, float]:
+    """The share of recorded (position, layer) pairs the model's router picks alike: at the response's positions
+    and at the prompt's (where recorded)."""
+    health = RouterHealth.of(model, torch.device("cpu"))
     with torch.no_grad():
         _, router_logits_L = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
-    health.add(router_logits_L, batch.attention_mask_BT, batch.routes_BTLK)
-    return health.report()["routing_agreement"]
+    health.add(router_logits_L, batch.attention_mask_BT, routes(batch))
+    return {key: value for key, value in health.report().items() if key.startswith("routing_agreement")}
 
 
 def record_dispatches(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -90,19 +103,29 @@ def record_dispatches(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.
     return calls
 
 
+@pytest.mark.parametrize("prompt_routes", ["all", "last"])
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_routes_of_the_same_model_replay_to_the_same_forward_exactly(tmp_path: Path, family: str) -> None:
-    """The transformers engine records every family's routes, and replaying them is the free forward to the bit."""
+def test_routes_of_the_same_model_replay_to_the_same_forward_exactly(
+    tmp_path: Path, family: str, prompt_routes: str
+) -> None:
+    """The transformers engine records every family's routes, keyed by decoder layer (DeepSeek-V3's first layer is
+    dense: its MoE layers are 1 and 2), the whole prompt's or its last position's, and replaying them is the free
+    forward to the bit."""
     policy, _ = save_models(tmp_path, family)
-    batch = recorded_batch(policy)
-    # Recorded at the position whose forward sampled each response token: the trainer's own top-k there agrees.
+    batch = recorded_batch(policy, prompt_routes)
+    assert batch.route_layers == ((1, 2) if family == "deepseek_v3" else (0, 1))
     model = trainer(policy).eval()
-    # RouterHealth routes as each family does (DeepSeek-V3: its groups and correction bias), so it agrees for every one.
-    assert agreement(model, batch) == 1.0
-    assert int((batch.routes_BTLK[..., 0] >= 0).sum()) == int(batch.response_mask_BT.sum()) * 2
+    # RouterHealth routes as each family does (DeepSeek-V3: its groups and correction bias), so it agrees for every
+    # one, at the response's positions and at the prompt's.
+    want = {"routing_agreement": 1.0} | ({"routing_agreement_prompt": 1.0} if prompt_routes == "all" else {})
+    assert agreement(model, batch) == want
+    recorded_BT = batch.routes_BTLK[..., 0, 0] >= 0
+    sampled_BT = batch.response_mask_BT.roll(-1, 1)
+    expected_BT = sampled_BT | (batch.attention_mask_BT.bool() & ~batch.response_mask_BT & (prompt_routes == "all"))
+    assert torch.equal(recorded_BT, expected_BT)  # every forward position but the last token's, or the response's
     with torch.no_grad():
         free_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
-        with replaying(model, batch.routes_BTLK):
+        with replaying(model, routes(batch)):
             replayed_BTV = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
     assert torch.equal(replayed_BTV, free_BTV)
     assert all(m.replay_TK is None for m in model.modules() if isinstance(m, MoeBlock))  # the context cleans up
@@ -121,9 +144,9 @@ def test_a_perturbed_models_routes_are_used_token_by_token_and_the_router_still_
     policy, perturbed = save_models(tmp_path)
     batch = recorded_batch(perturbed)
     model = trainer(policy).train()
-    assert agreement(model, batch) < 0.95  # the perturbed routers do pick other experts
+    assert agreement(model, batch)["routing_agreement"] < 0.95  # the perturbed routers do pick other experts
     calls = record_dispatches(model)
-    with replaying(model, batch.routes_BTLK):
+    with replaying(model, routes(batch)):
         logprobs_BT, router_logits_L = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
     assert len(calls) == len(router_logits_L) == 2
     for layer, ((experts_TK, weights_TK), logits_TE) in enumerate(zip(calls, router_logits_L, strict=True)):
@@ -141,7 +164,7 @@ def check_replay_under_ep(rank: int, world_size: int, policy: Path, batch: Exper
     rows = torch.arange(len(batch.input_ids_BT)).tensor_split(world_size)[rank]
     calls = record_dispatches(model)
     routes_bTLK = batch.routes_BTLK[rows]
-    with replaying(model, routes_bTLK):
+    with replaying(model, routes(batch, rows)):
         logprobs_bT, router_logits_L = token_logprobs(model, batch.input_ids_BT[rows], batch.attention_mask_BT[rows])
     torch.testing.assert_close(logprobs_bT, want["logprobs_BT"][rows], rtol=1e-5, atol=1e-5)
     for layer, ((experts_TK, _), logits_TE) in enumerate(zip(calls, router_logits_L, strict=True)):
@@ -159,7 +182,7 @@ def test_replay_under_ep2_routes_every_rank_to_the_recorded_experts(tmp_path: Pa
     policy, perturbed = save_models(tmp_path)
     batch = recorded_batch(perturbed)
     model = trainer(policy).train()
-    with replaying(model, batch.routes_BTLK):
+    with replaying(model, routes(batch)):
         logprobs_BT, _ = token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT)
     (-logprobs_BT[batch.response_mask_BT].sum()).backward()
     want = {
@@ -169,14 +192,16 @@ def test_replay_under_ep2_routes_every_rank_to_the_recorded_experts(tmp_path: Pa
     run_ranks(check_replay_under_ep, 2, tmp_path, policy, batch, want)
 
 
-def old_shard_bytes() -> bytes:
-    """A shard as written before the routed_experts column existed."""
-    old_schema = pa.schema([field for field in ROLLOUT_SCHEMA if field.name != "routed_experts"])
+def old_shard_bytes(routes: list[int] | None = None) -> bytes:
+    """A shard as written before the routed_experts column existed; or, given routes (the response's only, uint16),
+    before the routed_layers column did."""
+    names = {"routed_layers"} | ({"routed_experts"} if routes is None else set())
+    old_schema = pa.schema([field for field in ROLLOUT_SCHEMA if field.name not in names])
     row = {
         "sample_id": ["1-0-0"], "iteration": [1], "shard": [0], "prompt_id": [0], "sample_index": [0],
         "prompt_text": ["ab"], "prompt_token_ids": [[2, 3]], "response_token_ids": [[4, 1]], "response_text": ["c"],
         "behavior_logprobs": [[-0.5, -0.1]], "finish_reason": ["stop"], "policy_version": [0],
-        "engine": ["transformers"],
+        "engine": ["transformers"], **({"routed_experts": [routes]} if routes is not None else {}),
     }  # fmt: skip
     return table_bytes(pa.table(row, schema=old_schema))
 
@@ -187,8 +212,8 @@ def test_old_shards_read_without_routes_and_replay_refuses_them_naming_the_colum
 
     table = parse_table(old_shard_bytes(), "old.parquet", ROLLOUT_SCHEMA)
     assert table.schema.equals(ROLLOUT_SCHEMA) and table["routed_experts"].null_count == 1
-    rollouts = table.to_pydict()
-    assert not recorded_routes(rollouts)
+    rollouts = rollout_columns(table)
+    assert not recorded_routes(rollouts) and table["routed_layers"].null_count == 1
     batch = experience_batch(rollouts, {"1-0-0": 1.0})
     assert batch.routes_BTLK is None
     config = small_config(iterations=1, algorithm={"routing_replay": "rollout"})
@@ -197,13 +222,34 @@ def test_old_shards_read_without_routes_and_replay_refuses_them_naming_the_colum
         policy_update(trainer(policy), batch.behavior_logprobs_BT, None, batch, config, seed=0)
 
 
-def test_the_shard_schema_stores_routes_per_token() -> None:
-    """A row's routes survive the Parquet round trip as uint16; the measured size per token is in the README."""
-    routes = [3, 0, 1, 2, 7, 6, 5, 4]  # 2 tokens x 2 layers x top 2
+def test_old_shards_routes_read_as_the_response_positions_of_the_models_moe_layers() -> None:
+    """A shard from before routed_layers: uint16 ids of the response's positions, the MoE layers in order (here
+    DeepSeek-V3's 1 and 2, which the train step passes)."""
+    routes = [3, 0, 1, 2, 7, 6, 5, 4]  # 2 response tokens x 2 layers x top 2
+    table = parse_table(old_shard_bytes(routes), "old.parquet", ROLLOUT_SCHEMA)
+    assert table["routed_experts"].type == pa.list_(pa.uint16()) and table["routed_layers"].null_count == 1
+    batch = experience_batch(rollout_columns(table), {"1-0-0": 1.0}, top_k=2, moe_layers=(1, 2))
+    assert batch.route_layers == (1, 2) and batch.routes_BTLK.dtype == torch.int16
+    # Position 1 (the prompt's last) sampled the first response token; position 2 the second.
+    assert batch.routes_BTLK[0, 1:3].reshape(-1).tolist() == routes
+    assert (batch.routes_BTLK[0, 0] == -1).all() and (batch.routes_BTLK[0, 3:] == -1).all()
+
+
+@pytest.mark.parametrize("experts, id_type", [(8, pa.uint8()), (256, pa.uint8()), (384, pa.uint16())])
+def test_the_shard_schema_stores_routes_in_the_narrowest_type(experts: int, id_type: pa.DataType) -> None:
+    """A row's routes and layers survive the Parquet round trip, the ids in the narrowest type that holds the
+    model's; shards of either type read, and concatenate with an old shard's."""
+    routes = np.array([3, 0, 1, 2, 7, 6, 5, experts - 1])  # 2 positions x 2 layers x top 2
     columns = {name: [None] for name in ROLLOUT_SCHEMA.names}
-    columns.update(sample_id=["1-0-0"], iteration=[1], shard=[0], routed_experts=[routes])
-    read = parse_table(table_bytes(pa.table(columns, schema=ROLLOUT_SCHEMA)), "new.parquet", ROLLOUT_SCHEMA)
-    assert read["routed_experts"].to_pylist() == [routes]
+    columns.update(sample_id=["1-0-0"], iteration=[1], shard=[0], routed_experts=[routes], routed_layers=[[1, 2]])
+    data = table_bytes(pa.table(columns, schema=rollout_schema(experts)))
+    read = parse_table(data, "new.parquet", ROLLOUT_SCHEMA)
+    assert read["routed_experts"].type == pa.list_(id_type) and read["routed_layers"].to_pylist() == [[1, 2]]
+    [ids] = rollout_columns(read)["routed_experts"]
+    assert ids.dtype == id_type.to_pandas_dtype() and ids.tolist() == routes.tolist()
+    old = parse_table(old_shard_bytes([0] * 8), "old.parquet", ROLLOUT_SCHEMA)
+    both = pa.concat_tables([read, old], promote_options="permissive")
+    assert both["routed_experts"].to_pylist() == [routes.tolist(), [0] * 8]
 
 
 @pytest.mark.slow
@@ -222,12 +268,15 @@ def test_a_replayed_gspo_run_records_stores_and_replays_the_routes(run_root: Pat
     run_local(config, uri, tmp_path / "logs", progress=False)
     storage = RunStorage(uri)
     rollouts = read_rollouts(storage, 1, config.rollout.num_shards).to_pydict()
-    for response, routes in zip(rollouts["response_token_ids"], rollouts["routed_experts"], strict=True):
+    samples = zip(rollouts["prompt_token_ids"], rollouts["response_token_ids"], rollouts["routed_experts"], strict=True)
+    for prompt, response, routes in samples:  # the whole prompt's (prompt_routes all) and the response's
         shape = config.model.tiny
-        assert len(routes) == len(response) * shape.num_hidden_layers * shape.num_experts_per_tok
+        assert len(routes) == (len(prompt) + len(response) - 1) * shape.num_hidden_layers * shape.num_experts_per_tok
+    assert rollouts["routed_layers"] == [list(range(shape.num_hidden_layers))] * len(rollouts["sample_id"])
     train = storage.read_json(storage.report(1, "train"))
     # Engine and trainer both fp32 on the same checkpoint (pi_old's pass): their routers agree but for near-ties.
     assert train["routing_agreement"] > 0.95 and 0 <= train["mismatch_masked"] < 0.05
+    assert train["routing_agreement_prompt"] > 0.95  # the whole prompt's routes, recorded and replayed
     metrics = storage.read_json(storage.metrics(1))
     assert metrics["router"]["routing_agreement"] == train["routing_agreement"]
     assert metrics["router"]["load_imbalance"] == train["router_load_imbalance"] >= 0
@@ -260,23 +309,26 @@ def test_recording_routes_with_vllm_on_cpu_is_refused_before_anything_runs(
     assert not any(tmp_path.iterdir())
 
 
-def test_vllm_routed_experts_become_the_completions_routes() -> None:
-    """vLLM's `CompletionOutput.routed_experts` ([tokens, layers, k], from the prompt's last position) flattened as
-    the transformers engine records routes; a count that does not match the response is refused. The output is a
-    stand-in object with the attributes vLLM 0.32's has (GPU vLLM, which makes real ones, does not run here)."""
+@pytest.mark.parametrize("prompt_positions", [1, 4], ids=["last", "all"])
+def test_vllm_routed_experts_become_the_completions_routes_at_the_moe_layers_columns(prompt_positions: int) -> None:
+    """vLLM's `CompletionOutput.routed_experts`, [positions, decoder layers, k] from routed_experts_prompt_start,
+    at the MoE layers' columns (here layers 1 and 2 of 3); a count that does not match the request is refused. The
+    output is a stand-in object with the attributes vLLM 0.32's has (GPU vLLM, which makes real ones, does not run
+    here; tests/loop/test_vllm_routes.py takes the layout from vLLM's own capture)."""
     from types import SimpleNamespace
-
-    import numpy as np
 
     from moeloop.steps.engines.engine import VLLMEngine
 
-    routed_TLK = np.arange(3 * 2 * 4).reshape(3, 2, 4)
+    positions = prompt_positions + 2  # and the response's first two of three tokens
+    routed_TLK = np.arange(positions * 3 * 4, dtype=np.uint8).reshape(positions, 3, 4)
+    routed_TLK[:, 0] = 0  # a dense layer's column
     sample = SimpleNamespace(
         token_ids=[5, 6, 1], logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in (5, 6, 1)], finish_reason="stop",
         routed_experts=routed_TLK,
     )  # fmt: skip
-    completion = VLLMEngine._completion(sample, record_routing=True)
-    assert completion.routed_experts == list(range(24)) and completion.finish_reason == "stop"
-    assert VLLMEngine._completion(sample, record_routing=False).routed_experts is None
-    with pytest.raises(MoeloopError, match="routed experts for 2 positions of a 3-token response"):
-        VLLMEngine._completion(SimpleNamespace(**{**vars(sample), "routed_experts": routed_TLK[:2]}), True)
+    completion = VLLMEngine._completion(sample, (1, 2), prompt_positions)
+    assert completion.routed_experts.tolist() == routed_TLK[:, 1:].tolist() and completion.finish_reason == "stop"
+    assert VLLMEngine._completion(sample, None, prompt_positions).routed_experts is None
+    with pytest.raises(MoeloopError, match=f"routed experts for {positions - 1} positions of a 3-token response"):
+        VLLMEngine._completion(SimpleNamespace(**{**vars(sample), "routed_experts": routed_TLK[1:]}), (1, 2),
+                               prompt_positions)  # fmt: skip
