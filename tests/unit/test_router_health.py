@@ -133,9 +133,9 @@ def test_the_report_table_has_the_stability_columns() -> None:
         },
     ]
     header, first, second = format_table(metrics).splitlines()
-    assert header.split()[-7:] == ["imbalance", "entropy", "agreement", "mismatch", "masked", "eval", "reward"]
-    assert first.split()[-6:] == ["-", "-", "-", "-", "-", "0.500"]
-    assert second.split()[-6:] == ["0.432", "1.988", "0.875", "0.012", "0.062", "0.610"]
+    assert header.split()[-9:] == ["imbalance", "entropy", "agreement", "mismatch", "masked", "eval", "reward", "greedy", "pass@1"]
+    assert first.split()[-7:] == ["-", "-", "-", "-", "-", "0.500", "-"]
+    assert second.split()[-7:] == ["0.432", "1.988", "0.875", "0.012", "0.062", "0.610", "-"]
 
 
 def test_the_metrics_carry_the_router_health_where_the_plots_find_it(tmp_path) -> None:
