@@ -7,6 +7,7 @@ data_source into the metrics, the trackers' scalars and `moeloop report`."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -19,26 +20,15 @@ import yaml
 from moeloop.steps.demo_task import make_prompts, write_jsonl
 from moeloop.steps.evaluate import evaluate, iteration_metrics
 from moeloop.steps.observe.scalars import iteration_scalars
-from moeloop.steps.reward import reward
 from moeloop.steps.rollout import rollout
 from moeloop.steps.start import start
 from moeloop.steps.storage.run import RunStorage
 from moeloop.workflows.report import print_report
 from tests.conftest import small_config
 from tests.faults.test_bad_input import snapshot
-from tests.faults.test_hostile_input import one_line_error, python
+from tests.faults.test_hostile_input import TINY_SHAPE, one_line_error, python
 from tests.unit.test_reward_pool import FAULTS
 
-TINY_SHAPE = {  # the smallest that runs: every step here is about rewards, not the model
-    "hidden_size": 32,
-    "moe_intermediate_size": 16,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-}
 # The eval set: two prompts of each data_source; record_says gives each its "reward"; c's first one is a fault.
 EVAL_SOURCES = [("a", 1.0), ("a", 1.0), ("b", 0.0), ("b", 0.0), ("c", 1.0), ("c", 1.0)]
 
@@ -121,15 +111,25 @@ def test_under_on_error_zero_the_reward_step_commits_and_counts_the_failures(sco
     functions = [{"path": f"tests.faulty_rewards:{name}"} for name in FAULTS]
     run = with_settings(scored_run, tmp_path, reward={"functions": functions, "timeout_s": 1, "on_error": "zero"})
 
-    report = reward(str(run), 1)
+    result = python(["-m", "moeloop.steps.reward", "--run", str(run), "--iteration", "1"], tmp_path)
 
-    assert report["reward_failures"] == 2 * len(FAULTS)  # prompt 1's two samples, each function once
+    assert result.returncode == 0, result.stderr
+    failures = 2 * len(FAULTS)  # prompt 1's two samples, each function once
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert (
+        len(warnings) == 10 + 1
+        and warnings[-1] == f"warning: {failures} reward function calls failed in the reward step of iteration 1"
+    )
+    assert all(
+        " on sample 1-1-" in line and line.endswith("counted as 0 (reward.on_error zero)") for line in warnings[:-1]
+    )
+    assert json.loads(result.stdout.splitlines()[-1])["reward_failures"] == failures
     table = pq.read_table(run / "experience" / "iter-000001" / "rewards.parquet").to_pylist()
     assert sorted((row["prompt_id"], row["reward"]) for row in table) == [
         (p, 0.0 if p == 1 else float(len(FAULTS))) for p in range(4) for _ in range(2)
     ]
     assert (run / "experience" / "iter-000001" / "COMMIT").exists()
-    assert iteration_metrics(RunStorage(str(run)), 1, {})["reward_failures"] == 2 * len(FAULTS)
+    assert iteration_metrics(RunStorage(str(run)), 1, {})["reward_failures"] == failures
 
 
 def test_evaluate_measures_pass_at_k_per_data_source(
