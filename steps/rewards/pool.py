@@ -100,6 +100,8 @@ class RewardPool:
 
     def check(self) -> None:
         """One worker imports every function, each checked to take its args: `moeloop run`'s check of the config."""
+        if not self.functions:  # reward models alone
+            return
         self.start(1)
         while not self.workers[0].ready:
             self.wait()
@@ -219,4 +221,9 @@ def ended(process: subprocess.Popen) -> str:
     except subprocess.TimeoutExpired:  # it closed its connection and lives on: end it
         process.kill()
         return "it closed its connection"
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:  # a real-time signal has no name
+        return f"signal {-code}"
