@@ -22,7 +22,7 @@ from pathlib import Path
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.storage.run import RunStorage
 from moeloop.workflows.dag import run_uri
-from moeloop.workflows.local import run_local
+from moeloop.workflows.local.runner import run_local
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = (

@@ -7,7 +7,7 @@ Every run is the demo (configs/tiny.yaml) through `moeloop run`, with 10 SFT ste
 local runner's defaults (2 slots on pinned cores, long-lived workers). The calibration is two short runs of one
 batch and shard, one synchronous and one at staleness 1: the local runner gives the train step both cores in the
 first and one in the second (it starts beside publish), and how a step's speed grows with its cores is measured
-only where it ran at both (`steps/capacity/rates.py:core_scaling`). The prediction is `moeloop plan CALIBRATION
+only where it ran at both (`workflows/capacity/rates.py:core_scaling`). The prediction is `moeloop plan CALIBRATION
 --also CALIBRATION-AHEAD --target T --format json`, T stating only the other run's batch, shards and staleness;
 the measured period is the mean of `iteration_seconds` over each run's iterations after its first 2 +
 max_staleness. Prints Markdown. The run folders live in a temporary directory removed at the end (`--keep DIR`:

@@ -18,7 +18,7 @@ model on disk first; everything else is the train step's own code. Peaks: the te
 (`torch.cuda.max_memory_allocated`) over all of it, and the reference pass's alone; the GPU's, which decides what
 fits: the caching allocator's peak reservation (`max_memory_reserved`, fragmentation included) plus what the
 process holds outside it (the CUDA context, library workspaces: the device's used memory less the reservation).
-Beside them, what the memory model (`moeloop.steps.capacity.memory`, the check `start` and `train` refuse with) predicts
+Beside them, what the memory model (`moeloop.steps.rl.memory`, the check `start` and `train` refuse with) predicts
 for the same shape and settings, and its error against the GPU's peak.
 """
 
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from moeloop.steps.capacity.memory import GIB, predict_train_peak_bytes
-from moeloop.steps.capacity.models import shape_from_hf_config
+from moeloop.steps.rl.memory import GIB, predict_train_peak_bytes
+from moeloop.steps.model.shape import shape_from_hf_config
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.model.policy import shard_model
 from moeloop.steps.rl.batch import ExperienceBatch, frozen_logprobs

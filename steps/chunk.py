@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeloop.steps.common import open_run, print_json
+from moeloop.steps.common import print_json
 from moeloop.steps.errors import ArgumentParser, MoeloopError, run_cli
 from moeloop.steps.storage.lease import check_free
+from moeloop.steps.storage.run import open_run
 
 
 def next_chunk(run_uri: str, chunk: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""What every step CLI shares: its arguments, opening the run, seeds and reports."""
+"""What every step CLI shares: its arguments, opening its iteration, seeds and reports."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import time
 from typing import Any
 
-from moeloop.steps.config import MoeloopConfig, parse_config_text
+from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import ArgumentParser, MoeloopError, print_line
 from moeloop.steps.outputs import write_outputs
-from moeloop.steps.storage.run import RunStorage
+from moeloop.steps.storage.run import RunStorage, open_run
 
 
 def step_parser(description: str | None) -> argparse.ArgumentParser:
@@ -19,13 +19,6 @@ def step_parser(description: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--run", required=True, help="the run's folder URI (local path or s3://...)")
     parser.add_argument("--iteration", required=True, type=int)
     return parser
-
-
-def open_run(run_uri: str) -> tuple[RunStorage, MoeloopConfig]:
-    storage = RunStorage(run_uri)
-    storage.require_run()
-    config = parse_config_text(storage.read_bytes(RunStorage.CONFIG), storage.display(RunStorage.CONFIG))
-    return storage, config
 
 
 def open_iteration(run_uri: str, iteration: int, first: int = 1) -> tuple[RunStorage, MoeloopConfig]:

@@ -184,7 +184,7 @@ class TrainerConfig(Strict):
     # AdamW's moments in host memory (steps/rl/offload.py): 8 bytes per parameter less on the GPU.
     offload_optimizer: bool = False
     # The GPU memory of one trainer process: start and train refuse a config whose predicted peak exceeds it
-    # (steps/capacity/memory.py), before loading any weight. None: no check.
+    # (steps/rl/memory.py), before loading any weight. None: no check.
     gpu_memory_bytes: int | None = Field(None, gt=0)
     # The largest safetensors file of a published checkpoint (model-0000k-of-0000n.safetensors, HF's layout); a
     # tensor larger than this is a file alone. Publish holds a block of the trainer state, not a file, whatever this is.

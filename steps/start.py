@@ -21,7 +21,6 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from moeloop.steps.capacity.memory import refuse_unfit_trainer
 from moeloop.steps.common import print_json, quiet_libraries, step_parser, write_report
 from moeloop.steps.config import (
     MoeloopConfig,
@@ -44,6 +43,7 @@ from moeloop.steps.model.policy import (
     token_logprobs,
 )
 from moeloop.steps.observe.trackers import begin_trackers, check_trackers
+from moeloop.steps.rl.memory import refuse_unfit_trainer
 from moeloop.steps.rl.router_bias import bias_update_rate
 from moeloop.steps.rewards.functions import check_reward_routes
 from moeloop.steps.rewards.models import adopt_reward_models, check_reward_models
@@ -263,7 +263,7 @@ def demo_tokenizer(train: list[dict], evaluation: list[dict]) -> Any:
 
 
 def refuse_unfit_trainer_of(config: MoeloopConfig, train: list[dict], evaluation: list[dict]) -> None:
-    """The trainer's memory check (steps/capacity/memory.py) for the starting policy's architecture, read from
+    """The trainer's memory check (steps/rl/memory.py) for the starting policy's architecture, read from
     model.checkpoint's config.json or made for the tiny model: no weight is loaded, nothing written."""
     if config.trainer.gpu_memory_bytes is None:
         return

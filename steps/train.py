@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeloop.steps.capacity.memory import refuse_unfit_trainer
 from moeloop.steps.common import (
     already_committed,
     derive_seed,
@@ -39,6 +38,7 @@ from moeloop.steps.errors import MoeloopError, run_cli
 from moeloop.steps.model.policy import read_config
 from moeloop.steps.rl.batch import experience_batch, recorded_routes
 from moeloop.steps.rl.checkpoint import commit_trainer_state
+from moeloop.steps.rl.memory import refuse_unfit_trainer
 from moeloop.steps.rl.parallel import Parallel, init_parallel
 from moeloop.steps.rl.router_bias import bias_update_rate
 from moeloop.steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state

@@ -10,11 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moeloop.steps.capacity.schedule import GraphTask
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.errors import ArgumentParser, MoeloopError, run_cli
 from moeloop.steps.inputs import check_location
-from moeloop.workflows.dag import ROLLOUT, loop_tasks, run_uri
+from moeloop.workflows.dag import run_uri
 
 if TYPE_CHECKING:
     from hera.workflows import Workflow
@@ -40,7 +39,7 @@ def _config(args: argparse.Namespace) -> MoeloopConfig:
 
 
 def command_run(args: argparse.Namespace) -> None:
-    from moeloop.workflows.local import run_local
+    from moeloop.workflows.local.runner import run_local
 
     # A stop (kill, the end of a CI job) unwinds like Ctrl-C: the steps are stopped and the run's lease freed.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -162,31 +161,15 @@ def command_sync(args: argparse.Namespace) -> None:
     print(f"{len(copied)} new event file(s) in {args.output}; view with: tensorboard --logdir {args.output}")
 
 
-def plan_dag(config: MoeloopConfig, shards: int, staleness: int, iterations: int) -> list[GraphTask]:
-    """The loop's DAG at another shard count and staleness, as the planner's plain data."""
-    rollout = config.rollout.model_copy(update={"num_shards": shards, "max_staleness": staleness})
-    return [
-        GraphTask(
-            t.name,
-            t.step.name,
-            t.iteration,
-            t.dependencies,
-            f"rollout-{dict(t.arguments)['shard']}" if t.step is ROLLOUT else t.step.name,
-            t.processes,
-        )
-        for t in loop_tasks(config.model_copy(update={"rollout": rollout}), iterations)
-    ]
-
-
 def command_plan(args: argparse.Namespace) -> None:
-    from moeloop.steps.capacity.explain import plan_json, plan_table
-    from moeloop.steps.capacity.inputs import plan_inputs
-    from moeloop.steps.capacity.options import make_plan
+    from moeloop.workflows.capacity.explain import plan_json, plan_table
+    from moeloop.workflows.capacity.inputs import plan_inputs
+    from moeloop.workflows.capacity.options import make_plan
 
     for flag, value in (("--budget", args.budget), ("--deadline", args.deadline)):
         if value is not None and value <= 0:
             raise MoeloopError(f"{flag} must be positive, not {value:g}")
-    setup, own, measured_period = plan_inputs(args.source, args.target, plan_dag, tuple(args.also))
+    setup, own, measured_period = plan_inputs(args.source, args.target, tuple(args.also))
     plan = make_plan(setup, args.budget, args.deadline, own, measured_period)
     print(json.dumps(plan_json(plan), indent=2) if args.format == "json" else plan_table(plan))
 
@@ -268,7 +251,7 @@ def parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan",
         help="rollout and train pool sizes, staleness and cost per iteration, from a run's measured rates",
-        description="Options for the loop's pools, each played out on its DAG; see steps/capacity/README.md.",
+        description="Options for the loop's pools, each played out on its DAG; see workflows/capacity/README.md.",
     )
     plan.add_argument("source", help="a run's URI (its measured rates), or a config YAML (rates stated in --target)")
     plan.add_argument("--target", help="a target YAML: model, GPU, prices, batch, stated rates, options to weigh")

@@ -17,6 +17,7 @@ round-tripped entries as it scores the originals (ARC's, whose metadata holds tu
 from __future__ import annotations
 
 import json
+import random
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -30,13 +31,11 @@ CHECKED_ENTRIES = 8  # of each task, scored as generated and as stored: a differ
 
 def generate_records(settings: ReasoningGymConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train records, eval records) of every task, in the config's order."""
-    from moeloop.steps.common import derive_seed
-
     train: list[dict[str, Any]] = []
     evaluation: list[dict[str, Any]] = []
     for position, task in enumerate(settings.tasks):
-        held_out = entries(task, "eval", task.eval_size, derive_seed(settings.seed, position, task.name, "eval"))
-        drawn = entries(task, "train", task.train_size, derive_seed(settings.seed, position, task.name, "train"))
+        held_out = entries(task, "eval", task.eval_size, split_seed(settings.seed, position, task.name, "eval"))
+        drawn = entries(task, "train", task.train_size, split_seed(settings.seed, position, task.name, "train"))
         questions = {entry["question"] for entry in held_out}
         check_round_trip(task.name, drawn[:CHECKED_ENTRIES])
         evaluation += [record(task.name, "eval", i, entry) for i, entry in enumerate(held_out)]
@@ -44,6 +43,12 @@ def generate_records(settings: ReasoningGymConfig) -> tuple[list[dict[str, Any]]
             record(task.name, "train", i, entry) for i, entry in enumerate(drawn) if entry["question"] not in questions
         ]
     return train, evaluation
+
+
+def split_seed(seed: int, position: int, name: str, split: str) -> int:
+    """A set's seed, far from every other set's: reasoning-gym seeds entry i with seed + i, so consecutive seeds would
+    give the train and eval sets the same entries. random.Random hashes a string with SHA-512, in any process."""
+    return random.Random(f"{seed}/{position}/{name}/{split}").randrange(2**31)
 
 
 def entries(task: ReasoningGymTask, split: str, size: int, seed: int) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moeloop.steps.config import MoeloopConfig, parse_config_text
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.storage import s3
 from moeloop.steps.storage.backends import Backend, LocalBackend, S3Backend, crash_point
@@ -406,3 +407,11 @@ class RunStorage:
             if isinstance(error, OSError) and error.strerror:  # no space left, read-only, not a directory, ...
                 raise MoeloopError(f"{error.strerror}: {self.display(relative)}") from None
             raise
+
+
+def open_run(run_uri: str) -> tuple[RunStorage, MoeloopConfig]:
+    """The run's storage and the config its start committed; a one-line error where there is no run."""
+    storage = RunStorage(run_uri)
+    storage.require_run()
+    config = parse_config_text(storage.read_bytes(RunStorage.CONFIG), storage.display(RunStorage.CONFIG))
+    return storage, config

@@ -20,7 +20,7 @@ from tests.argo_stand_in import moeloop
 from tests.conftest import REPO
 from moeloop.workflows.dag import PLAN, START, STEPS, TRAIN, loop_tasks, run_values
 from moeloop.workflows.lint.documents import lint_documents
-from moeloop.workflows.local import local_argv
+from moeloop.workflows.local.launch import local_argv
 from moeloop.workflows.render import files as render_files
 from moeloop.workflows.render.chunk import MAX_CHUNK_TASKS, chunk_size, dag_tasks
 from moeloop.workflows.render.files import MAX_OBJECT_BYTES, object_bytes, write_rendered

@@ -353,7 +353,7 @@ def test_resumed_local_run_refuses_a_config_that_differs(run_copy: Path, tmp_pat
     others: list[str] = []
     deadline = time.monotonic() + STEP_TIMEOUT
     while process.poll() is None and time.monotonic() < deadline:
-        # warm-*.log: the workers' imports, started with the run (workflows/local.py:warm_workers), not steps
+        # warm-*.log: the workers' imports, started with the run (workflows/local/launch.py:warm_workers), not steps
         others = sorted(p.name for p in logs.glob("*.log") if p.name != "start.log" and not p.name.startswith("warm-"))
         if others:
             break

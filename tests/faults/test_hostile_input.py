@@ -846,7 +846,7 @@ def test_two_runs_of_one_run_one_drives_and_the_other_is_refused_naming_it(tmp_p
 @pytest.mark.slow
 def test_the_runner_quotes_a_torchrun_steps_own_error_line(tmp_path: Path) -> None:
     """Under torchrun each rank prints its `error: ...` line, then torchrun a summary block of `=` lines."""
-    from moeloop.workflows.local import failure_line
+    from moeloop.workflows.local.runner import failure_line
 
     run = tmp_path / "no-such-run"
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moeloop.steps.train", "--"]

@@ -18,7 +18,7 @@ from moeloop.steps.storage.experience import read_rollouts
 from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, small_config
 from moeloop.workflows.dag import loop_tasks, run_uri
-from moeloop.workflows.local import run_local
+from moeloop.workflows.local.runner import run_local
 from moeloop.workflows.render.chunk import chunk_tasks, dag_tasks
 from moeloop.workflows.render.loop import render
 

@@ -19,7 +19,7 @@ from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_p
 from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO, eval_reward_gain
 from moeloop.workflows.dag import run_uri
-from moeloop.workflows.local import run_local
+from moeloop.workflows.local.runner import run_local
 
 # The DeepSeek-V3 demo learns in these: greedy eval_reward_mean went 0.400 (SFT) -> 0.594 after 10, 0.639 after 11,
 # 0.674 after 12, 0.711 after 14 iterations of 192 prompts (one run, seed 0; fewer prompts not measured).

@@ -20,9 +20,11 @@ from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import train, update_policy
 from tests.conftest import small_config
-from moeloop.workflows import local
 from moeloop.workflows.dag import loop_tasks, run_uri, run_values
-from moeloop.workflows.local import run_local
+from moeloop.workflows.local import launch
+from moeloop.workflows.local.ready import worker_slot
+from moeloop.workflows.local.runner import run_local
+from moeloop.workflows.local.workers import StepWorker
 from moeloop.workflows.render.chunk import dag_tasks
 from moeloop.workflows.render.loop import render
 from moeloop.workflows.render.step_templates import step_placeholders
@@ -119,14 +121,14 @@ def test_workers_run_each_step_as_a_fresh_process_does(
 ) -> None:
     """local.workers: one long-lived process per rollout shard and per other step serves every iteration, and
     what it commits is byte for byte what a fresh process per task commits."""
-    started: list[local.StepWorker] = []
+    started: list[StepWorker] = []
 
-    class CountedWorker(local.StepWorker):
+    class CountedWorker(StepWorker):
         def __init__(self, environment: dict[str, str]):
             super().__init__(environment)
             started.append(self)
 
-    monkeypatch.setattr(local, "StepWorker", CountedWorker)
+    monkeypatch.setattr(launch, "StepWorker", CountedWorker)  # where the runner makes its workers
     outputs = {}
     for workers in (True, False):
         config = small_config(iterations=2, rollout={"engine": "transformers"}, local={"workers": workers})
@@ -165,7 +167,7 @@ def check_warmed_workers(log_dir: Path, config) -> None:
     for task in loop_tasks(config):
         if task.name != "start":
             first = (log_dir / f"{task.name}.log").read_text().splitlines()[0]
-            assert first.startswith(f"worker {warmed[local.worker_slot(task)]}: -m moeloop.steps."), (task.name, first)
+            assert first.startswith(f"worker {warmed[worker_slot(task)]}: -m moeloop.steps."), (task.name, first)
 
 
 def test_published_checkpoint_loads_with_the_trainers_logits(run_root: Path, tmp_path: Path) -> None:

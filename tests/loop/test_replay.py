@@ -21,7 +21,8 @@ from moeloop.steps.storage import s3
 from tests.conftest import REPO, small_config
 from tests.seaweed import SeaweedS3
 from moeloop.workflows.dag import Task, loop_tasks, run_uri, run_values
-from moeloop.workflows.local import local_argv, run_local
+from moeloop.workflows.local.launch import local_argv
+from moeloop.workflows.local.runner import run_local
 
 pytestmark = pytest.mark.slow
 

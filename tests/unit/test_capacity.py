@@ -1,4 +1,4 @@
-"""The capacity planner (steps/capacity/): model facts, the memory model, hand-computed plans, bad input."""
+"""The capacity planner (workflows/capacity/): model facts, the memory model, hand-computed plans, bad input."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import torch
 import transformers
 import yaml
 
-from moeloop.steps.capacity.inputs import plan_inputs
-from moeloop.steps.capacity.memory import BF16, FP32, predict_train_peak_bytes
-from moeloop.steps.capacity.models import FAMILIES, model_config, parameter_counts, shape_from_hf_config
-from moeloop.steps.capacity.options import make_plan
-from moeloop.steps.capacity.rates import STEPS, fit_core_scaling
-from moeloop.steps.capacity.schedule import GraphTask, Job, play
-from moeloop.steps.cores import held_cores
 from moeloop.steps.errors import MoeloopError
-from moeloop.workflows.cli import plan_dag
+from moeloop.steps.model.shape import parameter_counts, shape_from_hf_config
+from moeloop.steps.rl.memory import BF16, FP32, predict_train_peak_bytes
+from moeloop.workflows.capacity.inputs import plan_inputs
+from moeloop.workflows.capacity.models import FAMILIES, model_config
+from moeloop.workflows.capacity.options import make_plan
+from moeloop.workflows.capacity.rates import STEPS, fit_core_scaling
+from moeloop.workflows.capacity.schedule import GraphTask, Job, play
+from moeloop.workflows.local.cores import held_cores
 
 from tests.conftest import REPO
 HF_CONFIG = {
@@ -104,7 +104,7 @@ def test_memory_moves_the_right_way() -> None:
     assert predict_train_peak_bytes(shape, 8, 8, 16384).terms["gathered_layers"] < base.terms["gathered_layers"]
     unchecked = predict_train_peak_bytes(shape, 8, 1, 16384, activation_checkpointing=False)
     assert unchecked.terms["activations"] > 10 * base.terms["activations"]
-    offloaded = predict_train_peak_bytes(shape, 8, 1, 16384, optimizer_offload=True, reference="precomputed")
+    offloaded = predict_train_peak_bytes(shape, 8, 1, 16384, offload_optimizer=True, reference="precomputed")
     # trainer.offload_optimizer keeps AdamW's moments on the host; master weights and gradients stay on the GPU.
     assert [offloaded.terms[t] for t in ("adam_moments", "reference_policy")] == [0] * 2
     assert offloaded.terms["master_weights"] == base.terms["master_weights"]
@@ -152,7 +152,7 @@ def stated_plan(tmp_path: Path, staleness: int, rates: dict, gpu: str = "H200", 
         (tmp_path / "prices.yaml").write_text(yaml.safe_dump({"source": "test", "instances": {"node": prices}}))
         document["prices"] = "prices.yaml"
     (tmp_path / "target.yaml").write_text(yaml.safe_dump(document))
-    setup, own, measured = plan_inputs(str(REPO / "configs" / "tiny.yaml"), str(tmp_path / "target.yaml"), plan_dag)
+    setup, own, measured = plan_inputs(str(REPO / "configs" / "tiny.yaml"), str(tmp_path / "target.yaml"))
     return make_plan(setup, None, None, own, measured)
 
 
@@ -276,7 +276,7 @@ def test_core_scaling_is_fitted_where_a_step_ran_at_several_shares_and_assumed_l
 
 def test_runs_pooled_with_a_config_are_refused() -> None:
     with pytest.raises(MoeloopError, match=r"is a config, not a run: runs to pool with it \(--also\) need a run"):
-        plan_inputs(str(REPO / "configs" / "tiny.yaml"), None, plan_dag, ("elsewhere/run",))
+        plan_inputs(str(REPO / "configs" / "tiny.yaml"), None, ("elsewhere/run",))
 
 
 def test_best_under_a_deadline_and_a_budget(tmp_path: Path) -> None:
@@ -285,7 +285,7 @@ def test_best_under_a_deadline_and_a_budget(tmp_path: Path) -> None:
     document = yaml.safe_load(target.read_text())
     document["search"] = {"rollout_shards": [8, 16], "train_nodes": [1, 2], "staleness": [0, 1]}
     target.write_text(yaml.safe_dump(document))
-    setup, _, _ = plan_inputs(str(REPO / "configs" / "tiny.yaml"), str(target), plan_dag)
+    setup, _, _ = plan_inputs(str(REPO / "configs" / "tiny.yaml"), str(target))
     plan = make_plan(setup, None, None, None, None)
     fastest = min(plan.evaluated, key=lambda e: e.period)
     hours = fastest.period * setup.iterations / 3600
@@ -321,7 +321,7 @@ def test_a_run_with_no_committed_iteration_is_refused(tmp_path: Path) -> None:
     run.mkdir()
     (run / "config.yaml").write_text((REPO / "configs" / "tiny.yaml").read_text())
     with pytest.raises(MoeloopError, match="has no committed iteration yet"):
-        plan_inputs(str(run), None, plan_dag)
+        plan_inputs(str(run), None)
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +330,7 @@ def measured_run(tmp_path_factory: pytest.TempPathFactory) -> str:
     (a rollout there waits for the publish two iterations back)."""
     from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
     from moeloop.workflows.dag import run_uri
-    from moeloop.workflows.local import run_local
+    from moeloop.workflows.local.runner import run_local
 
     folder = tmp_path_factory.mktemp("measured")
     config = small_config(4, rollout={**SMALL_TRANSFORMERS_ROLLOUT, "max_staleness": 1})
@@ -345,7 +345,7 @@ def measured_run(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_a_plan_from_a_run_uses_its_measured_rates_and_holds_its_own_setup_against_its_period(
     measured_run: str,
 ) -> None:
-    setup, own, measured_period = plan_inputs(measured_run, None, plan_dag)
+    setup, own, measured_period = plan_inputs(measured_run, None)
     assert own is not None and (own.rollout_shards, own.staleness) == (2, 1)
     for name in ("rollout_tokens_per_second_per_gpu", "train_tokens_per_second_per_gpu", "start_seconds.train"):
         assert setup.figures[name].source.startswith("measured: reports/iter-000003..000004/")
@@ -354,7 +354,7 @@ def test_a_plan_from_a_run_uses_its_measured_rates_and_holds_its_own_setup_again
     rate = setup.figures["train_tokens_per_second_per_gpu"]
     assert rate.unit == "tokens/s per core" and "the local runner's shares of" in rate.source
     assert {f"core_scaling.{step}" for step in STEPS} | {"local_cores"} <= set(setup.figures)
-    pooled, _, _ = plan_inputs(measured_run, None, plan_dag, (measured_run,))
+    pooled, _, _ = plan_inputs(measured_run, None, (measured_run,))
     assert pooled.figures["train_tokens_per_second_per_gpu"].value == pytest.approx(rate.value)
     assert "(median of 4 iterations of 2 runs)" in pooled.figures["train_tokens_per_second_per_gpu"].source
     plan = make_plan(setup, None, None, own, measured_period)
@@ -368,7 +368,7 @@ def test_a_plan_from_a_run_uses_its_measured_rates_and_holds_its_own_setup_again
     (target.parent / "prices.yaml").write_text((REPO / "configs" / "prices.yaml").read_text())
     target.write_text(yaml.safe_dump({"gpu": "H200", "prices": "prices.yaml"}))
     with pytest.raises(MoeloopError, match="nor stated: rollout_tokens_per_second_per_gpu, rollout_overhead_seconds"):
-        plan_inputs(measured_run, str(target), plan_dag)
+        plan_inputs(measured_run, str(target))
 
 
 @pytest.mark.slow
@@ -419,7 +419,7 @@ def test_the_readmes_qwen3_30b_plan_is_what_the_command_prints() -> None:
     printed = done.stdout.splitlines()
     option_rows = [line for line in printed if "node(s)" in line and not line.startswith("best")]
     assert len(option_rows) >= 3
-    for readme in (REPO / "README.md", REPO / "steps" / "capacity" / "README.md"):
+    for readme in (REPO / "README.md", REPO / "workflows" / "capacity" / "README.md"):
         text = readme.read_text()
         assert command in text, readme
         shown = [line for line in text.splitlines() if line in option_rows or line.startswith("best (")]

@@ -1,8 +1,9 @@
 """The layout of steps/ (steps/README.md): the programs at the top, the libraries in rooms below them.
 
 No module of steps/ imports a program (a pod CLI of the DAG, or another `python -m moeloop.steps.<name>` entry
-point), so every program can change without its neighbours noticing; imports run one way, rl -> model and
-workflows/ -> steps/, never back up; and no file under steps/ or workflows/ is over 450 lines.
+point), so every program can change without its neighbours noticing; no library (a room below the top) imports
+the programs' helper either; imports run one way, rl -> model and workflows/ -> steps/, never back up (what the
+pods run needs nothing of what runs them); and no file under steps/ or workflows/ is over 450 lines.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MAX_LINES = 450
 # Programs besides the DAG's steps: run by hand (README), never imported.
 OTHER_PROGRAMS = ("reward_model", "demo_task")
 PROGRAMS = {step.module for step in STEPS} | {f"moeloop.steps.{name}" for name in OTHER_PROGRAMS}
+PROGRAMS_HELPER = "moeloop.steps.common"  # what the pod CLIs share: their arguments, reports, opening an iteration
 
 
 def module_name(path: Path) -> str:
@@ -68,6 +70,12 @@ def test_the_model_imports_nothing_of_rl() -> None:
 def test_nothing_under_steps_imports_workflows() -> None:
     """The pods' package runs without the orchestration's: workflows/ drives steps/, never the other way round."""
     assert offenders(STEPS_DIR, lambda module: within(module, "moeloop.workflows")) == {}
+
+
+def test_no_library_imports_the_programs_helper() -> None:
+    libraries = [path for path in sorted(STEPS_DIR.rglob("*.py")) if path.parent != STEPS_DIR]
+    assert libraries, "no libraries found under steps/"
+    assert [module_name(path) for path in libraries if PROGRAMS_HELPER in imported_modules(path)] == []
 
 
 def test_the_import_scan_sees_imports_inside_functions(tmp_path: Path) -> None:

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from moeloop.steps import cores as cores_module
-from moeloop.steps.cores import SharedCores, available_cores, core_shares, held_cores, speed
+from moeloop.workflows.local import cores as cores_module
+from moeloop.workflows.local.cores import SharedCores, available_cores, core_shares, held_cores, speed
+from moeloop.workflows.local.launch import step_environment
+from moeloop.workflows.local.pinning import CoreShares, pin_process_tree
+from moeloop.workflows.local.workers import StepWorker
 from tests.conftest import MACHINE_CORES
-from moeloop.workflows.local import CoreShares, StepWorker, pin_process_tree, step_environment
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 
@@ -178,7 +180,7 @@ def test_a_share_change_while_torch_is_imported_is_applied_once_the_import_is_do
     (that failed a step with 'partially initialized module torch'); the next use_threads fits the threads."""
     import torch
 
-    from moeloop.workflows import worker
+    from moeloop.workflows.local import worker
 
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # use_threads sets it
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))  # partly initialised: no functions yet

@@ -37,7 +37,7 @@ from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import train
 from tests.conftest import REPO, SMALL_TRANSFORMERS_ROLLOUT, small_config
 from moeloop.workflows.dag import run_uri
-from moeloop.workflows.local import run_local
+from moeloop.workflows.local.runner import run_local
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -286,7 +286,7 @@ def test_report_plot_writes_pngs(tmp_path: Path) -> None:
 
 
 def test_overall_eta_is_the_measured_pace_times_the_iterations_left() -> None:
-    from moeloop.workflows.local import overall_eta
+    from moeloop.workflows.local.progress import overall_eta
 
     assert overall_eta(elapsed=120.0, done=2, total=10) == "0:08:00"
     assert overall_eta(elapsed=3700.0, done=1, total=2) == "1:01:40"

@@ -248,7 +248,7 @@ def test_ppo_update_fits_the_critic_and_moves_the_policy(tmp_path: Path) -> None
 def test_ppo_loop_commits_publishes_and_resumes_the_critic(run_root: Path, tmp_path: Path) -> None:
     from moeloop.steps.reward_model import build_tiny_reward_model
     from moeloop.workflows.dag import run_uri
-    from moeloop.workflows.local import run_local
+    from moeloop.workflows.local.runner import run_local
 
     build_tiny_reward_model(small_config(), tmp_path / "rm", seed=1)
     config = small_config(
@@ -366,7 +366,7 @@ def check_ppo_demo_learns(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyP
     from moeloop.steps.reward_model import build_tiny_reward_model
     from tests.conftest import REPO, eval_reward_gain
     from moeloop.workflows.dag import run_uri
-    from moeloop.workflows.local import run_local
+    from moeloop.workflows.local.runner import run_local
 
     monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
     data = load_config(REPO / "configs" / name).model_dump()

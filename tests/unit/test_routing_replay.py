@@ -214,7 +214,7 @@ def test_a_replayed_gspo_run_records_stores_and_replays_the_routes(run_root: Pat
     from moeloop.steps.storage.run import RunStorage
     from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
     from moeloop.workflows.dag import run_uri
-    from moeloop.workflows.local import run_local
+    from moeloop.workflows.local.runner import run_local
 
     algorithm = {"routing_replay": "rollout", "importance_level": "sequence_token", "mismatch": {"level": "token"}}
     config = small_config(iterations=1, rollout=SMALL_TRANSFORMERS_ROLLOUT, algorithm=algorithm)
@@ -247,7 +247,7 @@ def test_recording_routes_with_vllm_on_cpu_is_refused_before_anything_runs(
     from moeloop.steps.config import parse_config
     from moeloop.steps.engines.engine import VLLMEngine
     from tests.unit.test_importance import BASE
-    from moeloop.workflows.local import preflight
+    from moeloop.workflows.local.runner import preflight
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     data = {**BASE, **sections, "rollout": {"engine": "vllm", **sections.get("rollout", {})}}

@@ -21,8 +21,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from moeloop.steps.cores import SharedCores
+from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
+from moeloop.workflows.dag import ROLLOUT, loop_tasks
+from moeloop.workflows.local.cores import SharedCores
 
 EPSILON = 1e-9
 
@@ -37,6 +39,22 @@ class GraphTask:
     dependencies: tuple[str, ...]
     report: str  # the name of its report in reports/iter-N/: rollout-<k>, reward, train, ...
     processes: int = 1  # torchrun's processes: several have no long-lived worker locally
+
+
+def plan_dag(config: MoeloopConfig, shards: int, staleness: int, iterations: int) -> list[GraphTask]:
+    """The loop's DAG at another shard count and staleness, as the planner's plain data."""
+    rollout = config.rollout.model_copy(update={"num_shards": shards, "max_staleness": staleness})
+    return [
+        GraphTask(
+            t.name,
+            t.step.name,
+            t.iteration,
+            t.dependencies,
+            f"rollout-{dict(t.arguments)['shard']}" if t.step is ROLLOUT else t.step.name,
+            t.processes,
+        )
+        for t in loop_tasks(config.model_copy(update={"rollout": rollout}), iterations)
+    ]
 
 
 @dataclass(frozen=True)
@@ -60,9 +78,9 @@ def play(
 ) -> Schedule:
     """Run the jobs (a DAG in topological order) on resources of the given capacity; a resource not in
     `capacity` has room for everyone. `cores`: the jobs share that many cores as the local runner shares them
-    (`moeloop.steps.cores`): a job's `seconds` are then one core's seconds, run at c ** a times that pace on the c cores'
-    worth it holds (a: its step's `scaling`, default 1), c shrinking when a job starts beside it; its start-up
-    runs at the wall clock's pace. None: every job at its own pace."""
+    (`moeloop.workflows.local.cores`): a job's `seconds` are then one core's seconds, run at c ** a times that pace
+    on the c cores' worth it holds (a: its step's `scaling`, default 1), c shrinking when a job starts beside it;
+    its start-up runs at the wall clock's pace. None: every job at its own pace."""
     order = {job.task.name: index for index, job in enumerate(jobs)}
     by_name = {job.task.name: job for job in jobs}
     waiting_on = {job.task.name: len(job.task.dependencies) for job in jobs}

@@ -22,19 +22,16 @@ R / 2 + the restart later. The rollout time carries that expected value.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from moeloop.steps.capacity.hardware import GPU
-from moeloop.steps.capacity.memory import GIB, TrainMemory, predict_train_peak_bytes
-from moeloop.steps.capacity.models import ModelShape, ParameterCounts, parameter_counts
-from moeloop.steps.capacity.rates import STEPS, Figure
-from moeloop.steps.capacity.schedule import GraphTask, Job, busy_share, critical_path, period, play
-from moeloop.steps.capacity.target import Instance, Search, Trainer
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
-
-TasksFor = Callable[[MoeloopConfig, int, int, int], list[GraphTask]]  # (config, shards, staleness, iterations)
+from moeloop.steps.model.shape import ModelShape, ParameterCounts, parameter_counts
+from moeloop.steps.rl.memory import GIB, TrainMemory, predict_train_peak_bytes
+from moeloop.workflows.capacity.hardware import GPU
+from moeloop.workflows.capacity.rates import STEPS, Figure
+from moeloop.workflows.capacity.schedule import GraphTask, Job, busy_share, critical_path, period, play, plan_dag
+from moeloop.workflows.capacity.target import Instance, Search, Trainer
 
 
 @dataclass(frozen=True)
@@ -53,7 +50,6 @@ class Setup:
     trainer: Trainer
     iterations: int
     search: Search
-    tasks_for: TasksFor
 
     def value(self, name: str) -> float:
         return self.figures[name].value
@@ -125,7 +121,7 @@ def train_memory(setup: Setup, world: int, ep: int) -> TrainMemory:
         t.max_tokens_per_microbatch,
         t.precision,
         t.activation_checkpointing,
-        t.optimizer_offload,
+        t.offload_optimizer,
         t.reference,
         routing_imbalance=t.routing_imbalance,
         workspace_bytes=int(t.workspace_gib * GIB),
@@ -182,7 +178,7 @@ def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) ->
     # ahead) are played out too.
     first = max(8, 4 * (option.staleness + 1))
     last = 2 * first
-    tasks = setup.tasks_for(setup.config, option.rollout_shards, option.staleness, last + option.staleness + 1)
+    tasks = plan_dag(setup.config, option.rollout_shards, option.staleness, last + option.staleness + 1)
     jobs = [
         Job(
             task,
@@ -320,7 +316,7 @@ def make_plan(
         raise MoeloopError(
             f"model {setup.model}: its trainer fits no option on {setup.gpu.name}"
             f" ({setup.gpu.memory_bytes / GIB:.0f} GiB per GPU): at {world} GPUs and EP {ep} it needs {least:.0f} GiB"
-            " per GPU; try more train nodes (search.train_nodes), trainer.optimizer_offload or a smaller"
+            " per GPU; try more train nodes (search.train_nodes), trainer.offload_optimizer or a smaller"
             " trainer.max_tokens_per_microbatch"
         )
     evaluated = sorted(

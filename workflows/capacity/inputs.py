@@ -19,22 +19,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from moeloop.steps.capacity.hardware import GPU, gpu
-from moeloop.steps.capacity.memory import GIB
-from moeloop.steps.capacity.models import (
-    ModelShape,
-    model_config,
-    parameter_counts,
-    read_hf_config,
-    shape_from_hf_config,
-    train_flops_per_token,
-)
-from moeloop.steps.capacity.options import Option, Setup, TasksFor, pick_expert_parallel
-from moeloop.steps.capacity.rates import STEPS, Figure, Measured, measure_run
-from moeloop.steps.capacity.target import LOCAL, Instance, Target, load_prices, load_target
 from moeloop.steps.config import MoeloopConfig, load_config
-from moeloop.steps.cores import available_cores
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.shape import ModelShape, parameter_counts, shape_from_hf_config
+from moeloop.steps.rl.memory import GIB
+from moeloop.workflows.capacity.hardware import GPU, gpu
+from moeloop.workflows.capacity.models import model_config, read_hf_config, train_flops_per_token
+from moeloop.workflows.capacity.options import Option, Setup, pick_expert_parallel
+from moeloop.workflows.capacity.rates import STEPS, Figure, Measured, measure_run
+from moeloop.workflows.capacity.target import LOCAL, Instance, Target, load_prices, load_target
+from moeloop.workflows.local.cores import available_cores
 
 # The rates every step time uses, with their units; then those that add a term only when known.
 RATES = {
@@ -77,7 +71,7 @@ def is_config_file(source: str) -> bool:
 
 
 def plan_inputs(
-    source: str, target_path: str | None, tasks_for: TasksFor, also: tuple[str, ...] = ()
+    source: str, target_path: str | None, also: tuple[str, ...] = ()
 ) -> tuple[Setup, Option | None, Figure | None]:
     """The setup the options share; and, when the target is the run's own (model, hardware and batch), the run's
     own option with its measured period, to hold the plan against. `also`: more runs to pool with the source's
@@ -91,11 +85,7 @@ def plan_inputs(
             raise MoeloopError(f"{source} is a config, not a run: runs to pool with it (--also) need a run to plan")
         config = load_config(source)
     else:
-
-        def own_dag(c: MoeloopConfig) -> list:
-            return tasks_for(c, c.rollout.num_shards, c.rollout.max_staleness, c.iterations)
-
-        measured = measure_run(source, own_dag, int(cores.value) if target.measured_on == LOCAL else None, also)
+        measured = measure_run(source, int(cores.value) if target.measured_on == LOCAL else None, also)
         config = measured.config
     shape, model = _model(target, config, measured, source)
     run_shape = shape_from_hf_config(measured.model_config, f"{source}/checkpoints/iter-000000") if measured else None
@@ -130,7 +120,6 @@ def plan_inputs(
         target.trainer,
         target.iterations or config.iterations,
         target.search,
-        tasks_for,
     )
     untouched = all(value is None for value in target.batch.model_dump().values())
     if not (sources.same_model and sources.same_hardware and untouched):

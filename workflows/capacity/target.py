@@ -13,10 +13,10 @@ from typing import Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
-from moeloop.steps.capacity.hardware import GPUS
-from moeloop.steps.config import describe_validation_error
+from moeloop.steps.config import TrainerConfig, describe_validation_error
 from moeloop.steps.config_base import Strict
 from moeloop.steps.errors import MoeloopError
+from moeloop.workflows.capacity.hardware import GPUS
 
 LOCAL = "local"  # the local runner on this machine: steps share local.parallelism slots of its cores
 
@@ -31,12 +31,15 @@ class Batch(Strict):
 
 
 class Trainer(Strict):
-    """The train step's settings, as steps/capacity/memory.py takes them."""
+    """The train step's settings, as the memory model (`moeloop.steps.rl.memory`) takes them.
+    max_tokens_per_microbatch and offload_optimizer are the run config's trainer keys, defined there once
+    (TrainerConfig); precision and activation_checkpointing default to a GPU trainer of a large MoE (bf16, what the
+    run's `auto` takes on CUDA; checkpointing on), not to the run config's `auto` and off."""
 
     precision: Literal["bf16", "fp32"] = "bf16"
     activation_checkpointing: bool = True
-    max_tokens_per_microbatch: int = Field(16384, gt=0)
-    optimizer_offload: bool = False
+    max_tokens_per_microbatch: int = TrainerConfig.model_fields["max_tokens_per_microbatch"]
+    offload_optimizer: bool = TrainerConfig.model_fields["offload_optimizer"]
     reference: Literal["sharded", "precomputed", "none"] = "sharded"
     routing_imbalance: float = Field(1.0, ge=1)
     workspace_gib: float = Field(4.0, ge=0)
@@ -44,7 +47,7 @@ class Trainer(Strict):
 
 class StatedRates(Strict):
     """Rates for the target's model on the target's GPU, stated by the user. Each one replaces the run's. For the
-    local runner, per core: "per GPU" is per core, and seconds are core-seconds (`moeloop.steps.capacity.rates`)."""
+    local runner, per core: "per GPU" is per core, and seconds are core-seconds (`moeloop.workflows.capacity.rates`)."""
 
     rollout_tokens_per_second_per_gpu: float | None = Field(None, gt=0)  # all of a shard's sequences together
     rollout_sequence_tokens_per_second: float | None = Field(None, gt=0)  # one sequence's decoding speed
@@ -71,7 +74,7 @@ class Search(Strict):
 
 
 class Target(Strict):
-    model: str | None = None  # a family name (steps/capacity/models.py) or an HF config.json path
+    model: str | None = None  # a family name (workflows/capacity/models.py) or an HF config.json path
     gpu: str = LOCAL  # H100, H200, or local
     measured_on: str = LOCAL  # where the run's rates were measured
     prices: str | None = None  # the prices table (required for a GPU target)

@@ -18,10 +18,10 @@ batch, shard count or train size can be planned from them:
   commit, the process or pod start). The least, not the median: waiting for a free slot or worker is the
   schedule's to predict, not the step's.
 
-Measured by the local runner, the steps shared the machine's cores (`moeloop.steps.cores`): a step beside another ran on
-part of them. There each figure is one core's (a rate over c ** a for the c cores' worth the step held, seconds
-times c ** a, with a the step's core scaling fitted across the runs), the shares replayed over the reports'
-stamps, so that a plan can play them on other shares.
+Measured by the local runner, the steps shared the machine's cores (`moeloop.workflows.local.cores`): a step beside
+another ran on part of them. There each figure is one core's (a rate over c ** a for the c cores' worth the step
+held, seconds times c ** a, with a the step's core scaling fitted across the runs), the shares replayed over the
+reports' stamps, so that a plan can play them on other shares.
 """
 
 from __future__ import annotations
@@ -29,16 +29,14 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moeloop.steps.capacity.schedule import GraphTask
-from moeloop.steps.common import open_run
 from moeloop.steps.config import MoeloopConfig
-from moeloop.steps.cores import held_cores
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.storage.run import RunStorage
+from moeloop.steps.storage.run import RunStorage, open_run
+from moeloop.workflows.capacity.schedule import GraphTask, plan_dag
+from moeloop.workflows.local.cores import held_cores
 
 GB = 1e9
 METRICS_NAME = re.compile(r"iter-(\d{6})\.json")
@@ -149,14 +147,14 @@ class _Run:
     held: dict[str, float] | None  # "iteration/report" -> the cores' worth its step held (local runs)
 
 
-def _load_run(uri: str, dag: Callable[[MoeloopConfig], list[GraphTask]], cores: int | None) -> _Run:
+def _load_run(uri: str, cores: int | None) -> _Run:
     storage, config = open_run(uri)
     done = committed_iterations(storage)
     if not done:
         raise MoeloopError(f"run {uri} has no committed iteration yet (no metrics/iter-N.json with N >= 1)")
     skip = 1 + config.rollout.max_staleness
     steady = done[skip:] if len(done) > skip else done
-    tasks = dag(config)
+    tasks = plan_dag(config, config.rollout.num_shards, config.rollout.max_staleness, config.iterations)
     by_name = {task.name: task for task in tasks}
     # The steady iterations' reports, and those of everything they waited for (with staleness s, a rollout
     # waits for the publish s + 1 iterations back).
@@ -166,14 +164,12 @@ def _load_run(uri: str, dag: Callable[[MoeloopConfig], list[GraphTask]], cores: 
     return _Run(uri, storage, config, tasks, steady, reports, held)
 
 
-def measure_run(
-    uri: str, dag: Callable[[MoeloopConfig], list[GraphTask]], cores: int | None = None, also: tuple[str, ...] = ()
-) -> Measured:
-    """The run's rates. `dag`: a config's DAG (workflows/dag.py), which says what each step of the run waited for.
+def measure_run(uri: str, cores: int | None = None, also: tuple[str, ...] = ()) -> Measured:
+    """The run's rates; its DAG (`plan_dag`) says what each step of the run waited for.
     `cores`: the run's steps shared that many cores under the local runner; its figures are then per core, each
     step's scaling with its cores fitted where the runs have it at different shares (`core_scaling`). `also`:
     more runs of the same model on the same machine, whose samples are pooled with the run's."""
-    runs = [_load_run(u, dag, cores) for u in (uri, *also)]
+    runs = [_load_run(u, cores) for u in (uri, *also)]
     first = runs[0]
     model_config = first.storage.read_json(f"{first.storage.checkpoint(0)}/config.json")
     for run in runs[1:]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moeloop.steps.capacity.models import ModelShape, parameter_counts, shape_from_hf_config
+from moeloop.steps.model.shape import ModelShape, parameter_counts, shape_from_hf_config
 from moeloop.steps.config import TrainerConfig
 from moeloop.steps.errors import MoeloopError
 
@@ -87,7 +87,7 @@ def predict_train_peak_bytes(
     max_tokens_per_microbatch: int,
     precision: Precision = "bf16",
     activation_checkpointing: bool = True,
-    optimizer_offload: bool = False,
+    offload_optimizer: bool = False,
     reference: Reference = "sharded",
     gradient_accumulation: bool = True,
     routing_imbalance: float = 1.0,
@@ -96,7 +96,7 @@ def predict_train_peak_bytes(
     """Peak bytes on one GPU of the train step, term by term.
 
     max_tokens_per_microbatch: tokens one rank runs through the model at once (packed samples).
-    optimizer_offload: `trainer.offload_optimizer` (steps/rl/offload.py): AdamW's moments live on the host; the fp32
+    offload_optimizer: `trainer.offload_optimizer` (steps/rl/offload.py): AdamW's moments live on the host; the fp32
       master weights and gradients stay on the GPU.
     reference: the KL reference policy `sharded` like the policy (bf16, frozen), its logprobs `precomputed`
       once per update before training (nothing of it left at the peak), or `none` (kl_coef 0).
@@ -115,7 +115,7 @@ def predict_train_peak_bytes(
         # fp32 either way: the master copy under bf16 mixed precision, the parameters themselves under fp32.
         "master_weights": FP32 * shard,
         "gradients": FP32 * shard,  # sharded, in fp32 (reduce_dtype)
-        "adam_moments": 0 if optimizer_offload else 2 * FP32 * shard,
+        "adam_moments": 0 if offload_optimizer else 2 * FP32 * shard,
         "reference_policy": compute * shard if reference == "sharded" else 0,
     }
     # One layer gathered for compute and the next one prefetched: the dense part whole, the experts' EP slice.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeloop.steps.capacity.memory import GIB
-from moeloop.steps.capacity.options import Evaluated, Plan, pareto
+from moeloop.steps.rl.memory import GIB
+from moeloop.workflows.capacity.options import Evaluated, Plan, pareto
 
 
 def _pools(plan: Plan, e: Evaluated) -> list[str]:

@@ -1,6 +1,6 @@
 """GPU facts: vendor figures (SXM parts, dense bf16 without sparsity) and, where one was measured on such a
 GPU, a large bf16 matmul's rate, the roof that issue 19 quotes MFU against. Prices change by region and by
-the hour, so they are data (steps/capacity/target.py reads them), not code.
+the hour, so they are data (target.py reads them), not code.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How the local runner shares this machine's cores among the steps it runs side by side. The runner applies it
-(`workflows/local.py`); the capacity planner plays it (`steps/capacity/schedule.py`) and replays it over a run's
-reports (`steps/capacity/rates.py`), so both see the cores a step had."""
+(`pinning.py`); the capacity planner plays it (`workflows/capacity/schedule.py`) and replays it over a run's
+reports (`workflows/capacity/rates.py`), so both see the cores a step had."""
 
 from __future__ import annotations
 
