@@ -16,6 +16,8 @@ from moeloop.steps.config_algorithm import AlgorithmConfig
 from moeloop.steps.config_base import Strict
 from moeloop.steps.config_cluster import ClusterConfig
 from moeloop.steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe
+from moeloop.steps.config_reward import RewardConfig
+from moeloop.steps.config_task import TaskConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.inputs import check_location, check_strings, load_yaml, read_limited
 
@@ -45,20 +47,6 @@ class ModelConfig(Strict):
     @classmethod
     def _location(cls, value: str | None) -> str | None:
         return None if value is None else check_location(value, "model.checkpoint")
-
-
-class TaskConfig(Strict):
-    """Prompts are JSON lines with at least `prompt`; the verifier reads the other fields."""
-
-    train_prompts: str
-    eval_prompts: str
-
-    @field_validator("train_prompts", "eval_prompts")
-    @classmethod
-    def _not_empty(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must name a prompt file")
-        return check_location(value, "a prompt file")
 
 
 class VLLMConfig(Strict):
@@ -108,46 +96,6 @@ def policy_version(iteration: int, max_staleness: int) -> int:
     publish; the metrics' staleness is how far a rollout's version is behind policy_version(iteration, 0), the
     synchronous loop's."""
     return max(0, iteration - 1 - max_staleness)
-
-
-class RewardFunction(Strict):
-    path: str  # "package.module:function", called as function(record, response_text) -> float
-    weight: float = 1.0
-
-    @field_validator("path")
-    @classmethod
-    def _import_path(cls, value: str) -> str:
-        module, _, function = value.partition(":")
-        if not module or not function:
-            raise ValueError(f"{value!r} is not of the form package.module:function")
-        return value
-
-
-class RewardModel(Strict):
-    """An HF sequence-classification model (num_labels=1) that scores prompt + response."""
-
-    path: str  # a local folder or a URI (s3://...); fetched through the storage module, verified and cached
-    weight: float = 1.0
-    batch_size: int = Field(32, gt=0)  # samples per forward pass
-
-    @field_validator("path")
-    @classmethod
-    def _not_empty(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must name a reward model folder or URI")
-        return check_location(value, "a reward model")
-
-
-class RewardConfig(Strict):
-    # The reward is sum(weight * function) + sum(weight * model score): rule rewards, reward models, or both.
-    functions: list[RewardFunction] = []
-    models: list[RewardModel] = []
-
-    @model_validator(mode="after")
-    def _some_reward(self) -> RewardConfig:
-        if not self.functions and not self.models:
-            raise ValueError("name at least one reward function or reward model")
-        return self
 
 
 class TrainerConfig(Strict):
@@ -205,7 +153,27 @@ class TrainerConfig(Strict):
 
 
 class EvalConfig(Strict):
+    """What evaluate measures on the first max_prompts held-out prompts (steps/evaluate.py): the greedy response's
+    reward and pass@1, and with samples > 0 pass@k over that many responses sampled as the rollouts sample."""
+
     max_prompts: int = Field(128, gt=0)
+    samples: int = Field(0, ge=0)  # responses sampled per prompt for pass@k; 0: greedy only
+    k: list[int] | None = None  # the k of pass@k, each 1..samples; None: 1 and samples
+    pass_threshold: float = 1.0  # a response passes when its reward is at least this
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> EvalConfig:
+        if self.k is not None and not self.samples:
+            raise ValueError("k needs samples > 0: pass@k is measured on sampled responses")
+        if bad := [k for k in self.k or [] if not 1 <= k <= self.samples]:
+            raise ValueError(f"k {bad}: each must be between 1 and samples {self.samples}")
+        return self
+
+    def pass_ks(self) -> list[int]:
+        """The k of pass@k, ascending, once each (none without samples)."""
+        if not self.samples:
+            return []
+        return sorted(set(self.k if self.k is not None else [1, self.samples]))
 
 
 class LocalConfig(Strict):
@@ -385,7 +353,7 @@ def load_config(path: str | Path) -> MoeloopConfig:
     return config.model_copy(update={"task": task})
 
 
-def _resolve(location: str, base: Path) -> str:
-    if "://" in location or Path(location).is_absolute():
+def _resolve(location: str | None, base: Path) -> str | None:
+    if location is None or "://" in location or Path(location).is_absolute():
         return location
     return str((base / location).resolve())

@@ -1,5 +1,5 @@
-"""The base of every config model: the run config's sections (steps/config.py, config_cluster.py,
-config_model.py) and the capacity planner's target (workflows/capacity/target.py)."""
+"""The base of every config model: the run config's sections (steps/config.py, config_cluster.py, config_model.py,
+config_reward.py, config_task.py) and the capacity planner's target (workflows/capacity/target.py)."""
 
 from __future__ import annotations
 

@@ -1,37 +1,104 @@
-"""evaluate: greedy decoding of the held-out prompts with checkpoint N, and the iteration's metrics file.
+"""evaluate: the held-out prompts decoded with checkpoint N, greedily (and, with eval.samples, sampled), scored by
+the reward functions' worker pool; and the iteration's metrics file.
 
-metrics/iter-NNNNNN.json gathers what every step of the iteration reported. Iteration 0 is the SFT start:
-its file carries the starting policy's eval_reward_mean, measured the same way.
+A response passes when its reward is at least eval.pass_threshold. The figures, overall and per data_source: the
+greedy responses' mean reward and pass@1 (the share of prompts whose greedy response passes), and pass@k for each k of
+eval.k over eval.samples responses sampled as the rollouts sample, by the unbiased estimator of Chen et al. 2021
+("Evaluating Large Language Models Trained on Code"), averaged over the prompts.
+metrics/iter-NNNNNN.json gathers them and what every step of the iteration reported. Iteration 0 is the SFT start:
+its file carries the starting policy's figures, measured the same way.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
-from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
-from moeloop.steps.config import policy_version
+from moeloop.steps.common import (
+    already_committed,
+    derive_seed,
+    open_iteration,
+    print_json,
+    quiet_libraries,
+    step_parser,
+    write_report,
+)
+from moeloop.steps.config import MoeloopConfig, policy_version
 from moeloop.steps.engines.engine import Engine, Sampling, TransformersEngine
 from moeloop.steps.errors import run_cli
 from moeloop.steps.observe.scalars import step_reports
 from moeloop.steps.observe.trackers import record_iteration
-from moeloop.steps.rewards.functions import reward_functions, score
+from moeloop.steps.rewards.functions import by_source
+from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.metrics import read_metrics
 from moeloop.steps.storage.prompts import eval_prompts
 from moeloop.steps.storage.run import RunStorage
 
 
-def greedy_reward_mean(engine: Engine, records: list[dict], functions: list, max_new_tokens: int) -> float:
+def evaluation(engine: Engine, records: list[dict], pool: RewardPool, config: MoeloopConfig) -> dict[str, Any]:
+    """The eval figures of one checkpoint (module docstring): greedy, then sampled where eval.samples asks."""
     prompts = [engine.tokenizer(r["prompt"])["input_ids"] for r in records]
-    sampling = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=0)
+    greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=config.rollout.max_new_tokens, seed=0)
+    names = [f"eval prompt {number}" for number in range(1, len(records) + 1)]
+    scores = pool.score(records, responses(engine, prompts, greedy), names)
+    greedy_rewards, failures, sampled_rewards = scores.rewards, scores.failures, None
+    if config.eval.samples:
+        n = config.eval.samples
+        rollout = config.rollout
+        # As the rollouts sample, from a seed of the run's own: the same at every iteration.
+        sampling = Sampling(
+            n, rollout.temperature, rollout.top_p, rollout.max_new_tokens, derive_seed(config.seed, "eval")
+        )
+        texts = responses(engine, prompts, sampling)
+        scores = pool.score(
+            [r for r in records for _ in range(n)], texts, [f"{name} sample {j}" for name in names for j in range(n)]
+        )
+        sampled_rewards = [scores.rewards[i * n : (i + 1) * n] for i in range(len(records))]
+        failures += scores.failures
+    overall, sources = eval_figures(
+        records, greedy_rewards, sampled_rewards, config.eval.pass_threshold, config.eval.pass_ks()
+    )
+    return {
+        "eval_reward_mean": overall["reward_mean"],
+        "eval_pass_at_1": overall["pass_at_1"],
+        "eval_pass_at_k": overall["pass_at_k"],
+        "eval_by_source": sources,
+        "eval_reward_failures": failures,
+    }
+
+
+def responses(engine: Engine, prompts: list[list[int]], sampling: Sampling) -> list[str]:
+    """The decoded responses, prompt by prompt, sampling.n each."""
     completions = engine.generate(prompts, sampling)
-    responses = [engine.tokenizer.decode(c[0].token_ids, skip_special_tokens=True) for c in completions]
-    scores = [
-        score(functions, record, text, f"eval prompt {number}")
-        for number, (record, text) in enumerate(zip(records, responses, strict=False), start=1)
-    ]
-    return sum(scores) / len(records)
+    return [engine.tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of k responses drawn without replacement from n, c of which pass, passes:
+    1 - C(n-c, k) / C(n, k), Chen et al. 2021's unbiased estimator of pass@k."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_figures(
+    records: list[dict], greedy: list[float], sampled: list[list[float]] | None, threshold: float, ks: list[int]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(the figures over all prompts, {data_source: the figures over its prompts}). The figures: prompts, the greedy
+    responses' reward_mean and pass_at_1, and pass_at_k {k: ...} over the sampled responses (None without them)."""
+
+    def figures(indices: list[int]) -> dict[str, Any]:
+        passing = [sum(r >= threshold for r in sampled[i]) for i in indices] if sampled is not None else None
+        return {
+            "prompts": len(indices),
+            "reward_mean": sum(greedy[i] for i in indices) / len(indices),
+            "pass_at_1": sum(greedy[i] >= threshold for i in indices) / len(indices),
+            "pass_at_k": None
+            if passing is None
+            else {str(k): sum(pass_at_k(len(sampled[0]), c, k) for c in passing) / len(indices) for k in ks},
+        }
+
+    return figures(list(range(len(records)))), {name: figures(indices) for name, indices in by_source(records).items()}
 
 
 def router_health(train: dict[str, Any]) -> dict[str, float] | None:
@@ -41,14 +108,15 @@ def router_health(train: dict[str, Any]) -> dict[str, float] | None:
     return health or None
 
 
-def iteration_metrics(storage: RunStorage, iteration: int, eval_reward_mean: float) -> dict[str, Any]:
+def iteration_metrics(storage: RunStorage, iteration: int, eval_figures: dict[str, Any]) -> dict[str, Any]:
     reports = step_reports(storage, iteration)
     rollouts = [r for name, r in reports.items() if name.startswith("rollout-")]
     train, reward = reports.get("train", {}), reports.get("reward", {})
     return {
         "iteration": iteration,
-        "eval_reward_mean": eval_reward_mean,
+        **eval_figures,
         "reward_mean": reward.get("reward_mean"),
+        "reward_failures": reward.get("reward_failures"),  # calls counted as 0 under reward.on_error zero
         "kl": train.get("kl"),
         "kl_samples": train.get("kl_samples"),  # how many of the batch's samples kl is measured on
         "loss": train.get("loss"),
@@ -111,9 +179,10 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
     # The measuring stick stays the same whatever the rollout engine: transformers, greedy.
     engine = TransformersEngine(fetch_checkpoint(storage, iteration))
     records = eval_prompts(storage)[: config.eval.max_prompts]
-    eval_reward = greedy_reward_mean(engine, records, reward_functions(config.reward), config.rollout.max_new_tokens)
+    with RewardPool(config.reward, f"the evaluate step of iteration {iteration}") as pool:
+        figures = evaluation(engine, records, pool, config)
     write_report(storage, iteration, "evaluate", {"seconds": round(time.perf_counter() - started, 3)})
-    metrics = iteration_metrics(storage, iteration, eval_reward)
+    metrics = iteration_metrics(storage, iteration, figures)
     storage.write_json(output, metrics)
     record_iteration(storage, config, iteration)
     return metrics

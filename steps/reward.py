@@ -1,7 +1,8 @@
 """reward: score every sample of the iteration with the configured reward functions and reward models.
 
 A reward function (a rule or verifier reward) is named by import path `package.module:function` and called as
-function(prompt_record, response_text) -> float. A reward model is an HF sequence-classification model that the
+function(prompt_record, response_text, **args) -> float, in worker processes (steps/rewards/pool.py); which functions
+score a sample depends on its record's data_source. A reward model is an HF sequence-classification model that the
 start step committed into the run (`steps/rewards/models.py`). The reward is the weighted sum over all of them.
 """
 
@@ -15,7 +16,8 @@ import pyarrow as pa
 
 from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
 from moeloop.steps.errors import MoeloopError, run_cli
-from moeloop.steps.rewards.functions import reward_functions, score
+from moeloop.steps.rewards.functions import by_source
+from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.storage.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
 from moeloop.steps.storage.prompts import train_prompts
 
@@ -27,17 +29,15 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
     storage, config = open_iteration(run_uri, iteration)
     if committed_experience(storage, iteration, config.rollout.num_shards) is not None:
         return already_committed(storage, storage.experience(iteration))
-    functions = reward_functions(config.reward)
     rollouts, shards = read_written_rollouts(storage, iteration, config.rollout.num_shards)
     records = train_prompts(storage)
-    prompt_ids = rollouts["prompt_id"].to_pylist()
+    sample_records = [records[p] for p in rollouts["prompt_id"].to_pylist()]
     responses = rollouts["response_text"].to_pylist()
     sample_ids = rollouts["sample_id"].to_pylist()
-    rewards = [
-        score(functions, records[p], response, f"sample {sample_id}")
-        for p, response, sample_id in zip(prompt_ids, responses, sample_ids, strict=True)
-    ]
-    report: dict[str, Any] = {}
+    with RewardPool(config.reward, f"the reward step of iteration {iteration}") as pool:
+        scores = pool.score(sample_records, responses, [f"sample {s}" for s in sample_ids])
+    rewards = scores.rewards
+    report: dict[str, Any] = {"reward_failures": scores.failures}
     if config.reward.models:
         from moeloop.steps.rewards.models import load_reward_models  # torch and transformers: only when a model is configured
 
@@ -62,7 +62,14 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
         schema=REWARD_SCHEMA,
     )
     report.update(
-        samples=len(rewards), reward_mean=sum(rewards) / len(rewards), seconds=round(time.perf_counter() - started, 3)
+        samples=len(rewards),
+        reward_mean=sum(rewards) / len(rewards),
+        # the mean reward of each data_source's samples
+        reward_by_source={
+            source: sum(rewards[i] for i in indices) / len(indices)
+            for source, indices in by_source(sample_records).items()
+        },
+        seconds=round(time.perf_counter() - started, 3),
     )
     write_report(storage, iteration, "reward", report)
     commit_experience(storage, iteration, shards, table)

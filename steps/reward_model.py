@@ -16,14 +16,14 @@ from moeloop.steps.common import quiet_libraries
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.errors import ArgumentParser, run_cli
 from moeloop.steps.model.policy import build_tokenizer, save_policy, tiny_model_config
-from moeloop.steps.storage.prompts import read_prompt_file
+from moeloop.steps.storage.prompts import task_records
 
 
 def build_tiny_reward_model(config: MoeloopConfig, directory: Path, seed: int = 0) -> None:
     """A random sequence classifier of the config's tiny family and shape, with the character tokenizer the start
     step builds for the same prompts (so it reads the policy's text)."""
-    records = read_prompt_file(config.task.train_prompts) + read_prompt_file(config.task.eval_prompts)
-    tokenizer = build_tokenizer([r["prompt"] + r.get("answer", "") for r in records])
+    train, evaluation = task_records(config.task)
+    tokenizer = build_tokenizer([r["prompt"] + r.get("answer", "") for r in train + evaluation])
     model_config = tiny_model_config(config.model.tiny, tokenizer, num_labels=1)
     torch.manual_seed(seed)
     save_policy(AutoModelForSequenceClassification.from_config(model_config), tokenizer, directory)

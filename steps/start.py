@@ -45,10 +45,11 @@ from moeloop.steps.model.policy import (
 from moeloop.steps.observe.trackers import begin_trackers, check_trackers
 from moeloop.steps.rl.memory import refuse_unfit_trainer
 from moeloop.steps.rl.router_bias import bias_update_rate
+from moeloop.steps.rewards.functions import check_reward_routes
 from moeloop.steps.rewards.models import adopt_reward_models, check_reward_models
 from moeloop.steps.storage.cache import cache_root, fetch_verified, local_scratch
 from moeloop.steps.storage.manifest import json_bytes, manifest_of, parse_manifest
-from moeloop.steps.storage.prompts import check_prompts, read_prompt_file
+from moeloop.steps.storage.prompts import check_prompts, task_records, train_source
 from moeloop.steps.storage.run import RunStorage
 
 # Settings that may change between submissions of one run without changing its results. The trainer's process
@@ -286,9 +287,9 @@ def adopt_inputs(storage: RunStorage, config: MoeloopConfig, train: list[dict], 
 
 def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
     # Read every input (the starting model too) before writing anything, so bad input leaves nothing behind.
-    train = read_prompt_file(config.task.train_prompts)
-    evaluation = read_prompt_file(config.task.eval_prompts)
-    check_prompts(config, train, config.task.train_prompts)
+    train, evaluation = task_records(config.task)
+    check_prompts(config, train, train_source(config.task))
+    check_reward_routes(config.reward, train + evaluation, "the train and eval records")
     refuse_unfit_trainer_of(config, train, evaluation)
     check_reward_models(config.reward.models)
     check_trackers(config)

@@ -5,6 +5,8 @@
 - time_balance.png: per iteration, stacked bars of the steps' seconds and of the waits between them.
 - expert_load.png: the router's load imbalance per layer (`router/...` metrics holding "imbalance"), when the
   metrics carry them.
+- pass_at_k.png: per data_source, the greedy responses' pass@1 and the sampled responses' pass@k for the largest k
+  (steps/evaluate.py), when the metrics carry them.
 """
 
 from __future__ import annotations
@@ -117,6 +119,27 @@ def expert_load(plt: Any, all_metrics: list[dict[str, Any]], path: Path) -> bool
     return True
 
 
+def pass_at_k(plt: Any, all_metrics: list[dict[str, Any]], path: Path) -> bool:
+    sources = sorted({source for m in all_metrics for source in m.get("eval_by_source") or {}})
+    if not sources:
+        return False
+    figure, axes = plt.subplots(figsize=(7, 4), layout="constrained")
+    for number, source in enumerate(sources):
+        color = f"C{number % 10}"
+        greedy = series(all_metrics, "eval_by_source", source, "pass_at_1")
+        axes.plot(*greedy, "o-", color=color, label=f"{source} greedy")
+        ks = {k for m in all_metrics for k in ((m.get("eval_by_source") or {}).get(source, {}).get("pass_at_k") or {})}
+        if ks:
+            k = max(ks, key=int)
+            sampled = series(all_metrics, "eval_by_source", source, "pass_at_k", k)
+            axes.plot(*sampled, "s--", color=color, label=f"{source} pass@{k}")
+    axes.set(xlabel="iteration", ylabel="share of prompts", ylim=(-0.02, 1.02))
+    axes.set_title("Greedy pass@1 and sampled pass@k")
+    axes.legend(fontsize="small")
+    save(plt, figure, path)
+    return True
+
+
 def write_plots(all_metrics: list[dict[str, Any]], folder: Path) -> list[Path]:
     """Every picture the metrics allow, into folder; returns the files written."""
     plt = pyplot()
@@ -126,4 +149,6 @@ def write_plots(all_metrics: list[dict[str, Any]], folder: Path) -> list[Path]:
     time_balance(plt, all_metrics, written[1])
     if expert_load(plt, all_metrics, folder / "expert_load.png"):
         written.append(folder / "expert_load.png")
+    if pass_at_k(plt, all_metrics, folder / "pass_at_k.png"):
+        written.append(folder / "pass_at_k.png")
     return written

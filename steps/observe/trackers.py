@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from moeloop.steps.config import MoeloopConfig
@@ -30,6 +31,9 @@ from moeloop.steps.storage.run import RunStorage
 
 # The package each tracker imports (TensorBoard's files need none).
 PACKAGES = {"tensorboard": None, "mlflow": "mlflow", "wandb": "wandb"}
+# What MLflow refuses in a metric's name (its validate_param_and_metric_name): a data_source's name, in the eval
+# figures' tags (eval_by_source/<data_source>/...), may have it.
+MLFLOW_REFUSED = re.compile(r"[^/\w.\- :]")
 
 
 def check_trackers(config: MoeloopConfig) -> None:
@@ -114,10 +118,11 @@ class MLflowRun:
 
         run_id = self.run_id()
         timestamp = int(scalars.wall_time * 1000)
+        names = {MLFLOW_REFUSED.sub("_", tag): value for tag, value in sorted(scalars.values.items())}
         missing = [
-            Metric(tag, value, timestamp, scalars.iteration)
-            for tag, value in sorted(scalars.values.items())
-            if all(m.step != scalars.iteration for m in self.client.get_metric_history(run_id, tag))
+            Metric(name, value, timestamp, scalars.iteration)
+            for name, value in names.items()
+            if all(m.step != scalars.iteration for m in self.client.get_metric_history(run_id, name))
         ]
         for first in range(0, len(missing), 1000):  # log_batch's limit
             self.client.log_batch(run_id, metrics=missing[first : first + 1000])

@@ -15,7 +15,7 @@ import fsspec
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from moeloop.steps.config import RewardModel
+from moeloop.steps.config_reward import RewardModel
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.storage.cache import fetch_committed, local_scratch
 from moeloop.steps.storage.run import RunStorage

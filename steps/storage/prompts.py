@@ -1,4 +1,5 @@
-"""Prompt files: JSON lines of {"prompt": str, ...}, from a local path or any fsspec URI, and the run's copies."""
+"""Prompt files: JSON lines of {"prompt": str or [{"role", "content"}, ...], ...}, from a local path or any fsspec URI,
+and the run's copies; or records generated from reasoning-gym's tasks (task.source: reasoning_gym)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import fsspec
 
 from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.config_task import TaskConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.inputs import decode_text, read_limited
 from moeloop.steps.storage import s3
@@ -26,12 +28,33 @@ def read_jsonl(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError:
             raise MoeloopError(f"{source}:{number}: not valid JSON") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise MoeloopError(f"{source}:{number}: expected an object with a string 'prompt'")
+        if not isinstance(record, dict) or not (isinstance(record.get("prompt"), str) or is_messages(record["prompt"])):
+            raise MoeloopError(f"{source}:{number}: expected an object with a 'prompt': a string or a list of messages")
         records.append(record)
     if not records:
         raise MoeloopError(f"{source}: no prompts")
     return records
+
+
+def is_messages(prompt: Any) -> bool:
+    """A chat prompt: [{"role": str, "content": str}, ...]."""
+    return isinstance(prompt, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    )
+
+
+def task_records(task: TaskConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The task's (train, eval) records: read from its prompt files, or generated from its reasoning-gym tasks."""
+    if task.source == "reasoning_gym":
+        from moeloop.steps.rewards.reasoning_gym import generate_records  # imports reasoning-gym: only when chosen
+
+        return generate_records(task.reasoning_gym)
+    return read_prompt_file(task.train_prompts), read_prompt_file(task.eval_prompts)
+
+
+def train_source(task: TaskConfig) -> str:
+    """How error lines name the train records' source."""
+    return task.train_prompts or "task.reasoning_gym's train set"
 
 
 def read_prompt_file(location: str) -> list[dict[str, Any]]:

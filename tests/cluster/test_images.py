@@ -73,7 +73,7 @@ def test_versions_are_build_arguments_with_defaults_and_the_package_is_installed
             for source in rest.split()[:-1]:
                 assert (REPO / source).exists(), f"images/{name}: COPY {source}: no such file"
     runs = " ".join(rest for instruction, rest in instructions(text) if instruction == "RUN")
-    assert "install-package.sh" in runs or "pip install ." in runs
+    assert "install-package.sh" in runs or re.search(r'pip install "?\./?(\[[\w,-]+\]"?)?( |$)', runs)
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     assert f"ghcr.io/moeloop/moeloop-{name}:" in header and f"-f images/{name}/Dockerfile" in header
     for argument in re.findall(r"--build-arg (\w+)=", header):

@@ -429,18 +429,22 @@ def small_task(folder: Path) -> dict[str, str]:
     return {"task.train_prompts": str(folder / "train.jsonl"), "task.eval_prompts": str(folder / "eval.jsonl")}
 
 
+# The smallest tiny model that runs: the loops here are about faults, not the model.
+TINY_SHAPE = {
+    "hidden_size": 32,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
 def loop_config(tmp_path: Path, reward: str, **changes: Any) -> Path:
     data = tiny_config(run_name=unique_run_name(), iterations=1)
-    data["model"]["tiny"] = {
-        "hidden_size": 32,
-        "moe_intermediate_size": 16,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-    }
+    data["model"]["tiny"] = dict(TINY_SHAPE)
     data["model"]["sft"] = {"steps": 2, "batch_size": 8}
     data["rollout"] = {
         "engine": "transformers",

@@ -184,11 +184,11 @@ def test_report_prints_each_iteration(async_run: tuple[str, list]) -> None:
         [sys.executable, "-m", "moeloop.workflows.cli", "report", uri], cwd=REPO, capture_output=True, text=True, check=True
     )
     header, *rows = done.stdout.splitlines()
-    assert header.split()[:2] == ["iter", "staleness"] and header.split()[-2:] == ["eval", "reward"]
+    assert header.split()[:2] == ["iter", "staleness"] and header.split()[-4:] == ["eval", "reward", "greedy", "pass@1"]
     assert [row.split()[:2] for row in rows] == [["0", "-"], ["1", "0"], ["2", "1"], ["3", "1"]]
     for i, row in enumerate(rows):
         metrics = storage.read_json(storage.metrics(i))
-        assert row.split()[-1] == f"{metrics['eval_reward_mean']:.3f}"
+        assert row.split()[-2:] == [f"{metrics['eval_reward_mean']:.3f}", f"{metrics['eval_pass_at_1']:.3f}"]
         if i:
             assert row.split()[4] == f"{metrics['step_seconds']['train']:.1f}"
             assert row.split()[7] == f"{metrics['wait_seconds']['train']:.1f}"

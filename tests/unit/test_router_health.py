@@ -143,11 +143,11 @@ def test_the_report_table_has_the_stability_columns() -> None:
         },
     ]
     header, first, second = format_table(metrics).splitlines()
-    assert header.split()[-9:] == [
-        "entropy", "imbalance", "router", "entropy", "agreement", "mismatch", "masked", "eval", "reward"
+    assert header.split()[-11:] == [
+        "entropy", "imbalance", "router", "entropy", "agreement", "mismatch", "masked", "eval", "reward", "greedy", "pass@1"
     ]
-    assert first.split()[-7:] == ["-", "-", "-", "-", "-", "-", "0.500"]
-    assert second.split()[-7:] == ["0.734", "0.432", "1.988", "0.875", "0.012", "0.062", "0.610"]
+    assert first.split()[-8:] == ["-", "-", "-", "-", "-", "-", "0.500", "-"]
+    assert second.split()[-8:] == ["0.734", "0.432", "1.988", "0.875", "0.012", "0.062", "0.610", "-"]
 
 
 def test_the_metrics_carry_the_router_health_where_the_plots_find_it(tmp_path) -> None:

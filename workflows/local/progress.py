@@ -46,6 +46,9 @@ def overall_eta(elapsed: float, done: int, total: int) -> str:
 
 def describe_metrics(metrics: dict) -> str:
     parts = [f"iteration {metrics['iteration']:>3}: eval_reward_mean {metrics['eval_reward_mean']:.3f}"]
+    if metrics.get("eval_pass_at_k"):  # the sampled responses' pass@k for the largest k
+        k, value = max(metrics["eval_pass_at_k"].items(), key=lambda item: int(item[0]))
+        parts.append(f"pass@{k} {value:.3f}")
     if metrics.get("reward_mean") is not None:
         kl = "-" if metrics.get("kl") is None else f"{metrics['kl']:.3f}"
         parts.append(f"reward_mean {metrics['reward_mean']:.3f}  kl {kl}  loss {metrics['loss']:+.3f}")

@@ -19,9 +19,10 @@ from pathlib import Path
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.observe.trackers import check_trackers
-from moeloop.steps.rewards.functions import reward_functions
+from moeloop.steps.rewards.functions import check_reward_routes
+from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.storage.lease import RunLease
-from moeloop.steps.storage.prompts import check_prompts, read_prompt_file
+from moeloop.steps.storage.prompts import check_prompts, task_records, train_source
 from moeloop.steps.storage.run import RunStorage
 from moeloop.workflows.dag import EVALUATE, START, Task, loop_tasks, run_values
 from moeloop.workflows.local.launch import Launcher
@@ -53,9 +54,11 @@ def preflight(config: MoeloopConfig) -> None:
 
         if (refusal := vllm_refusal({"model_type": config.model.tiny.family, **config.model.tiny.model_dump()})):
             raise MoeloopError(refusal)
-    check_prompts(config, read_prompt_file(config.task.train_prompts), config.task.train_prompts)
-    read_prompt_file(config.task.eval_prompts)
-    reward_functions(config.reward)
+    train, evaluation = task_records(config.task)
+    check_prompts(config, train, train_source(config.task))
+    check_reward_routes(config.reward, train + evaluation, "the train and eval records")
+    with RewardPool(config.reward, "moeloop run's check of the config") as pool:
+        pool.check()  # the functions import, each takes its args: in a worker process, as the steps will run them
     check_trackers(config)
 
 
