@@ -1,6 +1,6 @@
 """The asynchronous loop on the local runner: wall time per iteration with rollout.max_staleness 0 and 1.
 
-    python benchmarks/async_loop.py [--iterations 6] [--skip 2] [--prompts 192] [--samples 16] [--epochs 1]
+    python benchmarks/async_loop.py [--iterations 6] [--skip 2] [--prompts 192] [--samples 16] [--epochs 1] [--smoke]
                                     [--no-pin-cores]
 
 The demo's model and task (configs/tiny.yaml) with one rollout shard, two steps at a time (`local.parallelism`
@@ -15,9 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke
 
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.storage.run import RunStorage
@@ -39,7 +44,7 @@ def benchmark_config(args: argparse.Namespace, staleness: int) -> MoeloopConfig:
     data = load_config(REPO / "configs" / "tiny.yaml").model_dump()
     data["run_name"] = f"async-bench-s{staleness}"
     data["iterations"] = args.iterations
-    data["model"]["sft"]["steps"] = 10  # the policy's quality does not matter here, only the steps' lengths
+    data["model"]["sft"]["steps"] = args.sft_steps  # the policy's quality does not matter, only the steps' lengths
     data["rollout"].update(
         engine=args.engine, num_shards=1, prompts_per_iteration=args.prompts, samples_per_prompt=args.samples
     )
@@ -74,7 +79,9 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=32)
     parser.add_argument("--engine", default="vllm", choices=["transformers", "vllm"])
     parser.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True)
-    args = parser.parse_args()
+    parser.add_argument("--sft-steps", type=int, default=10)
+    args = smoke.parse_args(parser, iterations=2, skip=1, prompts=4, samples=2, eval_prompts=2, engine="transformers",
+                            sft_steps=1)  # fmt: skip
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="moeloop-async-bench-") as folder:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
+import smoke
 from moe_layer import rel_err
 from policy_update import build_config
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -365,15 +366,21 @@ def main() -> None:
         "--update-local", action="store_true", help="also the update without EP: every rank all experts (DP)"
     )
     parser.add_argument("--profile", action="store_true", help="a profile summary of each update row, every rank")
-    args = parser.parse_args()
+    args = smoke.parse_args(
+        parser, device="cpu", dispatchers=["all_to_all"], tokens=[64], hidden=64, intermediate=32, experts=8, top_k=2,
+        warmup=0, reps=1, update_layers=1, update_hidden=64, update_intermediate=32, update_experts=8, batch=2,
+        seq=64, vocab=256, heads=2, kv_heads=1, head_dim=32, update_warmup=0, update_reps=1,
+    )  # fmt: skip
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
-    )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "WORLD_SIZE" in os.environ:  # under torchrun
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:  # one process, EP = 1 (--smoke)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         run(args, device)
     except MoeloopError as error:

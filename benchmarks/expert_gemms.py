@@ -1,7 +1,7 @@
 """The MoE layer's six expert GEMMs one by one, grouped by expert as the layer runs them, against the same FLOPs as
 one dense matmul: where the layer stands against its GEMMs' practical ceiling.
 
-    PYTHONPATH=. python3 benchmarks/expert_gemms.py [--tokens 16384]
+    PYTHONPATH=. python3 benchmarks/expert_gemms.py [--tokens 16384] [--smoke]
 
 Shapes as benchmarks/moe_layer.py's (a): T tokens, hidden H, expert intermediate I, E experts, top-K, bf16; the
 group sizes come from the same random router (`moe_layer.hf_block`'s) on N(0, 1) inputs. For each of the forward
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `steps` without installing the package
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F

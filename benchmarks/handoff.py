@@ -1,6 +1,6 @@
 """The policy's handoff through S3 at checkpoint scale: trainer state commit, publish, one rollout pod's fetch.
 
-    .venv/bin/python -m benchmarks.handoff [--layers 1 5] [--optimizer-up-to-gb 20] [--shard-gb 4.29]
+    .venv/bin/python -m benchmarks.handoff [--layers 1 5] [--optimizer-up-to-gb 20] [--shard-gb 4.29] [--smoke]
                                            [--s3torchconnector] [--tiny]
 
 Starts its own SeaweedFS on loopback (tests/seaweed.py). For each size, a model of Qwen3-30B-A3B's real shapes
@@ -34,7 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import boto3.s3.transfer
+import smoke
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
@@ -42,7 +45,13 @@ from transformers import Qwen3MoeConfig
 
 from moeloop.steps.config import load_config
 from moeloop.steps.model.policy import build_tokenizer
-from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, WEIGHTS_DIR, ReproducibleWriter, commit_trainer_state
+from moeloop.steps.rl.checkpoint import (
+    OPTIMIZER_DIR,
+    WEIGHTS_DIR,
+    ReproducibleWriter,
+    commit_trainer_state,
+    write_hf_checkpoint,
+)
 from moeloop.steps.rl.parallel import Parallel
 from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.run import RunStorage
@@ -251,6 +260,11 @@ def measure(
     del weights
     weight_names = [p.relative_to(local_state).as_posix() for p in files_of(local_state)]
     weight_names = [n for n in weight_names if not n.startswith(f"{OPTIMIZER_DIR}/")]
+    # The checkpoint publish diffs its policy against (deltas/, benchmarks/delta_handoff.py): the same weights here,
+    # so publish's row holds the diff's read and compare but no changed element.
+    write_hf_checkpoint(local_state, work / "previous", shard_bytes)
+    run.commit_folder(run.checkpoint(ITERATION - 1), work / "previous", extra={"iteration": ITERATION - 1})
+    shutil.rmtree(work / "previous")
     shutil.rmtree(local_state)
 
     publish, peak_rss = publish_in_child(run.uri, {**os.environ, "OMP_NUM_THREADS": "2"})
@@ -295,7 +309,7 @@ def main() -> None:
     parser.add_argument("--shard-gb", type=float, default=4 * 2**30 / GB, help="trainer.checkpoint_shard_bytes")
     parser.add_argument("--s3torchconnector", action="store_true", help="also time its DCP writer (pip install it)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes, same structure (tests/unit/test_benchmarks.py)")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, tiny=True, layers=[2], shard_gb=0.00002)
 
     load_before = os.getloadavg()[0]
     rows = []

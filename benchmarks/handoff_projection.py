@@ -2,6 +2,7 @@
 from per-process rates (benchmarks/handoff.py measures them) and stated cluster limits, set against an iteration.
 
     .venv/bin/python -m benchmarks.handoff_projection [--commit-gbs 0.08 --publish-gbs 0.10 --fetch-gbs 0.28] ...
+                                                      [--smoke]
 
 Every input is a flag; benchmarks/handoff.md says where each default comes from. The model, per stage:
 - commit: every trainer rank uploads its shard of the state (12 bytes per parameter: fp32 weights and AdamW's two
@@ -21,7 +22,13 @@ old, so the period is the longer of the trainer's own chain (state fetch + T + c
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke
 
 GB = 1e9
 MIB = 1 << 20
@@ -98,7 +105,7 @@ def main() -> None:
     work.add_argument("--mfu", type=float, default=0.345, help="the update's on H200 (benchmarks/policy_update.md)")
     work.add_argument("--peak-tflops", type=float, default=989, help="H200 dense bf16")
     work.add_argument("--rollout-over-train", type=float, default=1.0, help="rollout + reward time over train time")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser)  # the projection is arithmetic: a smoke run is the real one
 
     print(
         f"per process: commit {args.commit_gbs} GB/s, publish {args.publish_gbs} GB/s per shard on"

@@ -47,8 +47,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `steps` without installing the package
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import smoke
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -258,9 +259,15 @@ def add_layer_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def layer_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """The parsed arguments, the shape's unset ones taken from the family's defaults."""
-    args = parser.parse_args()
+# --smoke (benchmarks/smoke.py): a tiny layer on the CPU, one timed iteration of each row.
+LAYER_SMOKE = {"tokens": 64, "hidden": 64, "intermediate": 32, "experts": 8, "top_k": 2, "warmup": 0, "reps": 1,
+               "rounds": 1, "dense_size": 64, "device": "cpu"}  # fmt: skip
+
+
+def layer_arguments(parser: argparse.ArgumentParser, **smoke_values: object) -> argparse.Namespace:
+    """The parsed arguments (with --smoke, `LAYER_SMOKE` and smoke_values), the shape's unset ones taken from the
+    family's defaults."""
+    args = smoke.parse_args(parser, **LAYER_SMOKE, **smoke_values)
     for key, value in FAMILY_SHAPES[args.family].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -272,7 +279,8 @@ def main() -> None:
     add_layer_arguments(parser, rounds=5)
     parser.add_argument("--eager-reps", type=int, default=3, help="0 skips HF's eager loop")
     parser.add_argument("--profile-dir", type=Path, default=None)
-    args = layer_arguments(parser)
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile's, for the compiled block")
+    args = layer_arguments(parser, eager_reps=1, compile_backend="aot_eager")
     device = torch.device(args.device)
     T, H, I, E, K = args.tokens, args.hidden, args.intermediate, args.experts, args.top_k
     shared = DEEPSEEK_V3_ROUTING["n_shared_experts"] if args.family == "deepseek_v3" else 0
@@ -295,7 +303,8 @@ def main() -> None:
 
     # From a copy: the block takes its HF block's router over (its class swapped), and HF's row must stay HF's.
     ours = MoeBlock.from_hf_block(copy.deepcopy(reference), make_dispatcher("local", E), "grouped_mm")
-    compiled = torch.compile(ours, fullgraph=True)  # the same parameters: no third copy of the experts
+    # The same parameters: no third copy of the experts.
+    compiled = torch.compile(ours, fullgraph=True, backend=args.compile_backend)
     hf_name = f"HF {hf_class}, experts_implementation=grouped_mm"
     variants: list[tuple[str, nn.Module, Callable[[], contextlib.AbstractContextManager[None]]]] = [
         ("**ours: MoeBlock compiled whole** (local dispatcher, bf16; as `compile_decoder_layers` compiles it)",

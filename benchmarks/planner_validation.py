@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,12 +42,15 @@ VALIDATION = (
 )
 
 
-def write_config(folder: Path, run: tuple, iterations: int, engine: str) -> Path:
+def write_config(folder: Path, run: tuple, iterations: int, engine: str, tiny: bool = False) -> Path:
+    """The run's config; tiny (--smoke): 4 prompts x 2 samples, 4 eval prompts, 1 SFT step."""
     name, shards, staleness, prompts, samples = run
+    if tiny:
+        prompts, samples = 4, 2
     config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     config.update(run_name=f"plan-{name}", iterations=iterations)
     config["task"] = {key: str(REPO / "configs" / path) for key, path in config["task"].items()}
-    config["model"]["sft"]["steps"] = 10  # the policy's quality does not matter here, only the steps' lengths
+    config["model"]["sft"]["steps"] = 1 if tiny else 10  # the policy's quality does not matter, the steps' lengths do
     config["rollout"].update(
         engine=engine,
         num_shards=shards,
@@ -52,7 +58,7 @@ def write_config(folder: Path, run: tuple, iterations: int, engine: str) -> Path
         prompts_per_iteration=prompts,
         samples_per_prompt=samples,
     )
-    config["eval"]["max_prompts"] = 64
+    config["eval"]["max_prompts"] = 4 if tiny else 64
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -83,7 +89,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--engine", default="vllm", choices=["transformers", "vllm"])
     parser.add_argument("--keep", type=Path, help="run in this (new) folder and keep the runs, to plan from again")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, calibration_iterations=2, iterations=3, engine="transformers")
+    validation = VALIDATION[:1] if args.smoke else VALIDATION
     if args.keep:
         args.keep.mkdir(parents=True)  # new: a folder with runs in it would be resumed, not measured
 
@@ -94,13 +101,13 @@ def main() -> None:
         started = time.perf_counter()
         short = args.calibration_iterations
         for run, iterations in ((CALIBRATION, short), (CALIBRATION_AHEAD, short + 1)):  # staleness 1 skips one more
-            calibration = write_config(folder, run, iterations, args.engine)
+            calibration = write_config(folder, run, iterations, args.engine, args.smoke)
             moeloop("run", str(calibration), "--root", str(folder / "runs"), "--no-progress", environment=environment)
         calibration_run = folder / "runs" / f"plan-{CALIBRATION[0]}"
         also = ("--also", str(folder / "runs" / f"plan-{CALIBRATION_AHEAD[0]}"))
         own = json.loads(moeloop("plan", str(calibration_run), *also, "--format", "json", environment=environment))
         rows = []
-        for run in VALIDATION:
+        for run in validation:
             name, shards, staleness, prompts, samples = run
             target = folder / f"{name}-target.yaml"
             target.write_text(
@@ -123,7 +130,7 @@ def main() -> None:
                     environment=environment,
                 )
             )
-            config = write_config(folder, run, args.iterations, args.engine)
+            config = write_config(folder, run, args.iterations, args.engine, args.smoke)
             moeloop("run", str(config), "--root", str(folder / "runs"), "--no-progress", environment=environment)
             measured = measured_period(folder / "runs" / f"plan-{name}", args.iterations, staleness)
             rows.append((run, plan["best"]["period_seconds"], plan["best"]["critical_path"], measured))

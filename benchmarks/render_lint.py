@@ -1,7 +1,7 @@
 """The render and lint of a long run as a user runs them: `moeloop render configs/tiny.yaml --iterations N -o DIR`,
 then `moeloop lint DIR`, each in a fresh process (imports included).
 
-    .venv/bin/python -m benchmarks.render_lint [--iterations 10000] [--repeats 3]
+    .venv/bin/python -m benchmarks.render_lint [--iterations 10000] [--repeats 3] [--smoke]
 
 Prints each command's CPU seconds (its own process's, from wait4: other jobs on a shared machine add less to
 them than to wall time, though a loaded machine still adds some) and wall seconds, the best of `repeats`.
@@ -17,6 +17,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_CPU_SECONDS = 2.0
@@ -55,7 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=3)
-    options = parser.parse_args()
+    options = smoke.parse_args(parser, iterations=10, repeats=1)
     runs = []
     for _ in range(options.repeats):
         with tempfile.TemporaryDirectory() as folder:

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke
 import torch
 from transformers import Qwen3MoeForCausalLM
 
@@ -35,7 +39,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, prompts=2, samples=2)
     base = load_config(REPO / "configs" / "tiny.yaml")
     tokenizer = build_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789+=")
     torch.manual_seed(args.seed)

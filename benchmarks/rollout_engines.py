@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke
 import torch
 
 from moeloop.steps.config import load_config
 from moeloop.steps.engines.engine import Sampling, engine_for, make_engine, release_engine
 from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_policy
-from moeloop.steps.storage.prompts import read_prompt_file
+from moeloop.steps.storage.prompts import read_prompt_set
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the table, not vLLM's start-up log
@@ -29,7 +33,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the table, not vLLM's 
 def make_checkpoints(directory: Path, count: int) -> list[Path]:
     """count checkpoints of the demo's architecture with different weights, like successive iterations."""
     config = load_config(REPO / "configs" / "tiny.yaml")
-    records = read_prompt_file(config.task.train_prompts)
+    records = read_prompt_set(config.task.train_prompts, config.task)[0]
     tokenizer = build_tokenizer(r["prompt"] + r["answer"] for r in records)
     checkpoints = []
     for index in range(count):
@@ -74,13 +78,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=192)
     parser.add_argument("--samples", type=int, default=16)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, iterations=2, prompts=4, samples=2)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as directory:
         checkpoints = make_checkpoints(Path(directory), args.iterations)
         config = load_config(REPO / "configs" / "tiny.yaml")
-        tokenizer = build_tokenizer(r["prompt"] + r["answer"] for r in read_prompt_file(config.task.train_prompts))
-        records = read_prompt_file(config.task.train_prompts)[: args.prompts]
+        records = read_prompt_set(config.task.train_prompts, config.task)[0]
+        tokenizer = build_tokenizer(r["prompt"] + r["answer"] for r in records)
+        records = records[: args.prompts]
         prompts = [tokenizer(r["prompt"])["input_ids"] for r in records]
         sampling = Sampling(n=args.samples, temperature=1.0, top_p=1.0, max_new_tokens=10, seed=0)
 

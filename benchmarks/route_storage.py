@@ -22,8 +22,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import smoke
 from moeloop.steps.engines.engine import Completion
 from moeloop.steps.engines.routes import expert_id_dtype
 from moeloop.steps.rollout import rollout_rows
@@ -84,9 +85,9 @@ def shard_columns(args: argparse.Namespace, shape: Shape, whole_prompt: bool) ->
             samples.append(Completion(tokens, logprobs, "length", routes(rng, recorded, shape, args.locality)))
             responses, positions = responses + length, positions + recorded
         completions.append(samples)
-    records = [{"prompt": "x" * 4 * args.prompt_tokens} for _ in prompt_ids]  # about 4 characters a token
+    rendered = [("x" * 4 * args.prompt_tokens, prompt) for prompt in prompts]  # about 4 characters a token
     columns = rollout_rows(
-        1, 0, 0, "vllm", prompt_ids, records, prompts, completions, lambda ids: "y" * 4 * len(ids), shape.moe_layers
+        1, 0, 0, "vllm", prompt_ids, rendered, completions, lambda ids: "y" * 4 * len(ids), shape.moe_layers
     )
     return columns, responses, positions
 
@@ -105,10 +106,7 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=1024, help="the longest; each is drawn from half to it")
     parser.add_argument("--locality", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="a few tokens of each shape")
-    args = parser.parse_args()
-    if args.smoke:
-        args.prompts, args.samples, args.prompt_tokens, args.response_tokens = 2, 2, 8, 16
+    args = smoke.parse_args(parser, prompts=2, samples=2, prompt_tokens=8, response_tokens=16)
     print(f"{args.prompts} prompts x {args.samples} samples, prompts of {args.prompt_tokens} tokens, responses of"
           f" {args.response_tokens // 2}-{args.response_tokens}, locality {args.locality}\n")  # fmt: skip
     print(

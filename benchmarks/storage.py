@@ -22,13 +22,17 @@ import argparse
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import numpy as np
 import pyarrow as pa
+import smoke
 
 from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, parse_table, table_bytes
 from moeloop.steps.storage.run import RunStorage
@@ -86,6 +90,8 @@ def rollout_table(target_mb: int) -> pa.Table:
         "policy_version": np.zeros(rows, np.int32),
         "engine": ["vllm"] * rows,
     }
+    # The schema's other columns (routes, which an engine records only on request) null.
+    columns |= {field.name: pa.nulls(rows, field.type) for field in ROLLOUT_SCHEMA if field.name not in columns}
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
 
@@ -126,7 +132,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-mb", type=int, default=200)
     parser.add_argument("--parquet-mb", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, checkpoint_mb=1, parquet_mb=1, repeats=1)
 
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="moeloop-bench-"))

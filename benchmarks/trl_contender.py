@@ -25,6 +25,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import smoke  # noqa: E402
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -98,12 +101,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=10)
     parser.add_argument("--started-at", type=float, default=time.time())
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    parser.add_argument("--eval-prompts", type=int, default=None, help="the first this many held-out prompts (all)")
+    args = smoke.parse_args(parser, iterations=1, eval_prompts=8)
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
     train = Dataset.from_list(read_jsonl(REPO / "configs" / "data" / "reverse-train.jsonl"))
-    held_out = read_jsonl(REPO / "configs" / "data" / "reverse-eval.jsonl")
+    held_out = read_jsonl(REPO / "configs" / "data" / "reverse-eval.jsonl")[: args.eval_prompts]
 
     def reward(completions: list[str], answer: list[str], **_: object) -> list[float]:
         return [reverse_positions({"answer": a}, c) for c, a in zip(completions, answer, strict=True)]

@@ -36,20 +36,29 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import smoke
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 GAINS = (0.20, 0.25)
+# --smoke: every run at a toy size (with --no-trl, one seed, one engine, one iteration).
+SMOKE_CHANGES = {"model.sft.steps": 1, "rollout.prompts_per_iteration": 4, "rollout.samples_per_prompt": 2,
+                 "eval.max_prompts": 4}  # fmt: skip
 
 
 def demo_config(folder: Path, name: str, seed: int, iterations: int, changes: dict[str, object]) -> Path:
-    """configs/tiny.yaml as run NAME, with changes: {"section.key": value}."""
+    """configs/tiny.yaml as run NAME, with changes: {"section.key": value} (or "section.subsection.key")."""
     config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     config.update(run_name=name, seed=seed, iterations=iterations)
     config["task"] = {key: str(REPO / "configs" / path) for key, path in config["task"].items()}
     for dotted, value in changes.items():
-        section, key = dotted.split(".")
-        config[section][key] = value
+        *sections, key = dotted.split(".")
+        node = config
+        for section in sections:
+            node = node[section]
+        node[key] = value
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -127,7 +136,8 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"])
     parser.add_argument("--iterations", type=int, default=24)
     parser.add_argument("--keep", type=Path, help="run in this (new) folder and keep everything")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, no_trl=True, seeds=[0], engines=["transformers"], iterations=1)
+    toy = SMOKE_CHANGES if args.smoke else {}
     if not args.no_trl and not args.trl_python:
         parser.error("--trl-python is needed unless --no-trl")
     variants = [("", {}), *map(variant, args.variant)]
@@ -146,14 +156,14 @@ def main() -> None:
         results: dict[str, list[dict]] = {name: [] for name in contenders}
         load = os.getloadavg()[0]
         for seed in args.seeds:
-            sft_config = demo_config(folder, f"sft-{seed}", seed, args.iterations, {})
+            sft_config = demo_config(folder, f"sft-{seed}", seed, args.iterations, toy)
             sft_run = folder / "runs" / f"sft-{seed}"
             start = [sys.executable, "-m", "moeloop.steps.start", "--run", str(sft_run), "--iteration", "0"]
             timed([*start, "--config", str(sft_config)], environment, folder / f"sft-{seed}.log")
             checkpoint = sft_run / "checkpoints" / "iter-000000"
             for contender, (engine, variant_name, changes) in moeloop.items():
                 name = f"moeloop-{engine}{'-' + variant_name if variant_name else ''}-{seed}"
-                settings = {"model.checkpoint": str(checkpoint), "rollout.engine": engine, **changes}
+                settings = {**toy, "model.checkpoint": str(checkpoint), "rollout.engine": engine, **changes}
                 config = demo_config(folder, name, seed, args.iterations, settings)
                 command = [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root", str(folder / "runs")]
                 launched, cores = timed([*command, "--no-progress"], environment, folder / f"{name}.log")

@@ -4,20 +4,25 @@ each publish (here a notification of the published iteration), and submit them w
     python examples/notify_after_publish.py configs/my-run.yaml --root s3://acme-rl/runs \\
         --host https://argo.example.com --namespace moeloop --token "$ARGO_TOKEN" --webhook https://hooks.example.com/moeloop
 
-The WorkflowTemplate is created, or replaced if it exists, and a Workflow is started from it. Every later chunk of
-the run is created from the same template, so each notifies too.
+The objects are built with room for the added task (a chunk holds at most 200 tasks, so one more task an iteration
+can mean fewer iterations a chunk) and linted before anything is sent. The WorkflowTemplate is created, or replaced
+if it exists, and a Workflow is started from it. Every later chunk of the run is created from the same template, so
+each notifies too.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from hera.workflows import Container, Parameter, Task, WorkflowsService
 from hera.workflows import models as m
 
 from moeloop import workflows
 from moeloop.steps.config import load_config
+from moeloop.steps.errors import MoeloopError, run_cli
 from moeloop.workflows.dag import run_uri
+from moeloop.workflows.lint import lint_documents
 
 
 def with_notifications(loop: workflows.Loop, webhook: str) -> workflows.Loop:
@@ -60,7 +65,13 @@ def main() -> None:
     args = parser.parse_args()
 
     config = load_config(args.config)
-    loop = with_notifications(workflows.build(config, run_uri(config, args.root)), args.webhook)
+    # One notify task per iteration: the chunk leaves room for it.
+    loop = workflows.build(config, run_uri(config, args.root), own_tasks_per_iteration=1)
+    loop = with_notifications(loop, args.webhook)
+    errors = lint_documents([loop.template.to_dict(), loop.workflow.to_dict()])
+    if errors:  # what the server would refuse, or accept and fail later: nothing is sent
+        print("\n".join(str(error) for error in errors), file=sys.stderr)
+        raise MoeloopError(f"{len(errors)} lint error(s): nothing sent")
     service = WorkflowsService(host=args.host, token=args.token, namespace=args.namespace)
     for hera_object in (loop.template, loop.workflow):
         hera_object.namespace = args.namespace
@@ -70,4 +81,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

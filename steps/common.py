@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 from typing import Any
 
@@ -56,6 +57,14 @@ def quiet_libraries() -> None:
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
+
+
+PROGRESS_PREFIX = "progress: "
+
+
+def print_progress(text: str) -> None:
+    """A line of the step's own progress, into its log (stderr): `moeloop run` shows the latest one as it runs."""
+    print_line(PROGRESS_PREFIX + text, sys.stderr)
 
 
 def print_json(report: dict[str, Any]) -> None:

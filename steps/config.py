@@ -8,14 +8,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from moeloop.steps.config_algorithm import AlgorithmConfig
 from moeloop.steps.config_base import Strict
 from moeloop.steps.config_cluster import ClusterConfig
-from moeloop.steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe
+from moeloop.steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe, TinyTokenizerConfig
 from moeloop.steps.config_reward import RewardConfig
 from moeloop.steps.config_task import TaskConfig
 from moeloop.steps.errors import MoeloopError
@@ -41,6 +42,7 @@ class ModelConfig(Strict):
     # An existing HF checkpoint (folder or URI) to start from; None builds and SFTs the tiny model.
     checkpoint: str | None = None
     tiny: TinyModelConfig = TinyQwen3Moe()
+    tokenizer: TinyTokenizerConfig = TinyTokenizerConfig()  # the tiny model's
     sft: SFTConfig = SFTConfig()
 
     @field_validator("checkpoint")
@@ -75,6 +77,13 @@ class RolloutConfig(Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(12, gt=0)
+    # Strings that end a response besides the checkpoint's end tokens (its generation_config's eos_token_id).
+    stop: list[Annotated[str, Field(min_length=1)]] = []
+    # Passed to the checkpoint's chat template with every messages prompt, e.g. {enable_thinking: false}.
+    chat_template_kwargs: dict[str, str | int | float | bool | None] = {}
+    # Prompts longer than this (in tokens, as rendered) are dropped at start, and counted; None: none is dropped,
+    # and one that does not fit the model with max_new_tokens is an error.
+    max_prompt_tokens: int | None = Field(None, gt=0)
     # The asynchronous loop: rollouts run up to max_staleness iterations ahead of training (policy_version below).
     # 0 is the synchronous loop.
     max_staleness: int = Field(0, ge=0)
@@ -124,6 +133,10 @@ class TrainerConfig(Strict):
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     # Recompute each decoder layer in the backward, keeping only its input: less memory, about a third more compute.
     activation_checkpointing: bool = False
+    # The attention kernel over packed samples (steps/model/attention.py): flash4 (FlashAttention-4, the flash-attn-4
+    # package, Hopper/Blackwell GPUs), flash2 (torch's FlashAttention-2), both CUDA in bf16; sdpa (the samples
+    # padded, exact anywhere). auto: the fastest of them that runs.
+    attention: Literal["auto", "flash4", "flash2", "sdpa"] = "auto"
     # Samples are bin-packed into microbatches of at most this many tokens (no padding); one optimizer step per
     # minibatch. A sample longer than this is a microbatch of its own.
     max_tokens_per_microbatch: int = Field(16384, gt=0)
@@ -145,6 +158,8 @@ class TrainerConfig(Strict):
     def _mesh(self) -> TrainerConfig:
         if not all(0 <= beta < 1 for beta in self.betas):
             raise ValueError(f"betas {list(self.betas)}: each must be in [0, 1)")
+        if self.precision == "fp32" and self.attention in ("flash4", "flash2"):
+            raise ValueError(f"attention {self.attention} computes in bf16: it needs precision bf16 or auto, not fp32")
         if self.world_size % self.expert_parallel:
             raise ValueError(
                 f"world_size {self.world_size} is not a multiple of expert_parallel {self.expert_parallel}"
@@ -261,6 +276,10 @@ class MoeloopConfig(Strict):
             )
         if self.algorithm.name == "grpo" and rollout.samples_per_prompt < 2:
             raise ValueError("GRPO compares the samples of a prompt: rollout.samples_per_prompt must be at least 2")
+        if self.algorithm.overlong.mode == "penalty" and not self.algorithm.overlong.buffer_tokens:
+            raise ValueError("algorithm.overlong mode penalty needs its buffer_tokens")
+        if (self.algorithm.overlong.buffer_tokens or 0) > rollout.max_new_tokens:
+            raise ValueError("algorithm.overlong.buffer_tokens is more than rollout.max_new_tokens")
         # A model.checkpoint brings its own expert count: start checks it (check_expert_split) when it loads.
         if self.model.checkpoint is None:
             check_expert_split(experts, self.trainer.expert_parallel, "model.tiny.num_experts")
@@ -304,17 +323,21 @@ def check_expert_split(num_experts: int, expert_parallel: int, where: str) -> No
 
 
 def describe_validation_error(error: ValidationError) -> str:
-    first = error.errors()[0]
-    where, family = error_location(first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
+    """Every problem pydantic found, each at its dotted key path, on one line: one fix per run is one too few."""
+    problems = [describe_problem(problem) for problem in error.errors()]
+    return problems[0] if len(problems) == 1 else f"{len(problems)} problems: {'; '.join(problems)}"
+
+
+def describe_problem(problem: ErrorDetails) -> str:
+    where, family = error_location(problem["loc"])
+    message = problem["msg"].removeprefix("Value error, ")
+    if problem["type"] == "extra_forbidden":
         message = "unknown key"
-    if first["type"] == "union_tag_invalid":  # model.tiny.family
-        where, message = f"{where}.family", f"{first['ctx']['tag']!r} is none of {first['ctx']['expected_tags']}"
+    if problem["type"] == "union_tag_invalid":  # model.tiny.family
+        where, message = f"{where}.family", f"{problem['ctx']['tag']!r} is none of {problem['ctx']['expected_tags']}"
     if family:
         message += f" (model.tiny.family {family})"
-    more = len(error.errors()) - 1
-    return (f"{where}: {message}" if where else message) + (f" (and {more} more)" if more else "")
+    return f"{where}: {message}" if where else message
 
 
 def error_location(loc: tuple[int | str, ...]) -> tuple[str, str | None]:

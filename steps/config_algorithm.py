@@ -21,6 +21,16 @@ class MismatchConfig(Strict):
     high: float = Field(2.0, ge=1)
 
 
+class OverlongConfig(Strict):
+    """Responses cut by rollout.max_new_tokens (DAPO; steps/rl/README.md): mask leaves them out of the loss; penalty
+    adds to every reward DAPO's soft overlong punishment, -penalty_factor x (the tokens past max_new_tokens -
+    buffer_tokens) / buffer_tokens."""
+
+    mode: Literal["off", "mask", "penalty"] = "off"
+    buffer_tokens: int | None = Field(None, gt=0)
+    penalty_factor: float = Field(1.0, ge=0)
+
+
 class AlgorithmConfig(Strict):
     """The policy update: GRPO (group advantages, no value model) or PPO (a critic, GAE). README: "Algorithms"."""
 
@@ -62,6 +72,7 @@ class AlgorithmConfig(Strict):
     # geometric mean (length-normalised, as GSPO's ratio), or their product (truncated IS over the whole sequence).
     sequence_weight: Literal["geometric", "product"] = "geometric"
     mismatch: MismatchConfig = MismatchConfig()
+    overlong: OverlongConfig = OverlongConfig()
     # rollout: the trainer's MoE blocks route each recorded position to the experts the rollout engine chose there
     # (gate weights from the trainer's router at those experts), in pi_old's pass and the update's. steps/model/moe.py.
     routing_replay: Literal["off", "rollout"] = "off"

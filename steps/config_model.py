@@ -10,6 +10,15 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from moeloop.steps.config_base import Strict
 
 
+class TinyTokenizerConfig(Strict):
+    """The tiny model's tokenizer: characters, one token per character of the prompt sets and answers (no chat
+    template: string prompts); bpe, byte-level BPE trained at start on the same text with ChatML's template and end
+    token (steps/model/bpe.py), which reads messages prompts as a chat model does."""
+
+    kind: Literal["characters", "bpe"] = "characters"
+    vocab_size: int = Field(512, ge=300)  # bpe: the 256 bytes, 3 special tokens and the merges
+
+
 class TinyShape(Strict):
     """What the tiny policy of every family has; `TinyModelConfig` is one of the families' shapes below."""
 

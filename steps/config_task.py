@@ -33,13 +33,21 @@ class ReasoningGymConfig(Strict):
 
 
 class TaskConfig(Strict):
-    """The prompts: files of records (JSON lines with at least `prompt`; the verifier reads the other fields), or
-    records that start generates from reasoning-gym's procedural tasks (steps/rewards/reasoning_gym.py)."""
+    """The prompts: prompt sets (steps/storage/prompts.py), or records that start generates from reasoning-gym's
+    procedural tasks (steps/rewards/reasoning_gym.py). Each prompt set is JSON Lines, Parquet (a file, a folder of
+    shards or a glob) or a `datasets` save_to_disk folder, local or s3://. A record's `prompt` is a string (sent as it
+    is) or a list of {role, content} messages (rendered by the checkpoint's chat template); the reward functions read
+    the whole record."""
 
     source: Literal["files", "reasoning_gym"] = "files"
     train_prompts: str | None = None
     eval_prompts: str | None = None
     reasoning_gym: ReasoningGymConfig | None = None
+    # A record field -> the column that holds it, where they differ (e.g. {prompt: question}): that column is read
+    # under the field's name; every other column keeps its own.
+    columns: dict[str, str] = {}
+    # A system message put first in every messages prompt that has none of its own.
+    system_prompt: str | None = None
 
     @field_validator("train_prompts", "eval_prompts")
     @classmethod
@@ -47,8 +55,17 @@ class TaskConfig(Strict):
         if value is None:
             return None
         if not value.strip():
-            raise ValueError("must name a prompt file")
-        return check_location(value, "a prompt file")
+            raise ValueError("must name a prompt set")
+        return check_location(value, "a prompt set")
+
+    @field_validator("columns")
+    @classmethod
+    def _renames(cls, value: dict[str, str]) -> dict[str, str]:
+        if any(not field.strip() or not column.strip() for field, column in value.items()):
+            raise ValueError("names an empty field or column")
+        if len(set(value.values())) != len(value):
+            raise ValueError("reads one column as two fields")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> TaskConfig:
@@ -57,6 +74,8 @@ class TaskConfig(Strict):
             raise ValueError("source files needs train_prompts and eval_prompts")
         if self.source == "files" and self.reasoning_gym is not None:
             raise ValueError("reasoning_gym is set but source is files: set source reasoning_gym")
-        if self.source == "reasoning_gym" and (self.reasoning_gym is None or files):
-            raise ValueError("source reasoning_gym needs reasoning_gym.tasks, and no train_prompts or eval_prompts")
+        if self.source == "reasoning_gym" and (self.reasoning_gym is None or files or self.columns):
+            raise ValueError(
+                "source reasoning_gym needs reasoning_gym.tasks, and no train_prompts, eval_prompts or columns"
+            )
         return self

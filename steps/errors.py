@@ -60,6 +60,6 @@ def run_cli(main: Callable[[], None]) -> None:
         where = f": {error.filename}" if error.filename else ""
         print_line(f"error: {error.strerror}{where}", sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    except KeyboardInterrupt:
-        print_line("error: interrupted", sys.stderr)
+    except KeyboardInterrupt as interrupt:  # a command may say what to do next in its own
+        print_line(f"error: {str(interrupt) or 'interrupted'}", sys.stderr)
         sys.exit(EXIT_INTERRUPTED)

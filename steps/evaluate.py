@@ -29,28 +29,30 @@ from moeloop.steps.engines.engine import Engine, Sampling, TransformersEngine
 from moeloop.steps.errors import run_cli
 from moeloop.steps.observe.scalars import step_reports
 from moeloop.steps.observe.trackers import record_iteration
+from moeloop.steps.prompting import ChatSettings, render_prompt
 from moeloop.steps.rewards.functions import by_source
 from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.metrics import read_metrics
-from moeloop.steps.storage.prompts import eval_prompts
+from moeloop.steps.storage.prompt_set import prompt_count, read_prompts
 from moeloop.steps.storage.run import RunStorage
 
 
 def evaluation(engine: Engine, records: list[dict], pool: RewardPool, config: MoeloopConfig) -> dict[str, Any]:
     """The eval figures of one checkpoint (module docstring): greedy, then sampled where eval.samples asks."""
-    prompts = [engine.tokenizer(r["prompt"])["input_ids"] for r in records]
-    greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=config.rollout.max_new_tokens, seed=0)
+    chat = ChatSettings.of(config)
+    prompts = [render_prompt(engine.tokenizer, r["prompt"], chat)[1] for r in records]
+    rollout = config.rollout
+    stop = tuple(rollout.stop)
+    greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=rollout.max_new_tokens, seed=0, stop=stop)
     names = [f"eval prompt {number}" for number in range(1, len(records) + 1)]
     scores = pool.score(records, responses(engine, prompts, greedy), names)
     greedy_rewards, failures, sampled_rewards = scores.rewards, scores.failures, None
     if config.eval.samples:
         n = config.eval.samples
-        rollout = config.rollout
         # As the rollouts sample, from a seed of the run's own: the same at every iteration.
-        sampling = Sampling(
-            n, rollout.temperature, rollout.top_p, rollout.max_new_tokens, derive_seed(config.seed, "eval")
-        )
+        seed = derive_seed(config.seed, "eval")
+        sampling = Sampling(n, rollout.temperature, rollout.top_p, rollout.max_new_tokens, seed, stop=stop)
         texts = responses(engine, prompts, sampling)
         scores = pool.score(
             [r for r in records for _ in range(n)], texts, [f"{name} sample {j}" for name in names for j in range(n)]
@@ -127,6 +129,11 @@ def iteration_metrics(storage: RunStorage, iteration: int, eval_figures: dict[st
         "clip_fraction_out_of_range": train.get("clip_fraction_out_of_range"),
         "mismatch_masked": train.get("mismatch_masked"),  # algorithm.mismatch's share of response tokens dropped
         "router": router_health(train),
+        # The share of the rollouts' samples cut by rollout.max_new_tokens (None for shards from before it was counted).
+        "truncated_fraction": (
+            sum(r["finish_length"] for r in rollouts) / sum(r["samples"] for r in rollouts)
+            if rollouts and all("finish_length" in r for r in rollouts) else None
+        ),  # fmt: skip
         # Shards generate side by side, so their rates add up.
         "tokens_per_second": sum(r["tokens_per_second"] for r in rollouts) if rollouts else None,
         # The stalest sample's: how far the policy version the rollouts stamped on their rows is behind the
@@ -178,7 +185,8 @@ def evaluate(run_uri: str, iteration: int) -> dict[str, Any]:
         return already_committed(storage, output)
     # The measuring stick stays the same whatever the rollout engine: transformers, greedy.
     engine = TransformersEngine(fetch_checkpoint(storage, iteration))
-    records = eval_prompts(storage)[: config.eval.max_prompts]
+    count = min(config.eval.max_prompts, prompt_count(storage, "eval"))
+    records = list(read_prompts(storage, "eval", range(count)).values())
     with RewardPool(config.reward, f"the evaluate step of iteration {iteration}") as pool:
         figures = evaluation(engine, records, pool, config)
     write_report(storage, iteration, "evaluate", {"seconds": round(time.perf_counter() - started, 3)})

@@ -3,7 +3,10 @@
 Fetches the committed trainer state's fp32 weights (its DCP shards, `moeloop.steps.rl.checkpoint`), config and tokenizer,
 verified against its COMMIT (not the optimizer state), writes them as an HF checkpoint in the config's dtype (sharded
 safetensors of at most `trainer.checkpoint_shard_bytes`, streamed block by block: no process holds the model),
-commits that to checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST. With PPO the
+commits that to checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST. Before the
+checkpoint it commits deltas/iter-N/ (`moeloop.steps.storage.deltas`): its weights' digests and the elements changed
+since checkpoint N-1 (fetched into the cache), which rollout engines apply in place; the checkpoint's COMMIT records
+its weights' digest. With PPO the
 trainer state holds the critic in critic/: it is committed first, to critics/iter-N/ (an HF token-classification
 checkpoint), so a committed policy checkpoint always has its critic beside it.
 """
@@ -16,7 +19,9 @@ from typing import Any
 from moeloop.steps.common import already_committed, open_iteration, print_json, step_parser, write_report
 from moeloop.steps.errors import MoeloopError, run_cli
 from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, write_hf_checkpoint
-from moeloop.steps.storage.cache import local_scratch
+from moeloop.steps.model.delta import CheckpointTensors
+from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
+from moeloop.steps.storage.deltas import commit_delta
 from moeloop.steps.storage.run import CRITIC_DIR
 
 
@@ -37,12 +42,15 @@ def publish(run_uri: str, iteration: int) -> dict[str, Any]:
         storage.fetch_files(state, weights, scratch / "state")
         shard_bytes = config.trainer.checkpoint_shard_bytes
         write_hf_checkpoint(scratch / "state", scratch / "policy", shard_bytes)
-        report = {"seconds": round(time.perf_counter() - started, 3)}
+        base = CheckpointTensors(fetch_checkpoint(storage, iteration - 1))
+        delta = commit_delta(storage, iteration, base, CheckpointTensors(scratch / "policy"), shard_bytes)
+        report = {"seconds": round(time.perf_counter() - started, 3), **delta}
         write_report(storage, iteration, "publish", report)
         if (scratch / "state" / CRITIC_DIR).is_dir():
             write_hf_checkpoint(scratch / "state" / CRITIC_DIR, scratch / CRITIC_DIR, shard_bytes)
             storage.commit_folder(storage.critic(iteration), scratch / CRITIC_DIR, extra={"iteration": iteration})
-        storage.commit_folder(checkpoint, scratch / "policy", extra={"iteration": iteration})
+        extra = {"iteration": iteration, "weights_digest": delta["weights_digest"]}
+        storage.commit_folder(checkpoint, scratch / "policy", extra=extra)
     storage.move_latest(iteration)
     return report
 

@@ -13,13 +13,16 @@ import time
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
 from moeloop.steps.errors import MoeloopError, run_cli
+from moeloop.steps.prompting import ChatSettings
 from moeloop.steps.rewards.functions import by_source
 from moeloop.steps.rewards.pool import RewardPool
+from moeloop.steps.rl.overlong import overlong_penalty
 from moeloop.steps.storage.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
-from moeloop.steps.storage.prompts import train_prompts
+from moeloop.steps.storage.prompt_set import read_prompts
 
 FLOAT32_MAX = 3.4028234663852886e38  # rewards.parquet's column: a larger weighted sum would be stored as inf
 
@@ -30,23 +33,30 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
     if committed_experience(storage, iteration, config.rollout.num_shards) is not None:
         return already_committed(storage, storage.experience(iteration))
     rollouts, shards = read_written_rollouts(storage, iteration, config.rollout.num_shards)
-    records = train_prompts(storage)
-    sample_records = [records[p] for p in rollouts["prompt_id"].to_pylist()]
+    prompt_ids = rollouts["prompt_id"].to_pylist()
+    records = read_prompts(storage, "train", prompt_ids)
+    sample_records = [records[p] for p in prompt_ids]
     responses = rollouts["response_text"].to_pylist()
     sample_ids = rollouts["sample_id"].to_pylist()
     with RewardPool(config.reward, f"the reward step of iteration {iteration}") as pool:
         scores = pool.score(sample_records, responses, [f"sample {s}" for s in sample_ids])
     rewards = scores.rewards
     report: dict[str, Any] = {"reward_failures": scores.failures}
+    if config.algorithm.overlong.mode == "penalty":
+        lengths = pc.list_value_length(rollouts["response_token_ids"]).to_pylist()
+        penalties = [overlong_penalty(n, config.rollout.max_new_tokens, config.algorithm.overlong) for n in lengths]
+        rewards = [reward + penalty for reward, penalty in zip(rewards, penalties, strict=True)]
+        report["overlong_penalty_mean"] = sum(penalties) / len(penalties)
     if config.reward.models:
         from moeloop.steps.rewards.models import load_reward_models  # torch and transformers: only when a model is configured
 
         model_started = time.perf_counter()
-        texts = [
-            prompt + response for prompt, response in zip(rollouts["prompt_text"].to_pylist(), responses, strict=True)
-        ]
+        samples = [(r["prompt"], response) for r, response in zip(sample_records, responses, strict=True)]
         for index, (scorer, weight) in enumerate(load_reward_models(storage, config.reward.models)):
-            scores = scorer.score(texts)
+            try:
+                scores = scorer.score(samples, ChatSettings.of(config))
+            except MoeloopError as error:
+                raise MoeloopError(f"reward.models.{index} ({config.reward.models[index].path}): {error}") from None
             if (bad := next((i for i, s in enumerate(scores) if not math.isfinite(s)), None)) is not None:
                 raise MoeloopError(
                     f"reward.models.{index} ({config.reward.models[index].path}) scored {scores[bad]} on sample"

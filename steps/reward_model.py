@@ -15,15 +15,16 @@ from transformers import AutoModelForSequenceClassification
 from moeloop.steps.common import quiet_libraries
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.errors import ArgumentParser, run_cli
-from moeloop.steps.model.policy import build_tokenizer, save_policy, tiny_model_config
-from moeloop.steps.storage.prompts import task_records
+from moeloop.steps.model.policy import save_policy, tiny_model_config, tiny_tokenizer
+from moeloop.steps.storage.prompts import task_prompt_sets
 
 
 def build_tiny_reward_model(config: MoeloopConfig, directory: Path, seed: int = 0) -> None:
     """A random sequence classifier of the config's tiny family and shape, with the character tokenizer the start
     step builds for the same prompts (so it reads the policy's text)."""
-    train, evaluation = task_records(config.task)
-    tokenizer = build_tokenizer([r["prompt"] + r.get("answer", "") for r in train + evaluation])
+    sources = task_prompt_sets(config.task)
+    records = [record for split_records, _ in sources.values() for record in split_records]
+    tokenizer = tiny_tokenizer(records, config.model.tokenizer)
     model_config = tiny_model_config(config.model.tiny, tokenizer, num_labels=1)
     torch.manual_seed(seed)
     save_policy(AutoModelForSequenceClassification.from_config(model_config), tokenizer, directory)

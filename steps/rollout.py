@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import pyarrow as pa
+from transformers import AutoConfig
 
 from moeloop.steps.common import (
     already_committed,
@@ -25,17 +26,17 @@ from moeloop.steps.common import (
     write_report,
 )
 from moeloop.steps.config import MoeloopConfig
-from moeloop.steps.engines.engine import Completion, Sampling, engine_for
+from moeloop.steps.engines.engine import FINISH_REASONS, Completion, Sampling
+from moeloop.steps.engines.versions import committed_architecture, engine_at
 from moeloop.steps.errors import MoeloopError, run_cli
 from moeloop.steps.model.families import num_experts
-from moeloop.steps.model.policy import read_config
-from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.prompting import ChatSettings, render_prompt
 from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, read_rollout_shard, rollout_schema, table_bytes
-from moeloop.steps.storage.prompts import train_prompts
+from moeloop.steps.storage.prompt_set import prompt_count, read_prompts
 
 
 def iteration_prompt_ids(config: MoeloopConfig, num_prompts: int, iteration: int) -> list[int]:
-    """The prompts of iteration's batch (line numbers in data/train.jsonl): its slice of its epoch's seeded
+    """The prompts of iteration's batch (rows of the train prompt set, data/train/): its slice of its epoch's seeded
     permutation of all prompts, as a shuffling data loader's epochs, so no prompt comes twice before every prompt has
     come once (drawn afresh for every iteration, 10% of the demo's 24 batches' prompts were repeats). The last
     num_prompts % batch of each permutation are left to the next epoch's. A function of (run, seed, iteration)."""
@@ -56,15 +57,14 @@ def rollout_rows(
     policy_version: int,
     engine_name: str,
     prompt_ids: list[int],
-    prompts: list[dict],
-    prompt_tokens: list[list[int]],
+    rendered: list[tuple[str, list[int]]],
     completions: list[list[Completion]],
     decode: Any,
     routed_layers: tuple[int, ...] = (),
 ) -> dict[str, list]:
     """The shard's columns; routed_layers: the decoder layer of each layer of the samples' routes."""
     columns: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
-    for prompt_id, record, tokens, samples in zip(prompt_ids, prompts, prompt_tokens, completions, strict=False):
+    for prompt_id, (text, tokens), samples in zip(prompt_ids, rendered, completions, strict=True):
         for index, sample in enumerate(samples):
             row = {
                 "sample_id": f"{iteration}-{prompt_id}-{index}",
@@ -72,7 +72,7 @@ def rollout_rows(
                 "shard": shard,
                 "prompt_id": prompt_id,
                 "sample_index": index,
-                "prompt_text": record["prompt"],
+                "prompt_text": text,
                 "prompt_token_ids": tokens,
                 "response_token_ids": sample.token_ids,
                 "response_text": decode(sample.token_ids),
@@ -103,16 +103,12 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         return already_committed(storage, output)
 
     policy_version = config.rollout.policy_version(iteration)  # iteration - 1 unless running ahead of training
-    fetch_started = time.perf_counter()
-    checkpoint_dir = fetch_checkpoint(storage, policy_version)
-    fetch_seconds = time.perf_counter() - fetch_started
-    engine_started = time.perf_counter()
-    engine, engine_reused = engine_for(checkpoint_dir, config.rollout, config.records_routing)
-    engine_seconds = time.perf_counter() - engine_started
-    records = train_prompts(storage)
-    prompt_ids = shard_prompt_ids(iteration_prompt_ids(config, len(records), iteration), shard, num_shards)
-    prompts = [records[i] for i in prompt_ids]
-    prompt_tokens = [engine.tokenizer(r["prompt"])["input_ids"] for r in prompts]
+    engine, policy_update = engine_at(storage, policy_version, config.rollout, config.records_routing)
+    batch = iteration_prompt_ids(config, prompt_count(storage, "train"), iteration)
+    prompt_ids = shard_prompt_ids(batch, shard, num_shards)
+    records = read_prompts(storage, "train", prompt_ids)
+    chat = ChatSettings.of(config)
+    rendered = [render_prompt(engine.tokenizer, records[i]["prompt"], chat) for i in prompt_ids]
     sampling = Sampling(
         n=config.rollout.samples_per_prompt,
         temperature=config.rollout.temperature,
@@ -121,9 +117,10 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         seed=derive_seed(config.run_name, config.seed, "rollout", iteration, shard),
         record_routing=config.records_routing,
         prompt_routes=config.rollout.prompt_routes,
+        stop=tuple(config.rollout.stop),
     )
     started = time.perf_counter()
-    completions = engine.generate(prompt_tokens, sampling)
+    completions = engine.generate([tokens for _, tokens in rendered], sampling)
     generate_seconds = time.perf_counter() - started
     columns = rollout_rows(
         iteration,
@@ -131,8 +128,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
         policy_version,
         engine.name,
         prompt_ids,
-        prompts,
-        prompt_tokens,
+        rendered,
         completions,
         lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
         engine.routed_layers,
@@ -141,19 +137,24 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
     report = {
         "policy_version": policy_version,  # the version stamped on every row: evaluate derives the staleness
         "engine": engine.name,
-        "engine_reused": engine_reused,
-        "fetch_seconds": round(fetch_seconds, 3),  # the checkpoint's verified fetch (from the cache: its check)
-        "engine_seconds": round(engine_seconds, 3),  # building the engine, or loading new weights into it
+        # How the engine took the policy (moeloop.steps.engines.versions.engine_at): policy_update kept, delta or
+        # full (fallback: why not by delta), engine_reused, fetch_seconds (the verified fetch of the checkpoint, from
+        # the cache: its check; or of the deltas), fetched_bytes, engine_seconds (building the engine, or writing
+        # the new weights into it, with the digest's check).
+        **policy_update,
         "samples": len(columns["sample_id"]),
         "prompt_tokens": sum(len(ids) for ids in columns["prompt_token_ids"]),  # counted once per sample
         "response_tokens": tokens,
+        # Why the samples ended (FINISH_REASONS): "length" counts those cut by max_new_tokens.
+        **{f"finish_{reason}": columns["finish_reason"].count(reason) for reason in FINISH_REASONS},
         "generate_seconds": round(generate_seconds, 3),
         "tokens_per_second": round(tokens / max(generate_seconds, 1e-9), 1),
         "seconds": round(time.perf_counter() - step_started, 3),
     }
     # The report goes first: the shard is the commit point, and a re-run after a crash rewrites both.
     write_report(storage, iteration, f"rollout-{shard}", report)
-    schema = rollout_schema(num_experts(read_config(checkpoint_dir)[0]))
+    architecture = AutoConfig.for_model(**committed_architecture(storage, policy_version)[1])
+    schema = rollout_schema(num_experts(architecture))
     storage.write_bytes(output, table_bytes(pa.table(columns, schema=schema)))
     return report
 

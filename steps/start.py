@@ -14,6 +14,7 @@ import random
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from moeloop.steps.common import print_json, quiet_libraries, step_parser, write_report
+from moeloop.steps.common import print_json, print_progress, quiet_libraries, step_parser, write_report
 from moeloop.steps.config import (
     MoeloopConfig,
     SFTConfig,
@@ -31,17 +32,19 @@ from moeloop.steps.config import (
     parse_config,
     parse_config_text,
 )
-from moeloop.steps.errors import MoeloopError, run_cli
+from moeloop.steps.errors import MoeloopError, print_line, run_cli
 from moeloop.steps.model.families import family_named, num_experts
 from moeloop.steps.model.policy import (
     build_tiny_model,
-    build_tokenizer,
+    check_stored_tensors,
     load_policy,
     pack_sequences,
     save_policy,
     tiny_model_config,
+    tiny_tokenizer,
     token_logprobs,
 )
+from moeloop.steps.prompting import ChatSettings, fit_prompts, render_prompt, sft_answer
 from moeloop.steps.observe.trackers import begin_trackers, check_trackers
 from moeloop.steps.rl.memory import refuse_unfit_trainer
 from moeloop.steps.rl.router_bias import bias_update_rate
@@ -49,7 +52,8 @@ from moeloop.steps.rewards.functions import check_reward_routes
 from moeloop.steps.rewards.models import adopt_reward_models, check_reward_models
 from moeloop.steps.storage.cache import cache_root, fetch_verified, local_scratch
 from moeloop.steps.storage.manifest import json_bytes, manifest_of, parse_manifest
-from moeloop.steps.storage.prompts import check_prompts, task_records, train_source
+from moeloop.steps.storage.prompt_set import commit_prompt_set
+from moeloop.steps.storage.prompts import PromptRows, check_prompts, set_name, task_prompt_sets
 from moeloop.steps.storage.run import RunStorage
 
 # Settings that may change between submissions of one run without changing its results. The trainer's process
@@ -68,20 +72,19 @@ def load_config_argument(value: str) -> MoeloopConfig:
     return load_config(value)
 
 
-def adopt_run(storage: RunStorage, config: MoeloopConfig, train: list[dict], evaluation: list[dict]) -> None:
-    """Write the run's config and prompts, or check that an existing run holds the same ones.
+def adopt_run(storage: RunStorage, config: MoeloopConfig, prompts: dict[str, list[dict]]) -> None:
+    """Write the run's config and commit its prompt sets (none to commit for a run started already), or check that
+    an existing run holds the same ones.
 
     Once checkpoint 0 is committed, the run's data depends on the stored config: only RESTARTABLE_FIELDS may
-    change. Before that (a start that failed, e.g. on a model that does not load), nothing does: the submitted
-    config replaces the stored one, and the prompts are copied again from it."""
-    started = storage.is_committed(storage.checkpoint(0))
-    if started:
+    change. Before that (a start that failed, e.g. on a model that does not load), the submitted config replaces the
+    stored one; the prompt sets are fixed once committed (steps/storage/prompt_set.py)."""
+    if storage.is_committed(storage.checkpoint(0)):
         changed = differing_keys(results_part(stored_config(storage)), results_part(config.model_dump(mode="json")))
         if changed:
             raise MoeloopError(f"run {storage.uri} already holds a different config (differs in: {', '.join(changed)})")
-    for relative, records in ((RunStorage.TRAIN_PROMPTS, train), (RunStorage.EVAL_PROMPTS, evaluation)):
-        if not started or not storage.exists(relative):
-            storage.write_bytes(relative, "".join(_json_line(r) for r in records).encode())
+    for split, records in prompts.items():
+        commit_prompt_set(storage, split, records, {"source": set_name(config.task, split)})
     storage.write_bytes(RunStorage.CONFIG, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
 
 
@@ -118,20 +121,21 @@ def differing_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
     return keys
 
 
-def _json_line(record: dict) -> str:
-    return json.dumps(record, sort_keys=True) + "\n"
-
-
-def sft(model: torch.nn.Module, tokenizer: Any, records: list[dict], settings: SFTConfig, seed: int) -> list[float]:
-    """Teacher-forced training on prompt -> answer+EOS, loss on the answer tokens only."""
+def sft(
+    model: torch.nn.Module, tokenizer: Any, records: list[dict], settings: SFTConfig, seed: int, chat: ChatSettings
+) -> list[float]:
+    """Teacher-forced training on prompt -> answer+EOS, the prompt rendered as the rollouts render it, loss on the
+    answer tokens only. Every tenth of the way it prints a progress line (`progress: SFT step 8/40, loss 1.234`),
+    which `moeloop run` shows as it goes."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     model.train()
     losses = []
     for _ in range(settings.steps):
         batch = rng.sample(records, min(settings.batch_size, len(records)))
-        prompts = [tokenizer(r["prompt"])["input_ids"] for r in batch]
-        answers = [tokenizer(r["answer"])["input_ids"] + [tokenizer.eos_token_id] for r in batch]
+        prompts = [render_prompt(tokenizer, r["prompt"], chat)[1] for r in batch]
+        end = [tokenizer.eos_token_id]
+        answers = [tokenizer(sft_answer(r), add_special_tokens=False)["input_ids"] + end for r in batch]
         input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, answers, tokenizer.pad_token_id)
         logprobs_BT, _ = token_logprobs(model, input_ids_BT, attention_mask_BT)
         loss = -(logprobs_BT * response_mask_BT).sum() / response_mask_BT.sum()
@@ -139,6 +143,8 @@ def sft(model: torch.nn.Module, tokenizer: Any, records: list[dict], settings: S
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        if len(losses) % max(1, settings.steps // 10) == 0 or len(losses) == settings.steps:
+            print_progress(f"SFT step {len(losses)}/{settings.steps}, loss {losses[-1]:.3f}")
     return losses
 
 
@@ -206,16 +212,25 @@ def recorded_source(storage: RunStorage, uri: str) -> dict[str, Any]:
     return record
 
 
-def starting_policy(
-    storage: RunStorage, config: MoeloopConfig, train: list[dict], evaluation: list[dict]
-) -> tuple[Any, Any, dict, dict[str, Any] | None]:
-    """(model, tokenizer, report, model.checkpoint's files at their first fetch, for record_model_source).
-    Writes nothing into the run: it is part of reading the inputs."""
+@dataclass(frozen=True)
+class StartingPolicy:
+    model: torch.nn.Module
+    tokenizer: Any
+    report: dict[str, Any]
+    first_found: dict[str, Any] | None  # model.checkpoint's files at their first fetch, for record_model_source
+    prompts: dict[str, list[dict]]  # the prompt sets the model can read, by split (steps/prompting.py:fit_prompts)
+
+
+def starting_policy(storage: RunStorage, config: MoeloopConfig, sources: dict[str, PromptRows]) -> StartingPolicy:
+    """model.checkpoint loaded (or the tiny model built and trained with SFT), and the prompts it can read. Writes
+    nothing into the run: it is part of reading the inputs."""
     uri = config.model.checkpoint
+    first_found = None
     if uri is not None:
         refuse_unknown_family(uri, config.trainer)
         local, first_found = fetch_model_source(storage, uri)
         try:
+            check_stored_tensors(local)
             model, tokenizer = load_policy(local)
         except (MoeloopError, SafetensorError) as error:  # a truncated weights file is a SafetensorError
             reason = str(error).splitlines()[0].replace(str(local), uri)  # the user's folder, not the cache's copy
@@ -225,19 +240,39 @@ def starting_policy(
             check_expert_split(num_experts(model.config), config.trainer.expert_parallel, where)
         except ValueError as error:
             raise MoeloopError(str(error)) from None
-        return model, tokenizer, {"source": uri}, first_found
-    tokenizer = demo_tokenizer(train, evaluation)
-    model = build_tiny_model(config.model.tiny, tokenizer, seed=config.seed)
-    bias_update_rate(config.trainer, model.config.model_type)  # a one-line error for a rate it has no bias for
-    losses = sft(model, tokenizer, train, config.model.sft, seed=config.seed)
+    else:
+        tokenizer = demo_tokenizer(sources, config)
+        model = build_tiny_model(config.model.tiny, tokenizer, seed=config.seed)
+        bias_update_rate(config.trainer, model.config.model_type)  # a one-line error for a rate it has no bias for
+    what = f"model.checkpoint {uri}" if uri is not None else "the tiny model"
+    positions = model.config.max_position_embeddings
+    fitted = {split: fit_prompts(*rows, tokenizer, positions, config, what) for split, rows in sources.items()}
+    check_prompts(config, fitted["train"].records, set_name(config.task, "train"))
+    if not fitted["eval"].records:
+        raise MoeloopError(f"{set_name(config.task, 'eval')}: every prompt is longer than rollout.max_prompt_tokens")
+    report: dict[str, Any] = {"source": uri or "tiny+sft"}
+    for split, prompts in fitted.items():
+        report.update({f"{split}_prompts": len(prompts.records), f"dropped_{split}_prompts": prompts.dropped})
+        if prompts.dropped:
+            print_line(
+                f"start: dropped {prompts.dropped} of {len(sources[split][0])} {split} prompts longer than"
+                f" rollout.max_prompt_tokens {config.rollout.max_prompt_tokens}"
+            )
+    if uri is None:
+        report.update(supervised_start(model, tokenizer, fitted["train"].records, config))
+    return StartingPolicy(model, tokenizer, report, first_found, {split: p.records for split, p in fitted.items()})
+
+
+def supervised_start(model: torch.nn.Module, tokenizer: Any, train: list[dict], config: MoeloopConfig) -> dict:
+    """The tiny model's SFT on the train prompts' answers, and its report."""
+    losses = sft(model, tokenizer, train, config.model.sft, config.seed, ChatSettings.of(config))
     diverged = next((step for step, loss in enumerate(losses, start=1) if not math.isfinite(loss)), None)
     if diverged is not None:
         raise MoeloopError(
             f"model.sft diverged: loss {losses[diverged - 1]} at step {diverged}; lower model.sft.learning_rate"
         )
     tail = losses[-20:]
-    sft_loss = sum(tail) / len(tail) if tail else None
-    return model, tokenizer, {"source": "tiny+sft", "sft_steps": len(losses), "sft_loss": sft_loss}, None
+    return {"sft_steps": len(losses), "sft_loss": sum(tail) / len(tail) if tail else None}
 
 
 def refuse_unknown_family(uri: str, settings: TrainerConfig) -> None:
@@ -258,17 +293,17 @@ def refuse_unknown_family(uri: str, settings: TrainerConfig) -> None:
             raise MoeloopError(f"model.checkpoint {uri}: {error}") from None
 
 
-def demo_tokenizer(train: list[dict], evaluation: list[dict]) -> Any:
-    return build_tokenizer([r["prompt"] + r.get("answer", "") for r in train + evaluation])
+def demo_tokenizer(sources: dict[str, PromptRows], config: MoeloopConfig) -> Any:
+    return tiny_tokenizer((record for records, _ in sources.values() for record in records), config.model.tokenizer)
 
 
-def refuse_unfit_trainer_of(config: MoeloopConfig, train: list[dict], evaluation: list[dict]) -> None:
+def refuse_unfit_trainer_of(config: MoeloopConfig, sources: dict[str, PromptRows]) -> None:
     """The trainer's memory check (steps/rl/memory.py) for the starting policy's architecture, read from
     model.checkpoint's config.json or made for the tiny model: no weight is loaded, nothing written."""
     if config.trainer.gpu_memory_bytes is None:
         return
     if config.model.checkpoint is None:
-        hf_config = tiny_model_config(config.model.tiny, demo_tokenizer(train, evaluation)).to_dict()
+        hf_config = tiny_model_config(config.model.tiny, demo_tokenizer(sources, config)).to_dict()
     else:
         source, folder = source_folder(config.model.checkpoint)
         try:
@@ -278,36 +313,41 @@ def refuse_unfit_trainer_of(config: MoeloopConfig, train: list[dict], evaluation
     refuse_unfit_trainer(config.trainer, hf_config, "model")
 
 
-def adopt_inputs(storage: RunStorage, config: MoeloopConfig, train: list[dict], evaluation: list[dict]) -> None:
-    """The run's config, prompts, trackers and reward models, written (or checked) once every input has been read."""
-    adopt_run(storage, config, train, evaluation)
+def adopt_inputs(storage: RunStorage, config: MoeloopConfig, prompts: dict[str, list[dict]]) -> None:
+    """The run's config, prompt sets, trackers and reward models, written (or checked) once every input has been
+    read."""
+    adopt_run(storage, config, prompts)
     begin_trackers(storage, config)
     adopt_reward_models(storage, config.reward.models)
 
 
 def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
-    # Read every input (the starting model too) before writing anything, so bad input leaves nothing behind.
-    train, evaluation = task_records(config.task)
-    check_prompts(config, train, train_source(config.task))
-    check_reward_routes(config.reward, train + evaluation, "the train and eval records")
-    refuse_unfit_trainer_of(config, train, evaluation)
     check_reward_models(config.reward.models)
     check_trackers(config)
     storage = RunStorage(run_uri)
     checkpoint = storage.checkpoint(0)
-    if storage.is_committed(checkpoint):
-        adopt_inputs(storage, config, train, evaluation)
+    if (manifest := storage.manifest(checkpoint)) is not None:  # its prompt sets too: their sources are not read
+        if config.trainer.gpu_memory_bytes is not None:  # the trainer's layout may have changed since
+            files = storage.read_committed(checkpoint, manifest, ["config.json"])
+            refuse_unfit_trainer(config.trainer, json.loads(files["config.json"]), "checkpoint 0")
+        adopt_inputs(storage, config, {})
         storage.move_latest(0)
         return {"skipped": "checkpoint 0 already committed"}
 
+    # Read every input (the starting model too) before writing anything, so bad input leaves nothing behind.
+    sources = task_prompt_sets(config.task)
+    check_prompts(config, sources["train"][0], set_name(config.task, "train"))
+    records = [record for split_records, _ in sources.values() for record in split_records]
+    check_reward_routes(config.reward, records, "the train and eval records")
+    refuse_unfit_trainer_of(config, sources)
     started = time.perf_counter()
     with local_scratch() as scratch:
-        model, tokenizer, report, first_found = starting_policy(storage, config, train, evaluation)
-        adopt_inputs(storage, config, train, evaluation)
-        if first_found is not None:
-            record_model_source(storage, config.model.checkpoint, first_found)
-        save_policy(model, tokenizer, scratch / "checkpoint")
-        report["seconds"] = round(time.perf_counter() - started, 3)
+        policy = starting_policy(storage, config, sources)
+        adopt_inputs(storage, config, policy.prompts)
+        if policy.first_found is not None:
+            record_model_source(storage, config.model.checkpoint, policy.first_found)
+        save_policy(policy.model, policy.tokenizer, scratch / "checkpoint")
+        report = {**policy.report, "seconds": round(time.perf_counter() - started, 3)}
         write_report(storage, 0, "start", report)
         storage.commit_folder(checkpoint, scratch / "checkpoint", extra={"iteration": 0})
     storage.move_latest(0)

@@ -42,7 +42,7 @@ from moeloop.steps.rl.checkpoint import commit_trainer_state
 from moeloop.steps.rl.memory import refuse_unfit_trainer
 from moeloop.steps.rl.parallel import Parallel, init_parallel
 from moeloop.steps.rl.router_bias import bias_update_rate
-from moeloop.steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state
+from moeloop.steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state, trainer_attention
 from moeloop.steps.rl.update import Critic, policy_update, require_finite
 from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
 from moeloop.steps.storage.experience import read_rewards, read_rollouts, rollout_columns
@@ -107,6 +107,7 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
     bias_update_rate(config.trainer, checkpoint_config.get("model_type"))  # a one-line error for a family without bias
     parallel = init_parallel(config.trainer)
     try:
+        trainer_attention(config.trainer, parallel)  # an attention that cannot run here: before any weight is loaded
         with local_scratch() as scratch:
             updated = update_policy(storage, config, iteration, scratch, parallel)
             state = scratch / "state"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -28,10 +27,10 @@ from urllib.parse import parse_qs, urlsplit
 from jsonschema import Draft4Validator
 
 from moeloop.steps.config import MoeloopConfig, parse_config
+from tests.processes import moeloop_cli
 from tests.upstream import available, upstream
 from moeloop.workflows.lint.documents import lint_document
 
-REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "rl"
 TOKEN = "s3cr3t-token-value"
 RUN_URI = "s3://moeloop-runs/runs/cluster-test"
@@ -94,7 +93,7 @@ def argo_stand_in(routes: Mapping[tuple[str, str], Route]) -> Iterator[tuple[str
             recorded.append(request)
             route = routes.get((self.command, url.path))
             status, answer = route(request) if route else argo_error(404, "Not Found")
-            payload = json.dumps(answer).encode()
+            payload = answer if isinstance(answer, bytes) else json.dumps(answer).encode()  # bytes: a stream, as is
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
@@ -127,6 +126,10 @@ REQUEST_FIELDS: dict[str, dict[str, str]] = {
     "CreateCronWorkflowRequest": {"createOptions": "object", "cronWorkflow": "CronWorkflow", "namespace": "string"},
     "UpdateCronWorkflowRequest": {"cronWorkflow": "CronWorkflow", "name": "string", "namespace": "string"},
     "WorkflowResubmitRequest": {"memoized": "boolean", "name": "string", "namespace": "string", "parameters": "array"},
+    "WorkflowStopRequest": {
+        "message": "string", "name": "string", "namespace": "string", "nodeFieldSelector": "string",
+    },
+    "WorkflowTerminateRequest": {"name": "string", "namespace": "string"},
 }  # fmt: skip
 JSON_TYPES = {"object": dict, "string": str, "boolean": bool, "array": list}
 
@@ -170,16 +173,13 @@ def _packaged_request_errors(body: object, definition: str) -> list[str]:
     return errors
 
 
+def log_stream(pod: str, lines: list[str]) -> bytes:
+    """The Argo server's answer to its log API (a server-streaming call through grpc-gateway): one JSON object a
+    line, each LogEntry under `result`."""
+    return b"".join(json.dumps({"result": {"content": line, "podName": pod}}).encode() + b"\n" for line in lines)
+
+
 def moeloop(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m moeloop.workflows.cli ARGS` from the repo root, with no ARGO_* variables but those in `env`."""
-    environment = {key: value for key, value in os.environ.items() if not key.startswith("ARGO_")}
-    environment.update(PYTHONPATH=str(REPO), **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "moeloop.workflows.cli", *args],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    """`moeloop ARGS` from the repo root, with no ARGO_* variables but those in `env`."""
+    unset = {name: None for name in os.environ if name.startswith("ARGO_")}
+    return moeloop_cli(*args, env={**unset, **(env or {})}, timeout=120)

@@ -47,18 +47,49 @@ def small_config(iterations: int = 2, **sections: dict) -> MoeloopConfig:
     return MoeloopConfig.model_validate(data)
 
 
+def run_in_process(config: MoeloopConfig, uri: str) -> None:
+    """A whole run: its tasks (workflows/dag.py:loop_tasks) in their order, each step called in this process. For
+    tests of what the steps do over a run (a family's model, an algorithm, what a run commits), where the local
+    runner, its processes and their overlap are not what they test (tests/loop/test_loop.py, test_async.py are)."""
+    from moeloop.steps.evaluate import evaluate
+    from moeloop.steps.publish import publish
+    from moeloop.steps.reward import reward
+    from moeloop.steps.rollout import rollout
+    from moeloop.steps.start import start
+    from moeloop.steps.train import train
+    from moeloop.workflows.dag import loop_tasks
+
+    steps = {"evaluate": evaluate, "reward": reward, "train": train, "publish": publish}
+    for task in loop_tasks(config):
+        arguments = dict(task.arguments)
+        if task.step.name == "start":
+            start(uri, config)
+        elif task.step.name == "rollout":
+            rollout(uri, task.iteration, int(arguments["shard"]), int(arguments["num_shards"]))
+        else:
+            steps[task.step.name](uri, task.iteration)
+
+
 def eval_reward_gain(storage: RunStorage, iterations: int, name: str) -> tuple[float, float]:
-    """The loop issue's measure: greedy eval_reward_mean of the SFT checkpoint and at iteration iterations (printed)."""
+    """The loop issue's measure: greedy eval_reward_mean of the SFT checkpoint and at iteration iterations (printed,
+    with the gain against the 0.2 the demos' learning tests ask for)."""
     start = storage.read_json(storage.metrics(0))["eval_reward_mean"]
     last = storage.read_json(storage.metrics(iterations))["eval_reward_mean"]
-    print(f"{name} eval_reward_mean: SFT {start:.3f} -> iteration {iterations} {last:.3f}")
+    print(f"{name} eval_reward_mean: SFT {start:.3f} -> iteration {iterations} {last:.3f} (gain {last - start:.3f})")
     return start, last
 
 
 @pytest.fixture
-def run_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The checkpoint cache inside the test's folder (MOELOOP_CACHE: the processes the test starts inherit it)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MOELOOP_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def run_root(tmp_path: Path, private_cache: Path) -> Path:
     """A storage root, with the checkpoint cache kept inside the test's folder."""
-    monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "runs"
     root.mkdir()
     return root
@@ -82,17 +113,20 @@ MACHINE_CORES = (
     else sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 )
 
-# Files run first, longest first (`make test` keeps this order: --no-loadscope-reorder), so that the long loops
+# Files run first, longest first (`make test` keeps this order: --no-loadscope-reorder), so that the long ones
 # start early on both workers and the short files fill in after them.
 LONGEST_FILES = [
-    "test_ppo.py",
-    "test_ppo_rm_demo.py",
-    "test_demo.py",
-    "test_storage_faults.py",
-    "test_async.py",
-    "test_loop.py",
-    "test_family_demos.py",
-    "test_rollout_faults.py",
+    "loop/test_demo.py",
+    "loop/test_ppo_rm_demo.py",
+    "loop/test_ppo_demo.py",
+    "loop/test_async.py",
+    "faults/test_storage_faults.py",
+    "loop/test_loop.py",
+    "loop/test_family_demos.py",
+    "loop/test_vllm.py",
+    "loop/test_replay.py",
+    "faults/test_hostile_input.py",
+    "faults/test_rollout_faults.py",
 ]
 
 
@@ -114,8 +148,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/loop/ is slow (`make test-fast` leaves them out); the longest files first."""
+    tests = REPO / "tests"
+    for item in items:
+        if item.path.is_relative_to(tests / "loop"):
+            item.add_marker(pytest.mark.slow)
     rank = {name: index for index, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
 
 
 @pytest.fixture

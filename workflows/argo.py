@@ -1,4 +1,4 @@
-"""Talk to an Argo server through Hera's WorkflowsService: submit, register, schedule, status, resubmit.
+"""Talk to an Argo server through Hera's WorkflowsService: submit, register, schedule, status, resubmit, stop, logs.
 
 submit, register and schedule send Hera objects (moeloop.workflows.build's), in the session's namespace.
 
@@ -9,6 +9,7 @@ names the server and the object, and never shows the token.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC
 from http import HTTPStatus
 from typing import Self, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import requests
 from hera.workflows import CronWorkflow, Workflow, WorkflowTemplate
@@ -30,7 +31,6 @@ SERVER_MESSAGE_CHARS = 300
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 RUN_LABEL = "moeloop.dev/run"
-FAILED_PHASES = frozenset({"Failed", "Error"})
 # A run's listing leaves out the per-node status, the bulk of a finished Workflow (Argo's `fields` filter:
 # a leading "-" excludes the comma-separated paths). Hera's model needs `spec`, so it stays.
 RUN_LISTING_FIELDS = "-items.status.nodes,-items.status.storedTemplates"
@@ -168,7 +168,7 @@ class ArgoSession:
             f"list the Workflows of run {run_name} in {self.server.namespace}",
             lambda: self._service.list_workflows(label_selector=f"{RUN_LABEL}={run_name}", fields=RUN_LISTING_FIELDS),
         )
-        return sorted(listed.items or [], key=lambda workflow: _timestamp(workflow.metadata.creation_timestamp))
+        return sorted(listed.items or [], key=lambda workflow: timestamp(workflow.metadata.creation_timestamp))
 
     def resubmit(self, name: str, memoized: bool) -> str:
         """Argo's resubmit: a new Workflow from the old one's spec (with `memoized`, succeeded nodes are reused)."""
@@ -178,6 +178,50 @@ class ArgoSession:
             f"resubmit Workflow {namespace}/{name}", lambda: self._service.resubmit_workflow(name, request)
         )
         return self._name_of(created, f"resubmitted {name}")
+
+    def stop(self, name: str, terminate: bool) -> None:
+        """Argo's stop (the workflow's exit handler still runs, as `argo stop`), or its terminate (it does not, as
+        `argo terminate`)."""
+        namespace, service = self.server.namespace, self._service
+        if terminate:
+            request = m.WorkflowTerminateRequest(name=name, namespace=namespace)
+            self._call(f"terminate Workflow {namespace}/{name}", lambda: service.terminate_workflow(name, request))
+        else:
+            request = m.WorkflowStopRequest(name=name, namespace=namespace)
+            self._call(f"stop Workflow {namespace}/{name}", lambda: service.stop_workflow(name, request))
+
+    def pod_log(self, workflow: str, pod: str) -> list[str]:
+        """The lines of the main container's log of one pod of the workflow, through the server's log API.
+
+        The answer is a stream (grpc-gateway's): a JSON object a line, `{"result": LogEntry}` or `{"error": ...}`.
+        Hera's `workflow_logs` reads it as one object, so the request goes through the session directly."""
+        namespace, service = self.server.namespace, self._service
+        what = f"get the log of pod {pod} of Workflow {namespace}/{workflow}"
+        response = self._call(
+            what,
+            lambda: service.session.get(
+                urljoin(service.host, f"api/v1/workflows/{namespace}/{workflow}/log"),
+                params={"podName": pod, "logOptions.container": "main"},
+                headers={"Authorization": service.token} if service.token else {},
+                verify=self.server.verify_ssl,
+            ),
+        )
+        lines = []
+        for line in response.text.splitlines():
+            try:
+                message = json.loads(line) if line.strip() else {}
+            except ValueError:
+                raise MoeloopError(f"Argo server {self.server.host} did not answer {what} with JSON lines") from None
+            if not isinstance(message, dict):
+                raise MoeloopError(f"Argo server {self.server.host} did not answer {what} with JSON objects")
+            if message.get("error"):
+                detail = message["error"].get("message") if isinstance(message["error"], dict) else message["error"]
+                refusal = f"Argo server {self.server.host} could not {what}: {one_line(str(detail))}"
+                raise MoeloopError(self._redact(refusal))
+            entry = message.get("result")
+            if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+                lines.append(entry["content"])
+        return lines
 
     def _create_or_update(
         self,
@@ -210,8 +254,14 @@ class ArgoSession:
         except requests.HTTPError as error:
             refusal = _refusal(host, what, error.response)
             raise ArgoRefusal(self._redact(refusal), error.response.status_code) from None
-        except (requests.JSONDecodeError, ValidationError):  # a 2xx body that is not JSON, or not the object
-            raise MoeloopError(f"Argo server {host} did not answer {what} with the expected object") from None
+        except requests.JSONDecodeError:  # a 2xx body that is not JSON
+            raise MoeloopError(f"Argo server {host} did not answer {what} with JSON") from None
+        except ValidationError as error:  # JSON, but not the object: say which fields
+            problems = "; ".join(_field_problem(e) for e in error.errors()[:3])
+            more = f" (and {error.error_count() - 3} more)" if error.error_count() > 3 else ""
+            raise MoeloopError(
+                f"Argo server {host} did not answer {what} with the expected object: {problems}{more}"
+            ) from None
         except requests.RequestException as error:
             unreachable = f"cannot reach the Argo server at {host} to {what}: {_root_cause(error)}"
             raise MoeloopError(self._redact(unreachable)) from None
@@ -251,6 +301,13 @@ def _refusal(host: str, what: str, response: requests.Response) -> str:
     return f"Argo server {host} could not {what}: {status}" + (f": {detail}" if detail else "") + hint
 
 
+def _field_problem(error: Mapping) -> str:
+    """One field of a reply that the object's model refused, e.g. `no metadata` or `status.phase: Input should be a
+    valid string`."""
+    where = ".".join(str(part) for part in error["loc"]) or "the object"
+    return f"no {where}" if error["type"] == "missing" else f"{where}: {error['msg']}"
+
+
 def _root_cause(error: BaseException) -> str:
     """The innermost reason of a requests error (e.g. `Connection refused`), on one line."""
     while (inner := error.__cause__ or error.__context__) is not None:
@@ -259,63 +316,9 @@ def _root_cause(error: BaseException) -> str:
     return " ".join(reason.split()) or type(error).__name__
 
 
-def _timestamp(time: m.Time | None) -> str:
+def timestamp(time: m.Time | None) -> str:
     return time.root.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if time is not None else "-"
 
 
-def has_failed(workflow: m.Workflow) -> bool:
-    return workflow.status is not None and workflow.status.phase in FAILED_PHASES
-
-
-def status_lines(workflow: m.Workflow) -> list[str]:
-    """The workflow's phase, progress, times, message and each failed step with its message, one line each."""
-    status = workflow.status or m.WorkflowStatus()
-    lines = [
-        f"name      {workflow.metadata.name}",
-        f"phase     {status.phase or 'Pending'}",
-        f"progress  {status.progress or '-'}",
-        f"started   {_timestamp(status.started_at)}",
-        f"finished  {_timestamp(status.finished_at)}",
-    ]
-    if status.message:
-        lines.append(f"message   {_one_line(status.message)}")
-    for node in _failed_steps(status.nodes or {}):
-        lines.append(f"failed    {node.display_name or node.name}: {node.phase}: {_one_line(node.message or '-')}")
-    return lines
-
-
-def _failed_steps(nodes: Mapping[str, m.NodeStatus]) -> list[m.NodeStatus]:
-    """Failed leaves (pods, resource steps) not recovered by a retry, in the order they started.
-    Their DAG and retry parents fail with "child ... failed", which says nothing more."""
-    parent_of = {child: node for node in nodes.values() for child in node.children or ()}
-    failed = [
-        node
-        for node_id, node in nodes.items()
-        if node.phase in FAILED_PHASES
-        and not node.children
-        and not (node_id in parent_of and parent_of[node_id].phase == "Succeeded")
-    ]
-    return sorted(failed, key=lambda node: _timestamp(node.started_at))
-
-
-def run_table(workflows: list[m.Workflow]) -> list[str]:
-    """One line per workflow of a run: name, phase, progress, start, finish, message."""
-    rows = [("NAME", "PHASE", "PROGRESS", "STARTED", "FINISHED", "MESSAGE")]
-    for workflow in workflows:
-        status = workflow.status or m.WorkflowStatus()
-        rows.append(
-            (
-                workflow.metadata.name or "-",
-                status.phase or "Pending",
-                status.progress or "-",
-                _timestamp(status.started_at),
-                _timestamp(status.finished_at),
-                _one_line(status.message or ""),
-            )
-        )
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
-    return ["  ".join([*(cell.ljust(width) for cell, width in zip(row, widths)), row[-1]]).rstrip() for row in rows]
-
-
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     return " ".join(text.split())

@@ -76,9 +76,20 @@ TRAIN = Step(
     torchrun=True,
     outputs=("loss", "kl", "grad_norm", "clip_fraction_binding", "entropy", "train_tokens_per_second", "seconds"),
 )
+# A trainer of several nodes runs in a JobSet's pods, which Argo does not see: this pod after the JobSet reads the
+# iteration's committed train report, so that the train template has its figures as outputs and gauges
+# (workflows/render/jobset.py). Not a task of the loop: the local runner and a single-node train have no need of it.
+TRAIN_REPORT = Step("train-report", "cpu", ("iteration",), outputs=TRAIN.outputs, program="train_report")
+# A chunk's exit handler on Argo, where observe.trackers has mlflow: a Workflow that did not succeed ends the
+# MLflow run FAILED (workflows/render/loop.py). Not a task of the loop: the local runner ends the runs itself.
+FINISH = Step("finish", "cpu", ("status",))
 # Publish copies the checkpoint the next rollouts load: on memory-optimized nodes, which cache it.
 PUBLISH = Step("publish", "memory", ("iteration",), outputs=("seconds",))
-EVALUATE = Step("evaluate", "cpu", ("iteration",), outputs=("eval_reward_mean", "reward_mean", "kl", "loss"))
+# Its `iteration` output is the run's progress as a gauge (moeloop_evaluate_iteration): no gauge has an iteration
+# label, which would make new series every iteration (workflows/monitoring.py).
+EVALUATE = Step(
+    "evaluate", "cpu", ("iteration",), outputs=("iteration", "eval_reward_mean", "reward_mean", "kl", "loss")
+)
 STEPS = (START, PLAN, ROLLOUT, REWARD, TRAIN, PUBLISH, EVALUATE)
 
 

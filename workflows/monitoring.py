@@ -2,8 +2,9 @@
 annotations the Argo UI's links (manifests/base/argo/workflow-controller-configmap.yaml) open.
 
 A step's template emits, once it succeeds, one gauge per numeric output parameter, moeloop_<step>_<output>,
-labelled by run (and iteration, shard where the step has them). The controller serves them on its metrics port
-(manifests/monitoring/prometheus-scrape.yaml); manifests/monitoring/grafana-dashboard.json plots them.
+labelled by run (and shard, for a rollout): a bounded set of series per run, which the controller drops once not
+updated for its metricsTTL. The controller serves them on its metrics port (manifests/monitoring/
+prometheus-scrape.yaml); manifests/monitoring/grafana-dashboard.json plots them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def template_metrics(
     """A step template's `metrics`: a gauge per numeric output, emitted when the step succeeded and reported it
     (an output the step did not report reads `missing`); None for a step without figures."""
     labels = [{"key": "run", "value": run_name}]
-    labels += [{"key": p, "value": f"{{{{inputs.parameters.{p}}}}}"} for p in ("iteration", "shard") if p in params]
+    # No iteration label: each would be a new series every iteration, held by the controller (and Prometheus) for
+    # the run's life. A gauge's iterations are its samples over time; moeloop_evaluate_iteration says which.
+    labels += [{"key": "shard", "value": "{{inputs.parameters.shard}}"}] if "shard" in params else []
     gauges = [
         {
             "name": metric_name(step, output),

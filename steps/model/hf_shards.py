@@ -109,6 +109,17 @@ class SafetensorsWriter:
             raise RuntimeError(f"{self.path.name} ended {self.left} bytes short")
 
 
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A safetensors file's tensors as its header lists them: {name: (dtype, shape)}, the dtype as the format names
+    it (F32, BF16, I32, ...)."""
+    with open(path, "rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8).ljust(8, b"\0"))
+        if length > path.stat().st_size:
+            raise ValueError(f"{path.name} is not a safetensors file (its header would be {length} bytes)")
+        entries = json.loads(file.read(length))
+    return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in entries.items() if name != "__metadata__"}
+
+
 def write_index(output: Path, names: list[str], shards: list[list[StoredTensor]]) -> None:
     """The index of a sharded checkpoint (none for one file): which file holds each tensor."""
     if len(names) == 1:

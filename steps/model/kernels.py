@@ -242,14 +242,16 @@ def grouped_linear(
     On Hopper GPUs in bf16, for calls large enough (`grouped_mm_triton_runs`): the Triton grouped GEMM
     (`grouped_mm_triton`, its weight gradient through grouped_mm); elsewhere `F.grouped_mm`.
     """
-    weight_eOK = weight_eXY if linear_layout else weight_eXY.transpose(1, 2)
-    if grouped_mm_triton_runs(x_NK, weight_eOK):
+    if grouped_mm_triton_runs(x_NK, weight_eXY if linear_layout else weight_eXY.transpose(1, 2)):
         return grouped_mm_triton(x_NK, weight_eXY, offs_e, linear_layout)
-    return grouped_linear_torch(x_NK, weight_eOK, offs_e)
+    return grouped_linear_torch(x_NK, weight_eXY, offs_e, linear_layout)
 
 
-def grouped_linear_torch(x_NK: torch.Tensor, weight_eOK: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
-    return F.grouped_mm(x_NK, weight_eOK.transpose(1, 2), offs=offs_e)
+def grouped_linear_torch(
+    x_NK: torch.Tensor, weight_eXY: torch.Tensor, offs_e: torch.Tensor, linear_layout: bool = True
+) -> torch.Tensor:
+    """`grouped_linear` by `F.grouped_mm` alone, on every device (the same arguments)."""
+    return F.grouped_mm(x_NK, weight_eXY.transpose(1, 2) if linear_layout else weight_eXY, offs=offs_e)
 
 
 def grouped_mm_triton_runs(x_NK: torch.Tensor, weight_eOK: torch.Tensor) -> bool:

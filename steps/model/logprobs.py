@@ -145,20 +145,22 @@ def packed_token_values(critic: nn.Module, micro: Microbatch) -> tuple[torch.Ten
 
 
 class RouterLogits:
-    """Each MoE layer's router logits [N, E] of a forward, recorded by forward hooks on the routers, installed once
-    on a model's body. (HF's own recorder, `output_router_logits=True`, looks its hooks up by the model's class,
-    which FSDP2's `fully_shard` replaces with a subclass of its own.)"""
+    """Each MoE layer's router logits [N, E] of a forward, which forward hooks on the routers (installed once on a
+    model's body) set on the router as `recorded_logits`. The hook is traced into a compiled decoder layer like the
+    rest of it: the logits leave the layer's one graph as an output (an attribute set on a module is an output of
+    dynamo's graph), with no graph break, and the layers of one class still share one graph (no list grows with
+    the layers). (HF's own recorder, `output_router_logits=True`, looks its hooks up by the model's class, which
+    FSDP2's `fully_shard` replaces with a subclass of its own.)"""
 
     def __init__(self, body: nn.Module) -> None:
-        self.recorded: list[torch.Tensor] | None = None
-        for module in body.modules():
-            if is_router(module):
-                module.register_forward_hook(self.record)
+        self.routers = [module for module in body.modules() if is_router(module)]
+        self.recording = False  # off outside a forward: activation checkpointing's recompute records nothing
+        for router in self.routers:
+            router.register_forward_hook(self.record)
 
-    @torch.compiler.disable  # a graph break, as HF's recorder makes, rather than a recompile per layer
     def record(self, module: nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> None:
-        if self.recorded is not None:  # None outside a forward: activation checkpointing's recompute
-            self.recorded.append(output[0])
+        if self.recording:
+            module.recorded_logits = output[0]
 
     @classmethod
     def of(cls, body: nn.Module) -> RouterLogits:
@@ -170,14 +172,16 @@ class RouterLogits:
 def body_forward(body: nn.Module, micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The body's last hidden states [N, H] of the microbatch, and each MoE layer's router logits."""
     recorder = RouterLogits.of(body)
-    recorder.recorded = []
+    recorder.recording = True
     try:
         # No KV cache (see moeloop.steps.model.policy.token_logprobs); the sample boundaries go down to attention.
         output = body(input_ids=micro.input_ids_1N, position_ids=micro.position_ids_1N, use_cache=False,
                       **micro.attention_kwargs())  # fmt: skip
-        return output.last_hidden_state[0], tuple(recorder.recorded)
+        return output.last_hidden_state[0], tuple(router.recorded_logits for router in recorder.routers)
     finally:
-        recorder.recorded = None
+        recorder.recording = False
+        for router in recorder.routers:  # not held past the forward (the backward holds what it needs)
+            router.recorded_logits = None
 
 
 def shift_into_place(per_prefix_N: torch.Tensor, micro: Microbatch) -> torch.Tensor:

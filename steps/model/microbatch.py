@@ -67,7 +67,8 @@ class Microbatch:
 
 def pack_rows(input_ids_BT: torch.Tensor, lengths: list[int], rows: list[int]) -> Microbatch:
     """The samples `rows` of a right-padded batch (sample b is its first lengths[b] tokens) as one microbatch. The
-    indices are built on the CPU from the lengths and copied over once, so packing never waits on the GPU.
+    indices are built on the CPU from the lengths and copied over from pinned memory (a copy from pageable memory
+    waits for the GPU's queue to reach it), so packing never waits on the GPU.
 
     No rows is the empty microbatch: one token, so that the rank still runs every collective; its values
     are given no weight (its unpacked values have no rows)."""
@@ -76,8 +77,9 @@ def pack_rows(input_ids_BT: torch.Tensor, lengths: list[int], rows: list[int]) -
     row_N = torch.repeat_interleave(torch.arange(len(lengths_n)), lengths_n)
     column_N = torch.arange(len(row_N)) - (torch.cumsum(lengths_n, 0) - lengths_n)[row_N]
     cu_seqlens_n1 = F.pad(torch.cumsum(lengths_n, 0, dtype=torch.int32), (1, 0))
+    host = (torch.tensor(rows, dtype=torch.long), row_N, column_N, cu_seqlens_n1)
     rows_n, row_N, column_N, cu_seqlens_n1 = (
-        t.to(device, non_blocking=True) for t in (torch.tensor(rows, dtype=torch.long), row_N, column_N, cu_seqlens_n1)
+        (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True) for t in host
     )
     # The empty microbatch's token: row 0, column 0 of the batch (any token would do).
     input_ids_1N = input_ids_BT[rows_n[row_N], column_N].unsqueeze(0) if rows else input_ids_BT[:1, :1]

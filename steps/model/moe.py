@@ -182,9 +182,14 @@ class MoeBlock(nn.Module):
         """The family's router module, registered under its HF attribute name (`gate`; GPT-OSS's `router`)."""
         return getattr(self, self.family.router_attribute)
 
+    @property
+    def traceable(self) -> bool:
+        """Whether torch.compile takes the whole block: its dispatcher and its experts trace."""
+        return self.dispatcher.traceable and self.experts.traceable
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The block's output; with the top-k routing weights beside it where HF's block returns them (GPT-OSS)."""
-        if self.dispatcher.traceable and self.experts.traceable:  # torch.compile takes the whole block
+        if self.traceable:
             y, weights_TK = self.route_and_run(hidden_states)
         else:
             y, weights_TK = self.route_and_run_eager(hidden_states)
@@ -327,19 +332,31 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def compile_decoder_layers(model: nn.Module) -> int:
-    """On CUDA, `torch.compile` in place every module that holds a `MoeBlock` (HF's decoder layers); returns how many.
+    """On CUDA, `compile_layers(model)`; on CPU nothing (returns 0): there the eager layers are the reference the
+    compiled ones are tested against."""
+    return compile_layers(model) if next(model.parameters()).device.type == "cuda" else 0
+
+
+def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
+    """`torch.compile` in place every module that holds a `MoeBlock` (HF's decoder layers); returns how many.
+    backend: torch.compile's (tests trace every family with dynamo's quick `eager` one).
 
     Compiled: each layer's RMSNorms (fp32), attention with q/k norms and RoPE, residual adds, whose many small
-    elementwise kernels dominate the policy update once the MoE block is fast. The MoE block is compiled with its
-    layer where it traces as one graph (`MoeBlock.forward`: the `local` dispatcher and bf16 grouped-GEMM experts):
-    inductor fuses the router's and the sort's small kernels, and calls `moeloop.steps.model.kernels`' Triton ops as they are.
-    Otherwise (EP dispatchers, fp32) the block stays eager and the layer graph-breaks around it. Layers of one
-    class share their compiled code, and batch shapes that vary recompile once into a dynamic-shape graph. On CPU
-    this does nothing (returns 0).
+    elementwise kernels dominate the policy update once the MoE block is fast. Where the MoE block traces as one
+    graph (`MoeBlock.forward`: the `local` dispatcher and bf16 grouped-GEMM experts) the layer is one graph in its
+    forward and one in its backward, compiled with fullgraph=True so that a break is an error: inductor fuses the
+    router's and the sort's small kernels, calls `moeloop.steps.model.kernels`' Triton ops as they are, and the
+    router logits leave the graph as an output (`moeloop.steps.model.logprobs.RouterLogits`). Otherwise (EP
+    dispatchers, fp32) the block stays eager and the layer graph-breaks around it. Layers of one class share their
+    compiled code. Shapes are dynamic from the first compile: the packings an update meets then take a few graphs
+    (with and without gradients; one sample, an empty microbatch), where specialising first and generalising on
+    each new kind of shape reached dynamo's limit of 8, past which a fullgraph layer fails. A layer whose forward
+    activation checkpointing wraps (`moeloop.steps.model.sharding.checkpoint_decoder_layers`) is not fullgraph:
+    dynamo does not trace into torch.utils.checkpoint's frame, and that layer runs eager (torch 2.13).
     """
-    if next(model.parameters()).device.type != "cuda":
-        return 0
     layers = [parent for parent in model.modules() if any(isinstance(c, MoeBlock) for c in parent.children())]
     for layer in layers:
-        layer.compile()
+        block = next(child for child in layer.children() if isinstance(child, MoeBlock))
+        checkpointed = "forward" in vars(layer)  # the wrapper is set on the instance
+        layer.compile(backend=backend, fullgraph=block.traceable and not checkpointed, dynamic=True)
     return len(layers)

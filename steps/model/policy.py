@@ -1,5 +1,5 @@
-"""The policy: an MoE causal LM of a family in `moeloop.steps.model.families`, in HF format, its character tokenizer, and
-token log-probabilities.
+"""The policy: an MoE causal LM of a family in `moeloop.steps.model.families`, in HF format, the tiny model's
+tokenizer, and token log-probabilities.
 
 The trainer holds it with expert parallelism (`moeloop.steps.model.moe`): each EP rank reads only its experts from the HF
 safetensors (`load_policy_shard`), and publish writes the HF checkpoint from the trainer state's shards (`moeloop.steps.rl.checkpoint`).
@@ -27,13 +27,15 @@ from transformers import (
 )
 
 from moeloop.steps.config_model import (
-    TinyDeepseekV3, TinyGptOss, TinyMixtral, TinyModelConfig, TinyQwen2Moe, TinyShape,
+    TinyDeepseekV3, TinyGptOss, TinyMixtral, TinyModelConfig, TinyQwen2Moe, TinyShape, TinyTokenizerConfig,
 )
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.bpe import bpe_tokenizer
 from moeloop.steps.model.dispatch import make_dispatcher
 from moeloop.steps.model.families import MoeFamily, family_of_block, family_of_config, num_experts
-from moeloop.steps.model.hf_shards import StoredTensor
+from moeloop.steps.model.hf_shards import INDEX, SINGLE, StoredTensor, read_header
 from moeloop.steps.model.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
+from moeloop.steps.prompting import sft_answer
 
 PAD, EOS = "<pad>", "<eos>"
 
@@ -46,6 +48,17 @@ def build_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS)
+
+
+def tiny_tokenizer(records: Iterable[dict[str, Any]], settings: TinyTokenizerConfig) -> PreTrainedTokenizerFast:
+    """The tiny model's tokenizer (model.tokenizer), over the records' prompts (a messages prompt's contents) and
+    the answers its SFT trains on: one token per character, or BPE trained on them with a ChatML template."""
+    texts = []
+    for record in records:
+        prompt = record["prompt"]
+        texts += [prompt] if isinstance(prompt, str) else [text for m in prompt for text in (m["role"], m["content"])]
+        texts.append(sft_answer(record) or "")
+    return bpe_tokenizer(texts, settings.vocab_size) if settings.kind == "bpe" else build_tokenizer(texts)
 
 
 def tiny_model_config(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, **extra: Any) -> PretrainedConfig:
@@ -123,6 +136,39 @@ def load_policy(
     except (OSError, ValueError) as error:
         raise MoeloopError(f"not a loadable HF checkpoint: {directory} ({str(error).splitlines()[0]})") from None
     return model.to(device) if device is not None else model, tokenizer
+
+
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors' names
+
+
+def check_stored_tensors(directory: Path) -> None:
+    """The HF checkpoint's safetensors hold every tensor of the model its config.json makes, each of that shape and
+    of a floating-point dtype; else a one-line error naming the tensors that are not (from_pretrained would cast an
+    integer tensor silently, and report a shape that does not match in a log no step shows)."""
+    index = directory / INDEX
+    try:
+        files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {SINGLE}
+        found = {name: (*entry, file) for file in sorted(files) for name, entry in read_header(directory / file).items()}
+        config = AutoConfig.from_pretrained(directory)
+    except FileNotFoundError:
+        return  # no safetensors: the loader says what it misses
+    except (OSError, ValueError, KeyError) as error:
+        raise MoeloopError(f"not a loadable HF checkpoint: {directory} ({str(error).splitlines()[0]})") from None
+    model = hf_model_on_meta(config)
+    blocks = sparse_blocks(model)
+    shapes, dtypes, missing = [], [], []  # in this order in the error: the most telling first
+    for key, value in model.state_dict().items():
+        for tensor in stored_tensors(key, tuple(value.shape), blocks, torch.float32):
+            dtype, shape, file = found.get(tensor.name, (None, None, None))
+            if file is None:
+                missing.append(f"{tensor.name} is in no safetensors file")
+            elif shape != tensor.shape:
+                shapes.append(f"{tensor.name} is {list(shape)} in {file}, {list(tensor.shape)} by config.json")
+            elif dtype not in FLOAT_DTYPES:
+                dtypes.append(f"{tensor.name} is {dtype} in {file}, not a floating-point dtype")
+    if problems := shapes + dtypes + missing:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise MoeloopError(f"its weights are not the model its config.json makes: {'; '.join(problems[:3])}{more}")
 
 
 def save_policy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:

@@ -7,6 +7,10 @@ experts):
 - with EP > 1, each layer's experts are a unit of their own over the dp ranks that hold the same EP slice: the
   slice is sharded over them (`moeloop.steps.model.moe.GroupedExperts` already holds only this EP rank's experts);
 - the model's body (embeddings, final norm) and its head (LM head or value head) are the last two units.
+Each layer's unit all-gathers the next layer's weights as it starts its forward, and the previous layer's as it
+starts its backward (FSDP2's explicit prefetch: the same overlap as its default, but queued from the host a layer
+earlier, so a host that falls behind the GPU does not leave it waiting for the gather). The last layer and the
+head keep their gathered weights from the forward to their backward, which follows at once.
 Gradients are summed, not averaged, in the reduce-scatters: every loss is already divided by the whole
 minibatch's counts (`moeloop.steps.rl.grpo.aggregate`), so the sum over the ranks is one process's gradient. The expert
 gradients reach their EP rank through the all-to-all's backward and are summed over dp; dense ones over all.
@@ -57,15 +61,22 @@ def shard_trainer_model(model: nn.Module, world_mesh: DeviceMesh, dp_mesh: Devic
     docstring. Returns model."""
     policy = mixed_precision(precision)
     units: list[FSDPModule] = []
-    for layer in model.model.layers:
-        block = layer.mlp
+    layer_units: list[list[FSDPModule]] = []  # per layer, its experts' unit (EP > 1) and its own
+    for number, layer in enumerate(model.model.layers, start=1):
+        keep = number == len(model.model.layers)  # its backward comes right after its forward
+        block, own = layer.mlp, []
         if isinstance(block, MoeBlock):
             block.experts.compute_dtype = PRECISIONS[precision]
             if block.dispatcher.ep_size > 1:  # another mesh than the layer's: a unit of its own
-                units.append(fully_shard(block.experts, mesh=dp_mesh, mp_policy=policy))
-        units.append(fully_shard(layer, mesh=world_mesh, mp_policy=policy))
+                own.append(fully_shard(block.experts, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not keep))
+        own.append(fully_shard(layer, mesh=world_mesh, mp_policy=policy, reshard_after_forward=not keep))
+        units += own
+        layer_units.append(own)
+    for before, after in zip(layer_units, layer_units[1:]):
+        before[-1].set_modules_to_forward_prefetch(after)
+        after[-1].set_modules_to_backward_prefetch(before)
     head = model.lm_head if hasattr(model, "lm_head") else model.score
-    units.append(fully_shard(head, mesh=world_mesh, mp_policy=policy))
+    units.append(fully_shard(head, mesh=world_mesh, mp_policy=policy, reshard_after_forward=False))
     units.append(fully_shard(model.model, mesh=world_mesh, mp_policy=policy))
     for unit in units:  # a plain SUM (gloo has no PREMUL_SUM, which a divide factor of 1 would otherwise take)
         unit.set_gradient_divide_factor(1.0)

@@ -2,7 +2,7 @@
 
 - learning_curves.png: eval and train reward with KL on a second axis; logprob mismatch; clip fractions; the
   policy's entropy.
-- time_balance.png: per iteration, stacked bars of the steps' seconds and of the waits between them.
+- time_balance.png: per iteration, its period (publish to publish) and each role's busy and idle time in it.
 - expert_load.png: the router's load imbalance per layer (`router/...` metrics holding "imbalance"), when the
   metrics carry them.
 - pass_at_k.png: per data_source, the greedy responses' pass@1 and the sampled responses' pass@k for the largest k
@@ -18,15 +18,12 @@ from typing import Any
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.observe.scalars import flatten
 
-# (label, path into an iteration's metrics): what a bar of the time balance stacks, in seconds.
-BALANCE = (
+# (role, path into an iteration's metrics): each role's busy seconds in an iteration (rollout: the slowest shard's).
+ROLES = (
     ("rollout", ("rollout_seconds",)),
     ("reward", ("step_seconds", "reward")),
     ("train", ("step_seconds", "train")),
     ("publish", ("step_seconds", "publish")),
-    ("rollout wait", ("rollout_wait_seconds",)),
-    ("reward wait", ("wait_seconds", "reward")),
-    ("train wait", ("wait_seconds", "train")),
 )
 
 
@@ -87,16 +84,22 @@ def learning_curves(plt: Any, all_metrics: list[dict[str, Any]], path: Path) -> 
 
 
 def time_balance(plt: Any, all_metrics: list[dict[str, Any]], path: Path) -> None:
+    """Per iteration, its period (publish to publish: `iteration_seconds`) and, side by side, each role's bar: busy
+    (solid), then idle for the rest of the period (hatched). The roles overlap in time (a step's wait is the others'
+    work), so nothing is stacked across roles: each bar is one role's share of the same period."""
     figure, axes = plt.subplots(figsize=(9, 4), layout="constrained")
-    iterations = [m["iteration"] for m in all_metrics if m["iteration"] > 0]  # iteration 0 is the start
-    bottom = [0.0] * len(iterations)
-    for label, key in BALANCE:
+    iterations, periods = series([m for m in all_metrics if m["iteration"] > 0], "iteration_seconds")
+    width = 0.8 / len(ROLES)
+    for k, (role, key) in enumerate(ROLES):
         found = dict(zip(*series(all_metrics, *key), strict=True))
-        heights = [found.get(i, 0.0) for i in iterations]
-        axes.bar(iterations, heights, bottom=bottom, label=label, hatch="//" if "wait" in label else None)
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    axes.set(xlabel="iteration", ylabel="seconds", title="Where the time went (steps, then waits)")
-    axes.legend(fontsize="small", ncols=2)
+        busy = [found.get(i, 0.0) for i in iterations]
+        idle = [max(0.0, period - b) for period, b in zip(periods, busy, strict=True)]
+        x = [i - 0.4 + width * (k + 0.5) for i in iterations]
+        axes.bar(x, busy, width, color=f"C{k}", label=role)
+        axes.bar(x, idle, width, bottom=busy, color=f"C{k}", alpha=0.25, hatch="//", label="idle" if k == 0 else None)
+    axes.hlines(periods, [i - 0.45 for i in iterations], [i + 0.45 for i in iterations], colors="black", label="period")
+    axes.set(xlabel="iteration", ylabel="seconds", title="Each role's busy and idle time in the iteration's period")
+    axes.legend(fontsize="small", ncols=3)
     save(plt, figure, path)
 
 

@@ -3,8 +3,11 @@
 - tensorboard: one event file per iteration, <run>/tensorboard/events.out.tfevents.<iteration>.moeloop, written
   whole (an atomic object, local or S3) from the committed files: a rewrite is the same bytes, so a retried step
   adds no point. Needs no package (steps/observe/events.py); reading it takes TensorBoard.
-- mlflow: one MLflow run per moeloop run (tagged moeloop.run=<run URI>), created by the start step; a point
-  is logged only where that metric has none at the iteration yet.
+- mlflow: one MLflow run per moeloop run (tagged moeloop.run=<run URI>), created by the start step with the run's
+  config as its params (dotted keys; MLflow's params never change, so a key logged once keeps its first value);
+  a point is logged only where that metric has none at the iteration yet. The target iteration's evaluation ends
+  the run FINISHED; a run that stops short ends FAILED or KILLED (`end_trackers`: the local runner, or on Argo the
+  chunk's exit handler, moeloop.steps.finish); a start that resumes it makes it RUNNING again.
 - wandb: one W&B run per moeloop run, its id a hash of the run URI, resumed by each step that records (offline
   mode needs no network: `wandb sync` uploads its files later). Each iteration is one row whose x-axis is its
   `iteration` figure, not W&B's own step: evaluations of consecutive iterations may finish out of order, and W&B
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
@@ -60,6 +65,9 @@ class TensorBoardFiles:
     def begin(self) -> None:
         pass  # each iteration's file stands alone
 
+    def end(self, status: str) -> None:
+        pass  # nothing to close
+
     def record(self, scalars: IterationScalars) -> None:
         # A local write killed midway leaves its temporary beside the file, and TensorBoard reads every file named
         # *tfevents*: a whole one would repeat the points. The retry's write removes it (backends.local_temporary).
@@ -97,21 +105,41 @@ class MLflowRun:
 
         self.client = MlflowClient(uri)
         self.experiment = settings.experiment or config.run_name
-        self.run_uri = storage.uri
+        self.run_uri, self.config = storage.uri, config
+
+    def existing_run(self) -> Any | None:
+        """The MLflow run of this moeloop run (the first, were there several), or None."""
+        experiment = self.client.get_experiment_by_name(self.experiment)
+        if experiment is None:
+            return None
+        quoted = self.run_uri.replace("'", "\\'")
+        runs = self.client.search_runs([experiment.experiment_id], filter_string=f"tags.`{self.RUN_TAG}` = '{quoted}'")
+        return min(runs, key=lambda r: r.info.start_time) if runs else None
 
     def run_id(self) -> str:
         """The MLflow run of this moeloop run, created (with its experiment) where there is none."""
+        if (run := self.existing_run()) is not None:
+            return run.info.run_id
         experiment = self.client.get_experiment_by_name(self.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(self.experiment)
-        quoted = self.run_uri.replace("'", "\\'")
-        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`{self.RUN_TAG}` = '{quoted}'")
-        if runs:
-            return min(runs, key=lambda r: r.info.start_time).info.run_id
         run_name = os.path.basename(self.run_uri.rstrip("/"))
         return self.client.create_run(experiment_id, tags={self.RUN_TAG: self.run_uri}, run_name=run_name).info.run_id
 
     def begin(self) -> None:
-        self.run_id()
+        """The run exists, RUNNING (again, on a resume), with the config's keys as params (those it lacks)."""
+        from mlflow.entities import Param
+
+        run = self.client.get_run(self.run_id())
+        if run.info.status != "RUNNING":
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        missing = [Param(k, v) for k, v in config_params(self.config).items() if k not in run.data.params]
+        for first in range(0, len(missing), 100):  # log_batch's limit on params
+            self.client.log_batch(run.info.run_id, params=missing[first : first + 100])
+
+    def end(self, status: str) -> None:
+        """The run ends with status (FINISHED, FAILED, KILLED), if the start step made one."""
+        if (run := self.existing_run()) is not None:
+            self.client.set_terminated(run.info.run_id, status)
 
     def record(self, scalars: IterationScalars) -> None:
         from mlflow.entities import Metric
@@ -126,6 +154,8 @@ class MLflowRun:
         ]
         for first in range(0, len(missing), 1000):  # log_batch's limit
             self.client.log_batch(run_id, metrics=missing[first : first + 1000])
+        if scalars.iteration >= self.config.iterations:  # the target reached: the run is done
+            self.client.set_terminated(run_id, "FINISHED")
 
 
 class WandbRun:
@@ -162,6 +192,9 @@ class WandbRun:
     def begin(self) -> None:
         self.resume(config=self.config.model_dump(mode="json")).finish()
 
+    def end(self, status: str) -> None:
+        pass  # each step finishes the W&B run it resumed
+
     def record(self, scalars: IterationScalars) -> None:
         marker = self.marker(scalars.iteration)
         if self.storage.exists(marker):
@@ -184,6 +217,24 @@ def begin_trackers(storage: RunStorage, config: MoeloopConfig) -> None:
     """The start step's part: the trackers' runs exist before any iteration records into them."""
     for tracker in open_trackers(storage, config):
         tracker.begin()
+
+
+def end_trackers(storage: RunStorage, config: MoeloopConfig, status: str) -> None:
+    """A run that stopped short of its target: its trackers' runs end with status (FAILED, or KILLED when it was
+    stopped by a signal)."""
+    for tracker in open_trackers(storage, config):
+        tracker.end(status)
+
+
+def config_params(config: MoeloopConfig) -> dict[str, str]:
+    """The config as MLflow params: its keys dotted, each value as text (JSON for lists and nulls)."""
+
+    def leaves(value: Any, prefix: str) -> dict[str, str]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in leaves(item, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): value if isinstance(value, str) else json.dumps(value)}
+
+    return leaves(config.model_dump(mode="json"), "")
 
 
 def record_iteration(storage: RunStorage, config: MoeloopConfig, iteration: int) -> None:

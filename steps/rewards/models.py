@@ -2,9 +2,10 @@
 
 The start step commits each configured model into the run (`reward-models/<k>/`, see `adopt_reward_models`), so
 the reward step reads it through the storage module: verified against its COMMIT and cached like a checkpoint.
-Scoring is batched, in bfloat16 on a GPU and float32 on the CPU. A model scores the prompt text followed by the
-response text, tokenized by its own tokenizer, and its pooled logit (HF pools the last non-padding token) is the
-score.
+Scoring is batched, in bfloat16 on a GPU and float32 on the CPU. A model scores the prompt and the response as one
+text, rendered for its own tokenizer as the policy's prompts are (steps/prompting.py: a string prompt followed by
+the response; messages and the response as the assistant's turn, through its chat template), and its pooled logit
+(HF pools the last non-padding token) is the score.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from moeloop.steps.config_reward import RewardModel
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.prompting import ChatSettings, render_prompt
 from moeloop.steps.storage.cache import fetch_committed, local_scratch
 from moeloop.steps.storage.run import RunStorage
 
@@ -42,10 +44,12 @@ class RewardModelScorer:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def score(self, texts: list[str]) -> list[float]:
+    def score(self, samples: list[tuple[str | list[dict[str, str]], str]], chat: ChatSettings) -> list[float]:
+        """The score of each (a record's prompt, a response)."""
+        ids = [render_prompt(self.tokenizer, prompt, chat, response)[1] for prompt, response in samples]
         scores: list[float] = []
-        for start in range(0, len(texts), self.batch_size):
-            encoded = self.tokenizer(texts[start : start + self.batch_size], padding=True, return_tensors="pt")
+        for start in range(0, len(ids), self.batch_size):
+            encoded = self.tokenizer.pad({"input_ids": ids[start : start + self.batch_size]}, return_tensors="pt")
             logits_B1 = self.model(
                 input_ids=encoded["input_ids"].to(self.device),
                 attention_mask=encoded["attention_mask"].to(self.device),

@@ -35,6 +35,7 @@ class ExperienceBatch:
     # prompt's positions but its last with rollout.prompt_routes last). None: not recorded.
     routes_BTLK: torch.Tensor | None = None
     route_layers: tuple[int, ...] = ()  # the decoder layer of each L column
+    truncated_B: torch.Tensor | None = None  # cut by rollout.max_new_tokens (finish_reason length); None: not known
 
     def to(self, device: torch.device) -> ExperienceBatch:
         return ExperienceBatch(*(_apply(getattr(self, f.name), lambda t: t.to(device)) for f in fields(self)))
@@ -70,6 +71,7 @@ def experience_batch(
     (the model's experts per token), the recorded routes as well, keyed by the decoder layers the shards name
     (moe_layers, the model's MoE layers, for shards from before they named them)."""
     prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
+    reasons = rollouts.get("finish_reason")
     input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id=0)
     behavior_BT = torch.zeros(input_ids_BT.shape)
     for row, (prompt, logprobs) in enumerate(zip(prompts, rollouts["behavior_logprobs"], strict=False)):
@@ -82,6 +84,7 @@ def experience_batch(
         torch.tensor([rewards_by_sample[s] for s in rollouts["sample_id"]], dtype=torch.float32),
         torch.tensor(rollouts["prompt_id"]),
         *(routes_tensor(rollouts, prompts, responses, input_ids_BT.shape, top_k, moe_layers) if top_k else (None, ())),
+        torch.tensor([r == "length" for r in reasons], dtype=torch.bool) if reasons is not None else None,
     )
 
 
@@ -154,7 +157,8 @@ def frozen_pass(
     the router logits of this rank's microbatches."""
     model.eval()
     values_BT = torch.zeros(batch.input_ids_BT.shape, device=batch.input_ids_BT.device)
-    for micro in rank_microbatches(batch, torch.arange(len(batch.input_ids_BT)), max_tokens, parallel):
+    rows_B = torch.arange(len(batch.input_ids_BT))
+    for micro in rank_microbatches(batch, rows_B, max_tokens, parallel, row_lengths(batch)):
         routes = batch.routes_of(micro)
         with replaying(model, routes if replay else None):
             values_nT, router_logits_L = per_token(model, micro)
@@ -167,12 +171,18 @@ def frozen_pass(
     return values_BT
 
 
+def row_lengths(batch: ExperienceBatch) -> list[int]:
+    """Each row's tokens, on the host: what packing must read (a wait on the GPU where the batch is there)."""
+    return batch.attention_mask_BT.sum(1).tolist()
+
+
 def rank_microbatches(
-    batch: ExperienceBatch, rows_b: torch.Tensor, max_tokens: int, parallel: Parallel
+    batch: ExperienceBatch, rows_b: torch.Tensor, max_tokens: int, parallel: Parallel, lengths: list[int] | None = None
 ) -> list[Microbatch]:
-    """This rank's packed microbatches of the samples rows_b (`moeloop.steps.rl.packing.plan_microbatches`: every rank
-    runs as many)."""
-    lengths = batch.attention_mask_BT.sum(1).tolist()
+    """This rank's packed microbatches of the samples rows_b (a CPU tensor; `moeloop.steps.rl.packing.plan_microbatches`:
+    every rank runs as many). lengths: `row_lengths` of the batch, read once by a caller that packs it more than
+    once (None: read here)."""
+    lengths = row_lengths(batch) if lengths is None else lengths
     rows = rows_b.tolist()
     plan = plan_microbatches([lengths[row] for row in rows], max_tokens, parallel.world_size)[parallel.rank]
     return [pack_rows(batch.input_ids_BT, lengths, [rows[i] for i in members]) for members in plan]

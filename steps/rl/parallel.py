@@ -94,14 +94,12 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, parallel
 
     Every parameter's shards are disjoint across the world: a dense weight's over all ranks, an expert's over its
     dp ranks within each EP slice, and the EP slices hold different experts. So one all-reduce sums the whole
-    model's squared norm, the experts' part summed over EP. Summed in the parameters' order: the same to the last
-    bit on every rank and in a re-run.
+    model's squared norm, the experts' part summed over EP. The local squares are summed by one deterministic
+    reduction: the same to the last bit in a re-run. A few launches whatever the number of parameters.
     """
     gradients = [local(p.grad) for p in parameters if p.grad is not None]
     norms = torch._foreach_norm(gradients, dtype=torch.float32)  # one fused pass, as clip_grad_norm_ does
-    square = torch.zeros((), dtype=torch.float32, device=parallel.device)
-    for norm in norms:  # in order: the sum is the same on every rank
-        square += norm.square()
+    square = torch.stack(norms).square().sum()  # one deterministic reduction, in the parameters' order
     if parallel.world_size > 1:
         dist.all_reduce(square)
     total_norm = square.sqrt()

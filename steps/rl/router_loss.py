@@ -32,11 +32,8 @@ def load_balancing_loss(
     earlier ones' graphs are gone by then).
     """
     mask_t = mask_t.float()
-    assigned_E = mask_t.new_zeros(num_experts)
-    probability_sum_E = mask_t.new_zeros(num_experts)
-    for logits_tE in router_logits_L:
-        assigned_layer_E, probability_sum_layer_E = layer_routing(logits_tE, mask_t, top_k)
-        assigned_E, probability_sum_E = assigned_E + assigned_layer_E, probability_sum_E + probability_sum_layer_E
+    # All layers in one pass (one fused kernel chain on CUDA, not one per layer): their sums are the loss's terms.
+    assigned_E, probability_sum_E = layer_routing(torch.stack(router_logits_L), mask_t, top_k)
     counts = torch.cat([assigned_E, (mask_t.sum() * len(router_logits_L)).reshape(1)])
     if parallel.world_size > 1:
         dist.all_reduce(counts)
@@ -45,14 +42,16 @@ def load_balancing_loss(
 
 
 @fused_on_cuda
-def layer_routing(logits_tE: torch.Tensor, mask_t: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's (top-k assignments per expert, router probabilities summed per expert) over the mask's tokens;
-    the first without gradient, as HF's f."""
-    probabilities_tE = F.softmax(logits_tE.float(), dim=-1)
-    chosen_tK = torch.topk(probabilities_tE, top_k, dim=-1).indices
-    assigned_E = mask_t.new_zeros(logits_tE.shape[1])
-    assigned_E = assigned_E.index_add(0, chosen_tK.reshape(-1), mask_t.repeat_interleave(top_k))
-    return assigned_E, (probabilities_tE * mask_t.unsqueeze(1)).sum(0)
+def layer_routing(logits_xtE: torch.Tensor, mask_t: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's router logits [t, E], or several layers' stacked [L, t, E]: (top-k assignments per expert, router
+    probabilities summed per expert) over the mask's tokens, summed over the layers; the first without gradient, as
+    HF's f."""
+    probabilities_xtE = F.softmax(logits_xtE.float(), dim=-1)
+    chosen_xtK = torch.topk(probabilities_xtE, top_k, dim=-1).indices
+    weights_xtK = mask_t.unsqueeze(-1).expand(chosen_xtK.shape)
+    assigned_E = mask_t.new_zeros(logits_xtE.shape[-1]).index_add(0, chosen_xtK.reshape(-1), weights_xtK.reshape(-1))
+    probability_sum_E = (probabilities_xtE * mask_t.unsqueeze(-1)).reshape(-1, logits_xtE.shape[-1]).sum(0)
+    return assigned_E, probability_sum_E
 
 
 def router_aux_loss(

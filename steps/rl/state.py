@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from moeloop.steps.config import MoeloopConfig, TrainerConfig
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.model.attention import VARLEN
+from moeloop.steps.model.attention import attention_backend, use_packed_attention
 from moeloop.steps.model.logprobs import use_logprob_head
 from moeloop.steps.model.moe import compile_decoder_layers
 from moeloop.steps.model.policy import load_critic_shard, load_policy_shard, read_config, shard_model
-from moeloop.steps.model.sharding import checkpoint_decoder_layers, shard_trainer_model
+from moeloop.steps.model.sharding import PRECISIONS, checkpoint_decoder_layers, shard_trainer_model
 from moeloop.steps.rl.batch import ExperienceBatch, frozen_logprobs
 from moeloop.steps.rl.offload import OffloadedAdamW
 from moeloop.steps.rl.checkpoint import METADATA, WEIGHTS_DIR, load_sharded, save_sharded
@@ -38,14 +38,14 @@ from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
 
 def prepare_trainer_model(model: nn.Module, settings: TrainerConfig, parallel: Parallel) -> nn.Module:
     """An EP shard as `load_policy_shard` or `load_critic_shard` builds it, made the trainer's, in place: the LM head
-    computes logprobs (`moeloop.steps.model.logprobs.LogprobHead`), attention runs over packed samples, the routers are
-    frozen with `trainer.freeze_router`, FSDP2 shards it at
+    computes logprobs (`moeloop.steps.model.logprobs.LogprobHead`), attention runs over packed samples
+    (`trainer.attention`), the routers are frozen with `trainer.freeze_router`, FSDP2 shards it at
     the trainer's precision (with its activation checkpointing), and on CUDA the decoder layers are compiled. With no
     mesh (`Parallel()`, one process without torch.distributed) it is not sharded."""
     freeze_routers(model, settings.freeze_router)  # before fully_shard, which keeps requires_grad per parameter
     if hasattr(model, "lm_head"):
         use_logprob_head(model)
-    model.config._attn_implementation = VARLEN
+    use_packed_attention(model, trainer_attention(settings, parallel))
     precision = settings.compute_precision(parallel.device.type == "cuda")
     if settings.activation_checkpointing:
         checkpoint_decoder_layers(model)
@@ -55,6 +55,12 @@ def prepare_trainer_model(model: nn.Module, settings: TrainerConfig, parallel: P
         raise MoeloopError(f"trainer.precision {precision} needs the trainer's process group (init_parallel)")
     compile_decoder_layers(model)  # CUDA only: HF's elementwise code around the MoE blocks dominates, eager
     return model
+
+
+def trainer_attention(settings: TrainerConfig, parallel: Parallel) -> str:
+    """`trainer.attention` resolved for this process's device and precision: a one-line error where it cannot run."""
+    precision = settings.compute_precision(parallel.device.type == "cuda")
+    return attention_backend(settings.attention, parallel.device, PRECISIONS[precision])
 
 
 def make_optimizer(model: nn.Module, settings: TrainerConfig, learning_rate: float | None = None) -> torch.optim.Optimizer:

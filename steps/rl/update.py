@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.config_algorithm import MismatchConfig
@@ -33,7 +34,7 @@ from moeloop.steps.rl.batch import (
 )
 from moeloop.steps.rl.grpo import behavior_weights, clipped_policy_loss, group_advantages, kl_estimate, varied_groups
 from moeloop.steps.rl.importance import behavior_ratio, mismatch_mask
-from moeloop.steps.rl.parallel import Parallel, all_reduce_sum, clip_grad_norm
+from moeloop.steps.rl.parallel import Parallel, clip_grad_norm
 from moeloop.steps.rl.ppo import gae, token_rewards, value_loss, whiten
 from moeloop.steps.rl.router_bias import bias_update_rate, update_correction_biases
 from moeloop.steps.rl.router_health import RouterHealth
@@ -61,28 +62,28 @@ def minibatch_step(
     optimizer: torch.optim.Optimizer,
     batch: ExperienceBatch,
     minibatch_rows: torch.Tensor,
+    lengths: list[int],
     loss_of: Callable[[Microbatch], tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]],
     config: MoeloopConfig,
     parallel: Parallel,
     health: RouterHealth,
     replay: bool = False,
-    what: str = "the model",
-) -> tuple[float, list[float]]:
+) -> torch.Tensor:
     """One optimizer step over a minibatch. For each of this rank's packed microbatches of it, loss_of(micro) gives
     (that microbatch's part of the minibatch's loss, its router logits, figures to report with that loss first, as
     tensors); its loss and the routers' aux loss are backpropagated. Then the gradients (summed over the ranks in
     FSDP2's reduce-scatters) are clipped and the optimizer steps; where the family balances its load with the
-    routers' correction bias (`moeloop.steps.rl.router_bias`), that bias then moves by the step's expert load. Returns the
-    gradient norm before clipping and the figures summed over the microbatches and ranks, read once the step is
-    queued (nothing before waits for the GPU). health: given each forward's router logits, it counts the experts'
-    load too; replay: each microbatch routes as the engine did (`algorithm.routing_replay`), in its backward too
-    (activation checkpointing recomputes the forward there). A non-finite gradient norm or loss stops the step,
-    naming `what` (checked once the step is queued: the weights it changed in memory are never committed)."""
+    routers' correction bias (`moeloop.steps.rl.router_bias`), that bias then moves by the step's expert load. Returns,
+    on the device, the gradient norm before clipping and the figures summed over this rank's microbatches
+    (`read_steps` reads them): nothing here waits for the GPU, the packing reads the host's lengths (`row_counts`
+    of every row). health: given each forward's router logits, it counts the experts' load too; replay: each
+    microbatch routes as the engine did (`algorithm.routing_replay`), in its backward too (activation
+    checkpointing recomputes the forward there)."""
     settings = config.trainer
     balance_rate = 0.0 if settings.freeze_router else bias_update_rate(settings, model.config.model_type)
     step_load_LE = torch.zeros_like(health.load_LE)
-    microbatches = rank_microbatches(batch, minibatch_rows, settings.max_tokens_per_microbatch, parallel)
-    minibatch_tokens = int(batch.attention_mask_BT[minibatch_rows].sum())
+    microbatches = rank_microbatches(batch, minibatch_rows, settings.max_tokens_per_microbatch, parallel, lengths)
+    minibatch_tokens = sum(lengths[row] for row in minibatch_rows.tolist())
     optimizer.zero_grad(set_to_none=True)
     sums: list[torch.Tensor] = []
     for micro in microbatches:
@@ -96,9 +97,31 @@ def minibatch_step(
     optimizer.step()
     if balance_rate:
         update_correction_biases(health.routers, step_load_LE, balance_rate, parallel)
-    figures = all_reduce_sum([float(value) for value in sums], parallel)
-    require_finite(figures[0], f"the loss of {what}")  # loss_of's first figure is its loss
-    return require_finite(float(grad_norm), f"the gradient norm of {what}"), figures
+    return torch.stack([value.double() for value in (grad_norm, *sums)])
+
+
+def read_steps(
+    steps: list[torch.Tensor], parallel: Parallel, what: Callable[[int], str]
+) -> list[tuple[float, list[float]]]:
+    """`minibatch_step`'s results as (gradient norm, figures summed over the ranks), read from the GPU once, when every
+    step is queued. A non-finite loss (the first figure) or gradient norm stops the update, naming what(number) of
+    the first such step (the weights changed in memory are never committed). Collective: every rank calls it."""
+    norms_S, figures_SF = torch.stack(steps).split([1, len(steps[0]) - 1], dim=1)
+    figures_SF = figures_SF.contiguous()
+    if parallel.world_size > 1:
+        dist.all_reduce(figures_SF)
+    read = []
+    for number, ([norm], figures) in enumerate(zip(norms_S.tolist(), figures_SF.tolist(), strict=True), start=1):
+        require_finite(figures[0], f"the loss of {what(number)}")
+        read.append((require_finite(norm, f"the gradient norm of {what(number)}"), figures))
+    return read
+
+
+def row_counts(batch: ExperienceBatch, mask_BT: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Each row's tokens (what packing reads) and its tokens in mask_BT, on the host: the update's one wait on the
+    GPU before its minibatches, so that the host queues them all without waiting again."""
+    lengths, masked = torch.stack([batch.attention_mask_BT.sum(1), mask_BT.sum(1)]).tolist()
+    return lengths, masked
 
 
 def ppo_advantages(
@@ -203,6 +226,8 @@ def policy_update(
         report["behavior_weight_mean"] = masked_mean(weights_BT, mask_BT)
         report["behavior_weight_truncated"] = masked_mean(truncated_BT.to(weights_BT.dtype), mask_BT)
     loss_mask_BT = mismatch_loss_mask(old_logprobs_BT, batch.behavior_logprobs_BT, mask_BT, algorithm.mismatch, report)
+    if algorithm.overlong.mode == "mask" and batch.truncated_B is not None:  # DAPO's overlong filtering
+        loss_mask_BT = loss_mask_BT & ~batch.truncated_B.unsqueeze(1)
     if critic is None:
         advantages = group_advantages(batch.rewards_B, batch.group_ids_B, scale=algorithm.scale_rewards)
     else:
@@ -257,11 +282,14 @@ def actor_steps(
     algorithm, temperature = config.algorithm, config.rollout.temperature
     replay = algorithm.routing_replay == "rollout"
     health = RouterHealth.of(model, parallel.device)
-    measured: dict[str, Any] = defaultdict(list)
     model.train()
-    for number, minibatch_rows in enumerate(schedule, start=1):
-        num_tokens = max(int(loss_mask_BT[minibatch_rows].sum()), 1)
-        num_sequences = max(int(loss_mask_BT[minibatch_rows].any(1).sum()), 1)  # masked-out sequences drop out
+    lengths, loss_tokens = row_counts(batch, loss_mask_BT)
+    steps, token_counts = [], []
+    for minibatch_rows in schedule:
+        rows_b = minibatch_rows.tolist()
+        num_tokens = max(sum(loss_tokens[row] for row in rows_b), 1)
+        num_sequences = max(sum(loss_tokens[row] > 0 for row in rows_b), 1)  # masked-out sequences drop out
+        token_counts.append(num_tokens)
 
         def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
             logprobs_nT, entropy_nT, router_logits_L = packed_token_logprobs(model, micro, temperature)
@@ -293,10 +321,11 @@ def actor_steps(
             shares = (terms.out_of_range, terms.clipped, terms.dual_clipped)
             return terms.loss, router_logits_L, [terms.loss, entropy_sum, *(share * tokens for share in shares)]
 
-        grad_norm, (loss, *token_sums) = minibatch_step(
-            model, optimizer, batch, minibatch_rows, loss_of, config, parallel, health, replay,
-            f"the policy at minibatch {number} of {len(schedule)}",
-        )  # fmt: skip
+        steps.append(minibatch_step(model, optimizer, batch, minibatch_rows, lengths, loss_of, config, parallel, health,
+                                    replay))  # fmt: skip
+    measured: dict[str, Any] = defaultdict(list)
+    read = read_steps(steps, parallel, lambda number: f"the policy at minibatch {number} of {len(schedule)}")
+    for (grad_norm, (loss, *token_sums)), num_tokens in zip(read, token_counts, strict=True):
         measured["grad_norm"].append(grad_norm)
         measured["loss"].append(loss)
         for name, token_sum in zip(TOKEN_FIGURES, token_sums, strict=True):
@@ -318,11 +347,13 @@ def critic_steps(
 ) -> dict[str, list[float]]:
     """One clipped value-loss step of the critic (with its routers' aux loss) per minibatch of the schedule."""
     mask_BT = batch.response_mask_BT
-    measured: dict[str, list[float]] = defaultdict(list)
     critic.model.train()
     health = RouterHealth.of(critic.model, parallel.device)  # its load, for the correction bias
-    for number, minibatch_rows in enumerate(schedule, start=1):
-        num_tokens = max(int(mask_BT[minibatch_rows].sum()), 1)
+    lengths, mask_tokens = row_counts(batch, mask_BT)
+    steps, token_counts = [], []
+    for minibatch_rows in schedule:
+        num_tokens = max(sum(mask_tokens[row] for row in minibatch_rows.tolist()), 1)
+        token_counts.append(num_tokens)
 
         def loss_of(micro: Microbatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
             values_nT, router_logits_L = packed_token_values(critic.model, micro)
@@ -333,10 +364,11 @@ def critic_steps(
             )  # fmt: skip
             return loss, router_logits_L, [loss, value_clipped * mask_BT[rows].sum()]
 
-        grad_norm, (loss, clipped) = minibatch_step(
-            critic.model, critic.optimizer, batch, minibatch_rows, loss_of, config, parallel, health,
-            what=f"the critic at minibatch {number} of {len(schedule)}",
-        )  # fmt: skip
+        steps.append(minibatch_step(critic.model, critic.optimizer, batch, minibatch_rows, lengths, loss_of, config,
+                                    parallel, health))  # fmt: skip
+    measured: dict[str, list[float]] = defaultdict(list)
+    read = read_steps(steps, parallel, lambda number: f"the critic at minibatch {number} of {len(schedule)}")
+    for (grad_norm, (loss, clipped)), num_tokens in zip(read, token_counts, strict=True):
         measured["critic_grad_norm"].append(grad_norm)
         measured["value_loss"].append(loss)
         measured["value_clip_fraction"].append(clipped / num_tokens)

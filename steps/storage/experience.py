@@ -26,14 +26,14 @@ ROLLOUT_SCHEMA = pa.schema(
         ("sample_id", pa.string()),  # "<iteration>-<prompt_id>-<sample_index>": unique in the run
         ("iteration", pa.int32()),
         ("shard", pa.int32()),
-        ("prompt_id", pa.int64()),  # line number in the run's data/train.jsonl
+        ("prompt_id", pa.int64()),  # row in the run's train prompt set (steps/storage/prompt_set.py)
         ("sample_index", pa.int32()),  # 0..G-1 within the prompt's group
         ("prompt_text", pa.string()),
         ("prompt_token_ids", pa.list_(pa.int32())),
         ("response_token_ids", pa.list_(pa.int32())),
         ("response_text", pa.string()),
         ("behavior_logprobs", pa.list_(pa.float32())),  # the engine's sampling logprob per response token
-        ("finish_reason", pa.string()),  # "stop" or "length"
+        ("finish_reason", pa.string()),  # steps/engines/engine.py:FINISH_REASONS
         ("policy_version", pa.int32()),  # iteration of the checkpoint that generated it
         ("engine", pa.string()),
         # The engine's top-k experts per position and MoE layer, flattened [position][layer][k], from the prompt's

@@ -6,12 +6,14 @@ README.md in this folder.
 
     <run>/config.yaml                                  the run's config (written by start; a later submission
                                                        may change only iterations and placement)
-    <run>/data/{train,eval}.jsonl                      the prompts, copied in by start
+    <run>/data/{train,eval}/                           the prompt sets, committed by start (Parquet shards +
+                                                       COMMIT; runs started before: data/{train,eval}.jsonl)
     <run>/reward-models/model-KK/                      reward.models[K], committed by start (HF files + COMMIT)
     <run>/data/model-source.json                       model.checkpoint's files as start first found them,
                                                        when it has no COMMIT (sizes and digests)
     <run>/checkpoints/iter-NNNNNN/                     HF checkpoint of the policy after iteration N
     <run>/checkpoints/iter-NNNNNN/COMMIT               written last: names every file with its size and digest
+    <run>/deltas/iter-NNNNNN/                          its weights' digests, and the elements changed since N-1 + COMMIT
     <run>/experience/iter-NNNNNN/rollout-SSSSS-of-KKKKK.parquet   one rollout shard
     <run>/experience/iter-NNNNNN/rewards.parquet       one row per sample
     <run>/experience/iter-NNNNNN/COMMIT                written last (by reward): names the shards and rewards
@@ -95,13 +97,25 @@ class RunStorage:
     # -- the layout -------------------------------------------------------------------------
     CONFIG = "config.yaml"
     LATEST = "LATEST"
-    TRAIN_PROMPTS = "data/train.jsonl"
-    EVAL_PROMPTS = "data/eval.jsonl"
     MODEL_SOURCE = "data/model-source.json"
+
+    @staticmethod
+    def prompt_set(split: str) -> str:
+        """The committed prompt set of split, train or eval (steps/storage/prompt_set.py)."""
+        return f"data/{split}"
+
+    @staticmethod
+    def prompt_lines(split: str) -> str:
+        """A run started before prompt sets were committed holds its prompts here, as JSON Lines."""
+        return f"data/{split}.jsonl"
 
     @staticmethod
     def checkpoint(iteration: int) -> str:
         return f"checkpoints/{iteration_dir(iteration)}"
+
+    @staticmethod
+    def delta(iteration: int) -> str:
+        return f"deltas/{iteration_dir(iteration)}"
 
     @staticmethod
     def trainer_state(iteration: int) -> str:
@@ -282,6 +296,21 @@ class RunStorage:
         """Objects of a committed folder, in memory, each verified against the manifest."""
         return self._read_verified(folder, {name: manifest["files"][name] for name in names}, None)
 
+    def read_verified_ranges(
+        self, folder: str, manifest: dict[str, Any], ranges: list[tuple[str, int, int, str]]
+    ) -> list[bytes]:
+        """Byte ranges (object, offset, length, BLAKE3 hex digest) of a committed folder's objects, fetched in parallel
+        and each checked against its digest (a prompt set's row groups, whose COMMIT lists theirs: prompt_set.py)."""
+        read_piece = self.backend.part_reader(folder)
+        sizes = {name: manifest["files"][name]["size"] for name, *_ in ranges}
+        pending = [s3.pool().submit(read_piece, name, offset, length, sizes[name]) for name, offset, length, _ in ranges]
+        pieces = [future.result() for future in pending]
+        for (name, offset, length, digest), data in zip(ranges, pieces, strict=True):
+            if part_digest(data).hex() != digest:
+                shown = self.display(f"{folder}/{name}")
+                raise MoeloopError(f"object does not match its {COMMIT} (bytes {offset}..{offset + length}): {shown}")
+        return pieces
+
     def fetch_as_found(self, folder: str, local_dir: Path) -> dict[str, dict[str, Any]]:
         """Download every object under a folder that has no COMMIT to be verified against (a starting model
         uploaded from outside moeloop), each checked against its listed size: their entries, computed from
@@ -418,5 +447,4 @@ def open_run(run_uri: str) -> tuple[RunStorage, MoeloopConfig]:
     """The run's storage and the config its start committed; a one-line error where there is no run."""
     storage = RunStorage(run_uri)
     storage.require_run()
-    config = parse_config_text(storage.read_bytes(RunStorage.CONFIG), storage.display(RunStorage.CONFIG))
-    return storage, config
+    return storage, parse_config_text(storage.read_bytes(RunStorage.CONFIG), storage.display(RunStorage.CONFIG))

@@ -3,7 +3,7 @@ after every publish of moeloop's chunk and submits the template and a Workflow t
 
 from __future__ import annotations
 
-import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +21,7 @@ from tests.argo_stand_in import (
     write_config,
 )
 from tests.conftest import REPO
+from tests.processes import run_command
 from moeloop.workflows.lint.documents import lint_document
 from moeloop.workflows.render.loop import render
 
@@ -46,11 +47,10 @@ def test_the_example_adds_a_task_after_each_publish_and_submits_with_hera(tmp_pa
         ("POST", WORKFLOWS): stored("workflow"),
     }
     with argo_stand_in(routes) as (host, recorded):
-        environment = {**os.environ, "PYTHONPATH": str(REPO)}
-        result = subprocess.run(
+        result = run_command(
             [sys.executable, "examples/notify_after_publish.py", str(write_config(tmp_path)), "--host", host,
              "--namespace", NAMESPACE, "--root", RUN_URI.rsplit("/", 1)[0], "--webhook", "https://hooks.example.com/rl"],
-            cwd=REPO, env=environment, capture_output=True, text=True, timeout=120, check=False,
+            timeout=120,
         )  # fmt: skip
     assert (result.returncode, result.stdout) == (0, "cluster-test-x7k2p\n"), result.stderr
     assert [(r.method, r.path) for r in recorded] == [
@@ -89,3 +89,65 @@ def test_the_example_adds_a_task_after_each_publish_and_submits_with_hera(tmp_pa
 
 
 pytestmark = pytest.mark.filterwarnings("ignore:The `json` method is deprecated:DeprecationWarning")
+
+
+EKS = REPO / "configs" / "eks.yaml"
+
+
+def run_example(config: Path, host: str, *more: str) -> subprocess.CompletedProcess[str]:
+    return run_command(
+        [sys.executable, "examples/notify_after_publish.py", str(config), "--host", host, "--namespace", NAMESPACE,
+         "--root", "s3://moeloop-runs/runs", *more],
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_the_example_on_the_8_shard_jobset_config_fits_argos_200_tasks() -> None:
+    """configs/eks.yaml fills a chunk to 197 tasks (16 iterations of 12): a notify task an iteration leaves room for
+    15 iterations, and what is sent lints clean, as moeloop render's objects do."""
+    routes = {
+        ("GET", f"{TEMPLATES}/moeloop-tiny-eks"): lambda request: argo_error(404, "not found"),
+        ("POST", TEMPLATES): stored("template"),
+        ("POST", WORKFLOWS): stored("workflow"),
+    }
+    with argo_stand_in(routes) as (host, recorded):
+        result = run_example(EKS, host)
+    assert (result.returncode, result.stdout) == (0, "tiny-eks-x7k2p\n"), result.stderr
+    template = recorded[1].body["template"]
+    assert request_errors(recorded[1].body, "WorkflowTemplateCreateRequest") == []
+    assert lint_document(template) == [] and lint_document(recorded[2].body["workflow"]) == []
+    chunk = template["spec"]["templates"][0]["dag"]["tasks"]
+    assert len(chunk) == 5 + 15 * 13 == 200
+    assert len([task for task in chunk if task["name"].endswith("-notify")]) == 15
+    plan = next(task for task in chunk if task["name"] == "plan")
+    assert {"name": "chunk", "value": "15"} in plan["arguments"]["parameters"]
+
+
+def test_the_example_sends_nothing_that_does_not_lint(tmp_path: Path) -> None:
+    """Without the room, the chunk with its notify tasks is over Argo's limit, and lint says so; the example asks for
+    the room, so what it refuses is anything else that does not lint, e.g. a webhook with an Argo expression in it,
+    and a chunk_iterations set too large for the added task."""
+    from moeloop.steps.config import load_config
+    from moeloop.workflows.dag import run_uri
+    from moeloop.workflows.render.loop import build
+
+    example = runpy.run_path(str(REPO / "examples" / "notify_after_publish.py"))
+    config = load_config(EKS)
+    plain = build(config, run_uri(config, "s3://moeloop-runs/runs"))
+    crowded = example["with_notifications"](plain, "https://h.example.com")
+    assert any("dag.tasks" in str(error) and "200" in str(error) for error in lint_document(crowded.template.to_dict()))
+
+    with argo_stand_in({}) as (host, recorded):
+        expression = run_example(EKS, host, "--webhook", "https://h.example.com/{{inputs.parameters.token}}")
+        sixteen = EKS.read_text().replace("  train_nodes: 2", "  train_nodes: 2\n  chunk_iterations: 16")
+        (tmp_path / "eks.yaml").write_text(sixteen)
+        (tmp_path / "data").symlink_to(REPO / "configs" / "data")
+        too_many = run_example(tmp_path / "eks.yaml", host)
+    assert recorded == []
+    assert expression.returncode == 2 and "inputs.parameters.token" in expression.stderr
+    assert expression.stderr.splitlines()[-1] == "error: 1 lint error(s): nothing sent"
+    assert (too_many.returncode, too_many.stderr) == (
+        2,
+        "error: cluster.chunk_iterations 16 makes a Workflow of more than 200 tasks at 13 tasks per iteration"
+        " (1 of your own); at most 15\n",
+    )

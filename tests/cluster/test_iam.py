@@ -24,6 +24,9 @@ CHECKPOINT_1 = f"{RunStorage.checkpoint(1)}/model.safetensors"
 CHECKPOINT_0 = f"{RunStorage.checkpoint(0)}/model.safetensors"
 TRAINER_1 = f"{RunStorage.trainer_state(1)}/{OPTIMIZER_DIR}/{METADATA}"
 EXPERIENCE_COMMIT = f"{RunStorage.experience(1)}/COMMIT"
+TRAIN_PROMPTS = [f"{RunStorage.prompt_set('train')}/{name}" for name in ("COMMIT", "prompts-00000-of-00001.parquet")]
+EVAL_PROMPTS = [f"{RunStorage.prompt_set('eval')}/{name}" for name in ("COMMIT", "prompts-00000-of-00001.parquet")]
+OLD_PROMPTS = {split: RunStorage.prompt_lines(split) for split in ("train", "eval")}  # runs started before the sets
 
 
 def policy(step: str) -> dict[str, Any]:
@@ -78,16 +81,17 @@ def can_list(step: str, prefix: str) -> bool:
 NEEDS = {
     "start": {
         READ: [RunStorage.CONFIG, RunStorage.LATEST, f"{RunStorage.checkpoint(0)}/COMMIT"],
-        WRITE: [RunStorage.CONFIG, RunStorage.TRAIN_PROMPTS, RunStorage.EVAL_PROMPTS, RunStorage.MODEL_SOURCE]
+        WRITE: [RunStorage.CONFIG, *TRAIN_PROMPTS, *EVAL_PROMPTS, RunStorage.MODEL_SOURCE]
         + [CHECKPOINT_0]
         + [f"{RunStorage.checkpoint(0)}/COMMIT", RunStorage.report(0, "start"), RunStorage.LATEST],
     },
     "rollout": {
-        READ: [RunStorage.CONFIG, RunStorage.TRAIN_PROMPTS, CHECKPOINT_0, f"{RunStorage.checkpoint(0)}/COMMIT", SHARD],
+        READ: [RunStorage.CONFIG, *TRAIN_PROMPTS, OLD_PROMPTS["train"], CHECKPOINT_0, SHARD]
+        + [f"{RunStorage.checkpoint(0)}/COMMIT"],
         WRITE: [SHARD, RunStorage.report(1, "rollout-0")],
     },
     "reward": {
-        READ: [RunStorage.CONFIG, RunStorage.TRAIN_PROMPTS, SHARD, EXPERIENCE_COMMIT],
+        READ: [RunStorage.CONFIG, *TRAIN_PROMPTS, OLD_PROMPTS["train"], SHARD, EXPERIENCE_COMMIT],
         WRITE: [RunStorage.rewards(1), EXPERIENCE_COMMIT, RunStorage.report(1, "reward")],
     },
     "train": {
@@ -101,7 +105,7 @@ NEEDS = {
         WRITE: [CHECKPOINT_1, f"{RunStorage.checkpoint(1)}/COMMIT", RunStorage.LATEST, RunStorage.report(1, "publish")],
     },
     "evaluate": {
-        READ: [RunStorage.CONFIG, RunStorage.EVAL_PROMPTS, CHECKPOINT_1, RunStorage.report(1, "train")]
+        READ: [RunStorage.CONFIG, *EVAL_PROMPTS, OLD_PROMPTS["eval"], CHECKPOINT_1, RunStorage.report(1, "train")]
         + [RunStorage.metrics(1)],
         WRITE: [RunStorage.metrics(1), RunStorage.report(1, "evaluate")],
     },
@@ -109,8 +113,9 @@ NEEDS = {
 
 # What each step must not be able to do: the data of the other roles.
 FORBIDDEN_WRITES = {
-    "start": [CHECKPOINT_1, SHARD, TRAINER_1, RunStorage.metrics(0)],
+    "start": [CHECKPOINT_1, SHARD, TRAINER_1, RunStorage.metrics(0), *OLD_PROMPTS.values()],
     "rollout": [CHECKPOINT_1, f"{RunStorage.checkpoint(1)}/COMMIT", RunStorage.LATEST, RunStorage.rewards(1)]
+    + TRAIN_PROMPTS
     + [EXPERIENCE_COMMIT, TRAINER_1, RunStorage.CONFIG, RunStorage.report(1, "train")],
     "reward": [SHARD, CHECKPOINT_1, TRAINER_1, RunStorage.LATEST, RunStorage.CONFIG],
     "train": [SHARD, RunStorage.rewards(1), EXPERIENCE_COMMIT, CHECKPOINT_1, RunStorage.LATEST, RunStorage.CONFIG],

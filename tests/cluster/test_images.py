@@ -99,6 +99,20 @@ def test_the_trainer_pins_deepep_nccl_nvshmem_and_runs_the_efa_installer_for_con
     assert "EP_JIT_CACHE_DIR=/tmp/" in environment  # DeepEP compiles kernels at run time, as the non-root user
 
 
+def test_the_trainer_installs_flash_attention_4_pinned_over_its_own_torch() -> None:
+    """trainer.attention auto takes FlashAttention-4 where it runs (steps/model/attention.py): the image installs
+    flash-attn-4 at a pinned release, with its CUDA-13 CuTe DSL libraries, after torch and held to that torch."""
+    text = dockerfile("trainer")
+    assert re.fullmatch(r"\d+\.\d+\.\d+(b\d+)?", build_args(text)["FLASH_ATTN_4_VERSION"])
+    runs = [rest for instruction, rest in instructions(text) if instruction == "RUN"]
+    torch_run = next(i for i, run in enumerate(runs) if '"torch==${TORCH_VERSION}" --index-url' in run)
+    flash_run = next(i for i, run in enumerate(runs) if "flash-attn-4" in run)
+    flash = runs[flash_run]
+    assert flash_run > torch_run and '"flash-attn-4[cu13]==${FLASH_ATTN_4_VERSION}"' in flash
+    constraint = re.search(r'echo "torch==\$\{TORCH_VERSION\}" > (\S+)', flash)
+    assert constraint and f"--constraint {constraint.group(1)}" in flash, "torch must stay the one installed"
+
+
 def test_the_reader_itself() -> None:
     text = 'ARG A=1\nARG B="x y"\n# RUN hidden\nRUN one \\\n  two\nUSER 1000:1000\n'
     assert build_args(text) == {"A": "1", "B": "x y"}

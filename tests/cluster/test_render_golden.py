@@ -14,7 +14,6 @@ import pytest
 
 from benchmarks.render_lint import render_and_lint
 from moeloop.steps.config import load_config
-from tests.argo_stand_in import moeloop
 from tests.conftest import REPO
 from moeloop.workflows.dag import run_uri
 from moeloop.workflows.render.files import write_rendered

@@ -75,8 +75,8 @@ CASES = [(name, variable) for name, text in MANIFESTS.items() for variable in so
 
 
 def test_the_sweep_covers_every_resource_manifest_and_the_submit_form() -> None:
-    assert {name.split(" ")[0] for name in MANIFESTS} == {"label", "next-chunk", "train"}
-    jobset = MANIFESTS["train (2 node(s))"]
+    assert {name.split(" ")[0] for name in MANIFESTS} == {"label", "next-chunk", "train-jobset"}
+    jobset = MANIFESTS["train-jobset (2 node(s))"]
     assert {"workflow.parameters.run", "inputs.parameters.iteration"} <= variables(jobset)
     assert {f"workflow.parameters.{name}" for name in PARAMETERS} <= variables(MANIFESTS["next-chunk (1 node(s))"])
 

@@ -4,8 +4,6 @@ figures every step writes for its output parameters, and start's run parameters 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,8 @@ from moeloop.steps.errors import MoeloopError
 from moeloop.steps.outputs import OUTPUTS_ENV
 from moeloop.steps.start import with_run_arguments
 from moeloop.steps.storage.run import RunStorage
-from tests.conftest import REPO, small_config
+from tests.conftest import small_config
+from tests.processes import run_step
 
 
 def stored_run(root: Path, iterations: int, latest: int | None, evaluated: tuple[int, ...] = ()) -> str:
@@ -67,14 +66,7 @@ def test_chunk_cli_writes_the_outputs_argo_reads(tmp_path: Path) -> None:
     """The pod's command as the template runs it: its output files are what `when` and the slots read."""
     run = stored_run(tmp_path, 5, latest=2, evaluated=(2,))
     outputs = tmp_path / "outputs"
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), OUTPUTS_ENV: str(outputs)}
-    done = subprocess.run(
-        [sys.executable, "-m", "moeloop.steps.chunk", "--run", run, "--chunk", "2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = run_step("chunk", run, None, "--chunk", "2", env={OUTPUTS_ENV: str(outputs)})
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["first"] == 3
     files = {path.name: path.read_text() for path in outputs.iterdir()}

@@ -180,7 +180,10 @@ def test_success_without_a_workflow_is_an_error() -> None:
         pytest.raises(MoeloopError) as raised,
     ):
         submit(host)
-    expected = f"Argo server {host} did not answer create Workflow {NAMESPACE}/cluster-test- with the expected object"
+    expected = (
+        f"Argo server {host} did not answer create Workflow {NAMESPACE}/cluster-test- with the expected object:"
+        " metadata: Input should be a valid dictionary or instance of ObjectMeta; no spec"
+    )
     assert str(raised.value) == expected
 
 

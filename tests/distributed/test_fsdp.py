@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3MoeForCausalLM
 
@@ -27,6 +26,7 @@ from moeloop.steps.rl.parallel import Parallel, clip_grad_norm, expert_parameter
 from moeloop.steps.rl.state import load_trainer_model
 from tests.unit.test_moe import tiny_config
 from tests.distributed.test_train_ep import free_port, whole
+from tests.processes import spawn_ranks
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 MAX_NORM = 0.05  # below the gradient's norm: clipping acts
@@ -130,4 +130,4 @@ def run_rank(rank: int, world_size: int, port: int, ref: Reference) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_dp_x_ep_updates_equal_one_process(tmp_path: Path) -> None:
-    mp.spawn(run_rank, args=(4, free_port(), reference(tmp_path)), nprocs=4, join=True)
+    spawn_ranks(run_rank, (4, free_port(), reference(tmp_path)), 4)

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 from moeloop.steps.model.deepep import DeepEPDispatcher
 from moeloop.steps.model.dispatch import AllToAllDispatcher, make_dispatcher
 from moeloop.steps.model.moe import MoeBlock, gather_over, hf_state_dict, replace_moe_blocks
+from tests.processes import spawn_ranks
 from tests.unit.test_moe import FAMILY_NAMES, NUM_EXPERTS, forward_backward, skewed_block, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -77,7 +77,7 @@ def assert_grads_close(
 def run_ranks(worker, world_size: int, tmp_path: Path, *args: object, backend: str = "gloo") -> None:
     """worker(rank, world_size, *args) in world_size processes; a failed assertion in any fails the test."""
     store = str(tmp_path / "store")
-    mp.spawn(_init_and_run, args=(world_size, store, backend, worker, args), nprocs=world_size, join=True)
+    spawn_ranks(_init_and_run, (world_size, store, backend, worker, args), world_size)
 
 
 def _init_and_run(rank: int, world_size: int, store: str, backend: str, worker, args: tuple) -> None:

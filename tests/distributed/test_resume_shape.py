@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
 from moeloop.steps.config import MoeloopConfig
@@ -28,6 +27,7 @@ from moeloop.steps.storage.run import RunStorage
 from tests.unit.test_moe import tiny_config
 from tests.conftest import small_config
 from tests.distributed.test_train_ep import experience, free_port
+from tests.processes import spawn_ranks
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 SEEDS = (7, 8)  # the first update's, the next one's
@@ -78,7 +78,7 @@ def run_rank(rank: int, world_size: int, port: int, expert_parallel: int, offloa
 
 
 def spawn(world_size: int, expert_parallel: int, offload: bool, folder: Path) -> dict:
-    mp.spawn(run_rank, args=(world_size, free_port(), expert_parallel, offload, folder), nprocs=world_size, join=True)
+    spawn_ranks(run_rank, (world_size, free_port(), expert_parallel, offload, folder), world_size)
     return torch.load(folder / f"next-{world_size}.pt", weights_only=True)
 
 

@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
 from moeloop.steps.config import MoeloopConfig, TrainerConfig
-from moeloop.steps.model.attention import VARLEN
+from moeloop.steps.model.attention import PACKED_ATTENTION
 from moeloop.steps.model.dispatch import make_dispatcher
 from moeloop.steps.model.families import num_experts
 from moeloop.steps.model.logprobs import body_forward, use_logprob_head
@@ -36,6 +35,7 @@ from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, read_whole, write_hf_chec
 from moeloop.steps.rl.state import load_trainer_model, make_optimizer, save_trainer_state
 from moeloop.steps.rl.update import policy_update
 from tests.conftest import small_config
+from tests.processes import spawn_ranks
 from tests.unit.test_moe import FAMILY_NAMES, NUM_EXPERTS, tiny_config
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
@@ -124,7 +124,7 @@ class Reference:
 def for_packed_forwards(model: torch.nn.Module) -> torch.nn.Module:
     """HF's model as the trainer's forwards take it (logprob head, packed attention), not sharded."""
     use_logprob_head(model)
-    model.config._attn_implementation = VARLEN
+    model.config._attn_implementation = PACKED_ATTENTION["sdpa"]
     return model
 
 
@@ -216,7 +216,7 @@ def run_rank(rank: int, world_size: int, port: int, meshes: list[tuple[int, bool
 
 
 def spawn(world_size: int, meshes: list[tuple[int, bool]], ref: Reference, save_to: Path | None = None) -> None:
-    mp.spawn(run_rank, args=(world_size, free_port(), meshes, ref, save_to), nprocs=world_size, join=True)
+    spawn_ranks(run_rank, (world_size, free_port(), meshes, ref, save_to), world_size)
 
 
 def test_trainer_forward_shares_compiled_layers() -> None:

@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,9 +18,14 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.processes import TIMEOUT, cli_command, moeloop_cli, run_step, start_process
+from moeloop.workflows.local.logs import LOGS, log_folder
+
+# Every test's processes find the checkpoint cache in its own folder.
+pytestmark = pytest.mark.usefixtures("private_cache")
+
 TINY = REPO / "configs" / "tiny.yaml"
 DATA = REPO / "configs" / "data"
-STEP_TIMEOUT = 300
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,30 +60,6 @@ def unique_run_name() -> str:
     return f"bad-input-{uuid.uuid4().hex[:8]}"
 
 
-def environment(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "MOELOOP_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-
-
-def run_process(args: list[str], tmp_path: Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args],
-        check=False,
-        cwd=cwd,
-        env=environment(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=STEP_TIMEOUT,
-    )
-
-
-def moeloop(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return run_process(["-m", "moeloop.workflows.cli", *args], tmp_path)
-
-
-def step(name: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return run_process(["-m", f"moeloop.steps.{name}", *args], tmp_path)
-
-
 def assert_user_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
     """A non-zero exit, no traceback, stderr's last line is `error: ...` and names every needle."""
     output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
@@ -107,7 +87,7 @@ def snapshot(root: Path) -> dict[str, str]:
 
 def assert_nothing_created(root: Path, run_name: str) -> None:
     assert not root.exists(), f"created under the storage root: {sorted(snapshot(root))}"
-    assert not (REPO / ".moeloop" / "logs" / run_name).exists(), "the runner made a log folder for a refused run"
+    assert not list((REPO / LOGS).glob(f"{run_name}-*")), "the runner made a log folder for a refused run"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +108,7 @@ def test_run_rejects_a_config_with_a_bad_key(tmp_path: Path, dotted: str, value:
     config = write_config(tmp_path, tiny_config(run_name=name, **{dotted: value}))
     root = tmp_path / "root"
 
-    result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress")
 
     last = assert_user_error(result, named, str(config))
     assert f"error: config {config}: {dotted}: " in last
@@ -142,7 +122,7 @@ def test_run_rejects_a_missing_prompt_file(tmp_path: Path, which: str) -> None:
     config = write_config(tmp_path, tiny_config(run_name=name, **{f"task.{which}": str(missing)}))
     root = tmp_path / "root"
 
-    result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress")
 
     assert_user_error(result, "prompt file not found", str(missing))
     assert_nothing_created(root, name)
@@ -155,7 +135,7 @@ def test_run_resolves_a_relative_prompt_path_against_the_config_and_names_it(tmp
     )
     root = tmp_path / "root"
 
-    result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress")
 
     assert_user_error(result, "prompt file not found", str(tmp_path / "configs" / "data" / "missing.jsonl"))
     assert_nothing_created(root, name)
@@ -178,7 +158,7 @@ def test_run_rejects_a_reward_path_that_does_not_import(tmp_path: Path, path: st
     config = write_config(tmp_path, data)
     root = tmp_path / "root"
 
-    result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress")
 
     assert_user_error(result, f"reward function {path!r} does not import", named)
     assert_nothing_created(root, name)
@@ -191,7 +171,7 @@ def test_run_rejects_a_reward_path_without_a_function(tmp_path: Path) -> None:
     config = write_config(tmp_path, data)
     root = tmp_path / "root"
 
-    result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress")
 
     assert_user_error(result, "reward.functions.0.path", "moeloop.steps.demo_task")
     assert_nothing_created(root, name)
@@ -205,7 +185,7 @@ def test_run_rejects_a_reward_path_without_a_function(tmp_path: Path) -> None:
 def test_rollout_on_a_run_that_does_not_exist_names_the_run(tmp_path: Path) -> None:
     run = tmp_path / "does-not-exist"
 
-    result = step("rollout", ["--run", str(run), "--iteration", "1", "--shard", "0", "--num-shards", "2"], tmp_path)
+    result = run_step("rollout", run, 1, "--shard", "0", "--num-shards", "2")
 
     assert_user_error(result, "run does not exist", str(run))
     assert not run.exists()
@@ -214,7 +194,7 @@ def test_rollout_on_a_run_that_does_not_exist_names_the_run(tmp_path: Path) -> N
 def test_publish_on_a_run_that_does_not_exist_names_the_run(tmp_path: Path) -> None:
     run = tmp_path / "does-not-exist"
 
-    result = step("publish", ["--run", str(run), "--iteration", "1"], tmp_path)
+    result = run_step("publish", run, 1)
 
     assert_user_error(result, "run does not exist", str(run))
     assert not run.exists()
@@ -264,7 +244,7 @@ def test_step_of_an_iteration_whose_inputs_are_missing(
     latest_before = (started_run / "LATEST").read_bytes()
     before = snapshot(started_run)
 
-    result = step(name, ["--run", str(started_run), "--iteration", "2", *extra], tmp_path)
+    result = run_step(name, started_run, 2, *extra)
 
     assert_user_error(result, f"{started_run}/{named}")
     assert (started_run / "LATEST").read_bytes() == latest_before
@@ -277,7 +257,7 @@ def test_step_of_an_iteration_whose_inputs_are_missing(
 def test_step_outside_the_runs_iterations(started_run: Path, tmp_path: Path, iteration: str) -> None:
     before = snapshot(started_run)
 
-    result = step("publish", ["--run", str(started_run), "--iteration", iteration], tmp_path)
+    result = run_step("publish", started_run, iteration)
 
     assert_user_error(result, f"iteration {iteration} is outside this run's iterations 1..3")
     assert snapshot(started_run) == before
@@ -306,7 +286,7 @@ def test_start_refuses_a_config_that_differs_and_names_the_key(run_copy: Path, t
     before = snapshot(run_copy)
     stored = (run_copy / "config.yaml").read_bytes()
 
-    result = step("start", ["--run", str(run_copy), "--iteration", "0", "--config", str(config)], tmp_path)
+    result = run_step("start", run_copy, 0, "--config", str(config))
 
     assert_user_error(result, "already holds a different config", "rollout.temperature")
     assert (run_copy / "config.yaml").read_bytes() == stored
@@ -319,7 +299,7 @@ def test_start_accepts_a_config_that_changes_only_iterations(run_copy: Path, tmp
     stored = yaml.safe_load((run_copy / "config.yaml").read_text())
     commit = (run_copy / "checkpoints" / "iter-000000" / "COMMIT").read_bytes()
 
-    result = step("start", ["--run", str(run_copy), "--iteration", "0", "--config", str(config)], tmp_path)
+    result = run_step("start", run_copy, 0, "--config", str(config))
 
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"skipped": "checkpoint 0 already committed"}
@@ -340,18 +320,17 @@ def test_resumed_local_run_refuses_a_config_that_differs(run_copy: Path, tmp_pat
     soon as it launches any other step."""
     config = start_config(tmp_path, **{"rollout.temperature": 0.7})
     before = snapshot(run_copy)
-    logs = tmp_path / ".moeloop" / "logs" / run_copy.name
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root", str(run_copy.parent), "--no-progress"],
+    logs = tmp_path / log_folder(str(run_copy))
+    process = start_process(
+        cli_command("run", str(config), "--root", str(run_copy.parent), "--no-progress"),
         cwd=tmp_path,
-        env=environment(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     others: list[str] = []
-    deadline = time.monotonic() + STEP_TIMEOUT
+    deadline = time.monotonic() + TIMEOUT
     while process.poll() is None and time.monotonic() < deadline:
         # warm-*.log: the workers' imports, started with the run (workflows/local/launch.py:warm_workers), not steps
         others = sorted(p.name for p in logs.glob("*.log") if p.name != "start.log" and not p.name.startswith("warm-"))
@@ -394,11 +373,11 @@ def test_lint_fails_on_a_manifest_with_an_unknown_key(tmp_path: Path) -> None:
     good = tmp_path / "good.yaml"
     good.write_text(MANIFEST.format(service_account_key="serviceAccountName"))
 
-    result = moeloop(["lint", str(bad)], tmp_path)
+    result = moeloop_cli("lint", str(bad))
 
     assert_user_error(result, "1 lint error(s)")
     assert f"{bad}: Workflow/hello-: spec:" in result.stdout
     assert "serviceAcountName" in result.stdout
-    control = moeloop(["lint", str(good)], tmp_path)
+    control = moeloop_cli("lint", str(good))
     assert control.returncode == 0, control.stdout + control.stderr
     assert control.stdout.strip() == f"ok: {good}"

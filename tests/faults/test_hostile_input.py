@@ -32,30 +32,10 @@ from tests.faults.test_bad_input import (
     unique_run_name,
     write_config,
 )
+from tests.processes import TIMEOUT, cli_command, moeloop_cli, run_command, run_step, start_process, step_command
 
-from tests.conftest import REPO
-TIMEOUT = 300
-
-
-def environment(tmp_path: Path, **extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "MOELOOP_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", **extra}
-
-
-def python(args: list[str], tmp_path: Path, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args],
-        check=False,
-        cwd=tmp_path,
-        env=environment(tmp_path, **extra),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-
-
-def moeloop(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return python(["-m", "moeloop.workflows.cli", *args], tmp_path)
+# Every test's processes find the checkpoint cache in its own folder, and run there.
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -87,7 +67,7 @@ def strict_json(path: Path) -> Any:
 def run_with(tmp_path: Path, data: dict[str, Any]) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
     config = write_config(tmp_path / "configs", data)
     root = tmp_path / "root"
-    return moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path), config, root
+    return moeloop_cli("run", str(config), "--root", str(root), "--no-progress", cwd=tmp_path), config, root
 
 
 def run_with_prompts(tmp_path: Path, key: str, prompts: Path) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
@@ -197,8 +177,8 @@ def test_a_run_name_too_long_says_so(tmp_path: Path) -> None:
 def test_run_and_render_refuse_a_root_that_is_no_storage(tmp_path: Path, root: str, named: str) -> None:
     config = write_config(tmp_path / "configs", tiny_config(run_name=unique_run_name()))
 
-    one_line_error(moeloop(["run", str(config), "--root", root, "--no-progress"], tmp_path), named)
-    one_line_error(moeloop(["render", str(config), "--root", root, "-o", str(tmp_path / "out")], tmp_path), named)
+    one_line_error(moeloop_cli("run", str(config), "--root", root, "--no-progress", cwd=tmp_path), named)
+    one_line_error(moeloop_cli("render", str(config), "--root", root, "-o", str(tmp_path / "out"), cwd=tmp_path), named)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"], "something was written beside the config"
 
 
@@ -208,7 +188,7 @@ def test_run_refuses_a_root_that_is_a_file(tmp_path: Path) -> None:
     name = unique_run_name()
     config = write_config(tmp_path / "configs", tiny_config(run_name=name))
 
-    result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress", cwd=tmp_path)
 
     one_line_error(result, f"cannot create the run's folder {root}/{name}: ")
     assert root.read_text() == "not a folder\n" and not (tmp_path / ".moeloop").exists()
@@ -254,9 +234,9 @@ def test_a_config_path_that_is_no_config_file(tmp_path: Path, kind: str, named: 
     root = tmp_path / "root"
 
     for command in (["run", str(path), "--root", str(root)], ["render", str(path), "-o", str(tmp_path / "out")]):
-        one_line_error(moeloop(command, tmp_path), named.format(path=path))
-    start = ["-m", "moeloop.steps.start", "--run", str(root / "x"), "--iteration", "0", "--config", str(path)]
-    one_line_error(python(start, tmp_path), named.format(path=path))
+        one_line_error(moeloop_cli(*command, cwd=tmp_path), named.format(path=path))
+    start = run_step("start", root / "x", 0, "--config", str(path), cwd=tmp_path)
+    one_line_error(start, named.format(path=path))
     refused_before_anything(tmp_path, root)
     assert not (tmp_path / "out").exists()
 
@@ -276,7 +256,7 @@ def test_a_config_file_whose_text_is_no_config(tmp_path: Path, text: str, named:
     path.write_text(text)
     root = tmp_path / "root"
 
-    one_line_error(moeloop(["run", str(path), "--root", str(root)], tmp_path), f"config {path}: ", named)
+    one_line_error(moeloop_cli("run", str(path), "--root", str(root), cwd=tmp_path), f"config {path}: ", named)
     refused_before_anything(tmp_path, root)
 
 
@@ -293,11 +273,13 @@ def test_a_prompt_file_with_a_byte_that_is_not_utf8_is_named_with_its_line(tmp_p
 @pytest.mark.parametrize(
     ("kind", "named"),
     [
-        pytest.param("directory", "prompt file is a directory, not a file: {path}", id="directory"),
+        pytest.param(
+            "directory", "prompt set {path}: a folder with no *.parquet or *.jsonl file", id="folder-of-no-prompts"
+        ),
         pytest.param("symlink-loop", "cannot read prompt file {path}: Too many levels of symbolic links", id="loop"),
     ],
 )
-def test_a_prompt_path_that_is_no_file(tmp_path: Path, kind: str, named: str) -> None:
+def test_a_prompt_path_that_is_no_prompt_set(tmp_path: Path, kind: str, named: str) -> None:
     path = bad_file(tmp_path, kind)
     result, _, root = run_with_prompts(tmp_path, "task.eval_prompts", path)
 
@@ -321,7 +303,11 @@ def test_prompts_without_the_answer_that_sft_trains_on(tmp_path: Path) -> None:
     write_jsonl(prompts, records)
     result, _, root = run_with_prompts(tmp_path, "task.train_prompts", prompts)
 
-    one_line_error(result, f"{prompts}: prompt 7 has no string 'answer', which model.sft trains the tiny model on")
+    one_line_error(
+        result,
+        f"{prompts}: prompt 7 has no string 'answer' (nor reward_model.ground_truth), which model.sft trains the"
+        " tiny model on",
+    )
     refused_before_anything(tmp_path, root)
 
 
@@ -339,61 +325,59 @@ def test_a_reward_module_that_fails_as_it_imports(tmp_path: Path) -> None:
 # Every entry point's usage errors are one line too
 
 
-MOELOOP, SERVER = ["-m", "moeloop.workflows.cli"], ["--host", "http://127.0.0.1:9"]
+SERVER = ["--host", "http://127.0.0.1:9"]
 
 
 @pytest.mark.parametrize(
-    ("args", "named"),
+    ("command", "named"),
     [
         pytest.param(
-            [*MOELOOP, "run", "c.yaml", "--iterations", "many"],
+            cli_command("run", "c.yaml", "--iterations", "many"),
             "error: moeloop run: argument --iterations: invalid int value: 'many'",
             id="moeloop-run",
         ),
-        pytest.param([*MOELOOP, "frobnicate"], "error: moeloop: argument command: invalid choice", id="moeloop"),
+        pytest.param(cli_command("frobnicate"), "error: moeloop: argument command: invalid choice", id="moeloop"),
         pytest.param(
-            ["-m", "moeloop.steps.publish", "--run", "r", "--iteration", "one"],
+            step_command("publish", "r", "one"),
             "argument --iteration: invalid int value: 'one'",
             id="step",
         ),
         pytest.param(
-            ["-m", "moeloop.steps.rollout", "--run", "r", "--iteration", "1"],
+            step_command("rollout", "r", 1),
             "the following arguments are required: --shard, --num-shards",
             id="step-missing",
         ),
+        pytest.param(step_command("chunk", "r", None), "the following arguments are required: --chunk", id="chunk"),
         pytest.param(
-            ["-m", "moeloop.steps.chunk", "--run", "r"], "the following arguments are required: --chunk", id="chunk"
-        ),
-        pytest.param(
-            ["-m", "moeloop.steps.start", "--run", "r", "--iteration", "0", "--config", " "],
+            step_command("start", "r", 0, "--config", " "),
             "error: --config is empty",
             id="start-empty-config",
         ),
         pytest.param(
-            ["-m", "moeloop.steps.start", "--run", "r", "--iteration", "0", "--config", "{"],
+            step_command("start", "r", 0, "--config", "{"),
             "config --config: not valid YAML",
             id="start-bad-json",
         ),
         pytest.param(
-            [*MOELOOP, "status", "x", "--host", "http://[::1", "--namespace", "ns"],
+            cli_command("status", "x", "--host", "http://[::1", "--namespace", "ns"),
             "Argo server http://[::1: not a valid URL",
             id="status-bad-url",
         ),
         pytest.param(
-            [*MOELOOP, "status", "x/../y", *SERVER, "--namespace", "ns"],
+            cli_command("status", "x/../y", *SERVER, "--namespace", "ns"),
             "workflow 'x/../y' is not a Kubernetes name",
             id="status-bad-name",
         ),
         pytest.param(
-            [*MOELOOP, "resubmit", "x", *SERVER, "--namespace", "a/b"],
+            cli_command("resubmit", "x", *SERVER, "--namespace", "a/b"),
             "namespace 'a/b' is not a Kubernetes name",
             id="resubmit-bad-namespace",
         ),
-        pytest.param([*MOELOOP, "report", "s3://"], "an s3:// URI needs a bucket: s3://", id="report-no-bucket"),
+        pytest.param(cli_command("report", "s3://"), "an s3:// URI needs a bucket: s3://", id="report-no-bucket"),
     ],
 )
-def test_usage_errors_are_one_line(tmp_path: Path, args: list[str], named: str) -> None:
-    result = python(args, tmp_path)
+def test_usage_errors_are_one_line(tmp_path: Path, command: list[str], named: str) -> None:
+    result = run_command(command, cwd=tmp_path)
 
     one_line_error(result, named)
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -410,7 +394,7 @@ def test_lint_names_a_path_with_nothing_to_lint(tmp_path: Path, kind: str) -> No
         path = make_symlink_loop(tmp_path / "manifests", "workflow.yaml")
         expected = "a symbolic link to nothing readable"
 
-    result = moeloop(["lint", str(path)], tmp_path)
+    result = moeloop_cli("lint", str(path), cwd=tmp_path)
 
     one_line_error(result, "1 lint error(s)")
     assert result.stdout.strip().startswith(f"{path}: {expected}"), result.stdout
@@ -484,7 +468,7 @@ def test_a_reward_that_is_no_number_stops_the_loop_before_it_trains(tmp_path: Pa
     config = loop_config(tmp_path, f"tests.faulty_rewards:{reward}")
     root = tmp_path / "root"
 
-    result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress", cwd=tmp_path)
 
     function = f"tests.faulty_rewards:{reward}"
     last = one_line_error(result, "step it1-reward failed: ", f"reward function {function} {returned}")
@@ -502,7 +486,7 @@ def test_a_non_finite_gradient_stops_the_train_step_and_nothing_is_committed(tmp
     config = loop_config(tmp_path, "tests.faulty_rewards:huge", **{"algorithm.name": "ppo"})
     root = tmp_path / "root"
 
-    result = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress", cwd=tmp_path)
 
     last = one_line_error(result, "step it1-train failed: the ", " of the critic at minibatch 1 of ", " is inf: stopping")
     assert "the loss of" in last or "the gradient norm of" in last, last
@@ -608,7 +592,7 @@ def test_a_checkpoint_whose_experts_do_not_split_over_ep_is_refused_by_start(tmp
     config = write_config(tmp_path / "configs", tiny_config(run_name=unique_run_name(), **changes))
     run = tmp_path / "root" / "run"
 
-    result = python(["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
+    result = run_step("start", run, 0, "--config", str(config), cwd=tmp_path)
 
     one_line_error(result, f"model.checkpoint {folder}'s num_experts 8 does not split over trainer.expert_parallel 3")
     assert not run.exists()
@@ -631,7 +615,7 @@ def test_a_checkpoint_of_no_known_moe_family_is_refused_by_start_naming_the_fami
     config = write_config(tmp_path / "configs", tiny_config(run_name=unique_run_name(), **changes))
     run = tmp_path / "root" / "run"
 
-    result = python(["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
+    result = run_step("start", run, 0, "--config", str(config), cwd=tmp_path)
 
     one_line_error(
         result,
@@ -659,7 +643,7 @@ def test_a_full_disk_names_the_object_and_commits_nothing(tmp_path: Path, small_
     config = write_config(tmp_path / "configs", tiny_config(run_name=unique_run_name(), **changes))
     run = small_tmpfs / "run"
 
-    result = python(["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config", str(config)], tmp_path)
+    result = run_step("start", run, 0, "--config", str(config), cwd=tmp_path)
 
     one_line_error(result, f"No space left on device: {run}/checkpoints/iter-000000/")
     assert not (run / "LATEST").exists()
@@ -669,27 +653,35 @@ def test_a_full_disk_names_the_object_and_commits_nothing(tmp_path: Path, small_
 
 @pytest.mark.slow
 def test_a_start_that_failed_after_writing_the_config_accepts_a_fixed_config(tmp_path: Path) -> None:
-    """Killed right after it wrote config.yaml (its third write: the two prompt copies, then the config), a
-    start leaves a run that nothing depends on yet: a changed config is adopted, not refused."""
+    """Killed right after it wrote config.yaml (after the objects of the two prompt sets it commits), a start
+    leaves a run that nothing depends on yet: a changed config is adopted, not refused."""
+    from moeloop.steps.config import load_config
+    from moeloop.steps.start import start
+
     changes = {**small_task(tmp_path / "data"), "model.sft.steps": 2, "rollout.prompts_per_iteration": 8}
     first = write_config(tmp_path / "first", tiny_config(run_name="fixed-later", **changes))
     run = tmp_path / "root" / "fixed-later"
-    start = ["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config"]
+    # The writes before the config: each object of the prompt sets (their shards, then each set's COMMIT), as a
+    # whole start of the same config elsewhere commits them.
+    elsewhere = tmp_path / "elsewhere" / "fixed-later"
+    start(str(elsewhere), load_config(first))
+    config_write = sum(path.is_file() for path in (elsewhere / "data").rglob("*")) + 1
 
-    crashed = python([*start, str(first)], tmp_path, MOELOOP_CRASH_AFTER_WRITES="3")
+    crash = {"MOELOOP_CRASH_AFTER_WRITES": str(config_write)}
+    crashed = run_step("start", run, 0, "--config", str(first), cwd=tmp_path, env=crash)
     assert crashed.returncode == -9, crashed.stderr
     assert (run / "config.yaml").exists() and not (run / "checkpoints").exists()
 
     fixed = write_config(
         tmp_path / "fixed", tiny_config(run_name="fixed-later", **{**changes, "rollout.temperature": 0.7})
     )
-    result = python([*start, str(fixed)], tmp_path)
+    result = run_step("start", run, 0, "--config", str(fixed), cwd=tmp_path)
 
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load((run / "config.yaml").read_text())["rollout"]["temperature"] == 0.7
     assert json.loads((run / "LATEST").read_text())["iteration"] == 0
     # Once checkpoint 0 is committed, the same change is refused.
-    refused = python([*start, str(first)], tmp_path)
+    refused = run_step("start", run, 0, "--config", str(first), cwd=tmp_path)
     one_line_error(refused, "already holds a different config (differs in: rollout.temperature)")
 
 
@@ -706,13 +698,14 @@ def test_a_stored_config_that_fails_a_newer_check_can_be_fixed(
     stored["trainer"].update(world_size=3, expert_parallel=3)
     (run / "config.yaml").write_text(yaml.safe_dump(stored, sort_keys=False))
 
-    publish = python(["-m", "moeloop.steps.publish", "--run", str(run), "--iteration", "1"], tmp_path)
+    publish = run_step("publish", run, 1, cwd=tmp_path)
     one_line_error(publish, f"config {run}/config.yaml: model.tiny.num_experts 8 does not split over")
 
-    start = ["-m", "moeloop.steps.start", "--run", str(run), "--iteration", "0", "--config"]
-    other = python([*start, str(start_config(tmp_path / "other", **{"rollout.temperature": 0.7}))], tmp_path)
+    other_config = start_config(tmp_path / "other", **{"rollout.temperature": 0.7})
+    other = run_step("start", run, 0, "--config", str(other_config), cwd=tmp_path)
     one_line_error(other, "already holds a different config (differs in: rollout.temperature)")
-    fixed = python([*start, str(start_config(tmp_path / "fixed", **{"trainer.expert_parallel": 1}))], tmp_path)
+    fixed_config = start_config(tmp_path / "fixed", **{"trainer.expert_parallel": 1})
+    fixed = run_step("start", run, 0, "--config", str(fixed_config), cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stderr
     assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["expert_parallel"] == 1
 
@@ -800,8 +793,8 @@ def test_chunk_step_refuses_a_chunk_while_a_local_driver_holds_the_lease(
     before = snapshot(run)
 
     with RunLease(str(run)):
-        held = python(["-m", "moeloop.steps.chunk", "--run", str(run), "--chunk", "20"], tmp_path)
-    free = python(["-m", "moeloop.steps.chunk", "--run", str(run), "--chunk", "20"], tmp_path)
+        held = run_step("chunk", run, None, "--chunk", "20", cwd=tmp_path)
+    free = run_step("chunk", run, None, "--chunk", "20", cwd=tmp_path)
 
     one_line_error(held, f"run {run} is driven by a `moeloop run` (host ", f"pid {os.getpid()}")
     assert free.returncode == 0, free.stderr
@@ -813,13 +806,9 @@ def test_chunk_step_refuses_a_chunk_while_a_local_driver_holds_the_lease(
 def test_two_runs_of_one_run_one_drives_and_the_other_is_refused_naming_it(tmp_path: Path) -> None:
     config = loop_config(tmp_path, "moeloop.steps.demo_task:reverse_positions")
     root = tmp_path / "root"
-    command = [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root", str(root), "--no-progress"]
-    processes = [
-        subprocess.Popen(
-            command, cwd=tmp_path, env=environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(2)
-    ]
+    command = cli_command("run", str(config), "--root", str(root), "--no-progress")
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    processes = [start_process(command, cwd=tmp_path, **pipes) for _ in range(2)]
     deadline = time.monotonic() + TIMEOUT
     while all(p.poll() is None for p in processes) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -836,21 +825,22 @@ def test_two_runs_of_one_run_one_drives_and_the_other_is_refused_naming_it(tmp_p
     assert json.loads((run / "LATEST").read_text())["iteration"] == 1
     assert not (run / "LEASE").exists(), "the driver left its lease"
 
-    third = moeloop(["run", str(config), "--root", str(root), "--no-progress"], tmp_path)
+    third = moeloop_cli("run", str(config), "--root", str(root), "--no-progress", cwd=tmp_path)
 
     assert third.returncode == 0, third.stderr
-    assert "done: 2 steps ran" in third.stderr  # start (which skips) and LATEST's evaluation (which skips)
+    # start and LATEST's evaluation run again, and skip: nothing left to run
+    assert third.stderr.splitlines()[-1].startswith("done: nothing to run, the run had reached iteration 1 already")
     assert not (run / "LEASE").exists()
 
 
 @pytest.mark.slow
 def test_the_runner_quotes_a_torchrun_steps_own_error_line(tmp_path: Path) -> None:
     """Under torchrun each rank prints its `error: ...` line, then torchrun a summary block of `=` lines."""
+    from moeloop.workflows.dag import TRAIN
     from moeloop.workflows.local.runner import failure_line
 
     run = tmp_path / "no-such-run"
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moeloop.steps.train", "--"]
-    result = python([*launch, "--run", str(run), "--iteration", "1"], tmp_path)
+    result = run_command([sys.executable, *TRAIN.argv({"run": str(run), "iteration": "1"}, 2)[1:]], cwd=tmp_path)
     log = tmp_path / "train.log"
     log.write_text(result.stdout + result.stderr)
 

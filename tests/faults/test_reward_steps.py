@@ -26,7 +26,8 @@ from moeloop.steps.storage.run import RunStorage
 from moeloop.workflows.report import print_report
 from tests.conftest import small_config
 from tests.faults.test_bad_input import snapshot
-from tests.faults.test_hostile_input import TINY_SHAPE, one_line_error, python
+from tests.faults.test_hostile_input import TINY_SHAPE, one_line_error
+from tests.processes import run_step
 from tests.unit.test_reward_pool import FAULTS
 
 # The eval set: two prompts of each data_source; record_says gives each its "reward"; c's first one is a fault.
@@ -85,7 +86,7 @@ def test_a_reward_that_fails_stops_the_reward_step_with_one_line(scored_run: Pat
     )
     before = snapshot(run)
 
-    result = python(["-m", "moeloop.steps.reward", "--run", str(run), "--iteration", "1"], tmp_path)
+    result = run_step("reward", run, 1, cwd=tmp_path)
 
     last = one_line_error(result, f"reward function tests.faulty_rewards:{fault} {FAULTS[fault]} on sample 1-1-")
     assert last.endswith(" in the reward step of iteration 1"), last
@@ -96,7 +97,7 @@ def test_a_reward_that_ends_its_process_stops_the_evaluate_step_with_one_line(sc
     """Issue 36's os._exit(0) at eval-0: the step used to end with a worker's log line naming nothing."""
     run = with_settings(scored_run, tmp_path, reward={"functions": [{"path": "tests.faulty_rewards:exits_at_once"}]})
 
-    result = python(["-m", "moeloop.steps.evaluate", "--run", str(run), "--iteration", "0"], tmp_path)
+    result = run_step("evaluate", run, 0, cwd=tmp_path)
 
     one_line_error(
         result,
@@ -111,7 +112,7 @@ def test_under_on_error_zero_the_reward_step_commits_and_counts_the_failures(sco
     functions = [{"path": f"tests.faulty_rewards:{name}"} for name in FAULTS]
     run = with_settings(scored_run, tmp_path, reward={"functions": functions, "timeout_s": 1, "on_error": "zero"})
 
-    result = python(["-m", "moeloop.steps.reward", "--run", str(run), "--iteration", "1"], tmp_path)
+    result = run_step("reward", run, 1, cwd=tmp_path)
 
     assert result.returncode == 0, result.stderr
     failures = 2 * len(FAULTS)  # prompt 1's two samples, each function once

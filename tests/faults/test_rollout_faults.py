@@ -6,7 +6,6 @@ import io
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,9 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.rollout import rollout
 from moeloop.steps.start import start
 from moeloop.steps.storage.run import RunStorage
-from tests.conftest import REPO, small_config
+from tests.conftest import small_config
+from tests.processes import fork_server, run_command, run_forked, start_forked_step, start_process, step_command
 from moeloop.workflows.dag import run_uri
 
 pytestmark = pytest.mark.slow
@@ -26,11 +27,7 @@ GRACE_SECONDS = 30  # Kubernetes' default terminationGracePeriodSeconds
 
 
 def shard_command(uri: str, config: MoeloopConfig) -> list[str]:
-    shards = config.rollout.num_shards
-    return [sys.executable, "-m", "moeloop.steps.rollout", "--run", uri, "--iteration", "1", "--shard", "0"] + [
-        "--num-shards",
-        str(shards),
-    ]
+    return step_command("rollout", uri, 1, "--shard", "0", "--num-shards", str(config.rollout.num_shards))
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -49,26 +46,30 @@ def start_run(run_root: Path, engine: str, prompts: int = 32, samples: int = 4) 
 
 
 def test_shard_killed_at_random_moments_commits_exactly_once(run_root: Path) -> None:
+    """The shard is killed forked from a process that has imported the steps (tests/processes.py), so that the
+    moments fall in its work, not in a fresh interpreter's imports; the retry runs in this process."""
     uri, config, shard = start_run(run_root, "transformers")
     command = shard_command(uri, config)
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True)  # warms the checkpoint cache
+    run_command(command, check=True)  # a pod's shard, and the checkpoint cache warmed
     reference = shard.read_bytes()
     shard.unlink()
+    fork_server()
     started = time.perf_counter()
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+    assert run_forked(command, run_root / "timed.log") == 0, (run_root / "timed.log").read_text()[-3000:]
     normal_seconds = time.perf_counter() - started
+    assert shard.read_bytes() == reference
     expected_rows = (
         config.rollout.prompts_per_iteration // config.rollout.num_shards
     ) * config.rollout.samples_per_prompt
 
     rng = random.Random(0)
     outcomes = {"killed before commit": 0, "already committed when killed": 0}
-    for _ in range(KILLS):
+    for kill in range(KILLS):
         shard.unlink()
-        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = start_forked_step(command, run_root / f"killed-{kill}.log")
         time.sleep(rng.uniform(0, normal_seconds))
-        process.send_signal(signal.SIGKILL)
-        process.wait()
+        process.kill()
+        process.join()
         # Whatever the moment: either no shard at all, or the whole shard.
         if shard.exists():
             assert shard.read_bytes() == reference
@@ -76,8 +77,7 @@ def test_shard_killed_at_random_moments_commits_exactly_once(run_root: Path) -> 
         else:
             outcomes["killed before commit"] += 1
         # The retry finds the committed shard and exits, or writes it whole; same seed, same bytes.
-        retry = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True)
-        assert retry.returncode == 0, retry.stderr[-3000:]
+        rollout(uri, 1, 0, config.rollout.num_shards)
         assert shard.read_bytes() == reference
     table = pq.read_table(io.BytesIO(reference))
     assert table.num_rows == expected_rows
@@ -90,7 +90,7 @@ def test_shard_killed_at_random_moments_commits_exactly_once(run_root: Path) -> 
 def test_sigterm_stops_the_shard_within_the_grace_period_leaving_nothing(run_root: Path, engine: str) -> None:
     uri, config, shard = start_run(run_root, engine, prompts=256, samples=16)
     cache = run_root.parent / "cache"
-    process = subprocess.Popen(shard_command(uri, config), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = start_process(shard_command(uri, config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     # Into the work: the checkpoint is being fetched, so the step runs (its handler is set), then the engine
     # loads or generates. Polling keeps this independent of how long the imports take on a busy machine.
     while not any(cache.rglob("*.safetensors")) and process.poll() is None:

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from moeloop.steps.storage.lease import LEASE, TTL_SECONDS, RunLease
 from moeloop.steps.storage.manifest import TEMPORARY
 from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO
+from tests.processes import moeloop_cli, run_command
 
 # A writer of the run's object killed between its temporary's last byte and the rename, through RunStorage: a single
 # object (write_bytes), or a file of a commit (put_objects, manifest.copy_hashed).
@@ -42,7 +42,7 @@ storage.put_objects(folder, {file: source})
 
 def killed_writer(storage: RunStorage, name: str, kind: str) -> list[Path]:
     command = [sys.executable, "-c", KILLED_WRITER, storage.uri, name, kind]
-    result = subprocess.run(command, capture_output=True, check=False)
+    result = run_command(command)
     assert result.returncode == -signal.SIGKILL, result.stderr
     path = Path(storage.full(name))
     return sorted(path.parent.glob(f"{path.name}{TEMPORARY}*"))
@@ -93,11 +93,6 @@ def test_a_lease_stamped_by_a_clock_ahead_says_so_and_names_the_lease(tmp_path: 
     assert "clock" not in str(refused.value)
 
 
-def moeloop(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "moeloop.workflows.cli", *args]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
-
-
 def test_report_and_sync_onto_a_file_are_one_line_before_anything_is_printed(tmp_path: Path) -> None:
     run = tmp_path / "run"
     storage = RunStorage(str(run))
@@ -109,7 +104,7 @@ def test_report_and_sync_onto_a_file_are_one_line_before_anything_is_printed(tmp
         (["report", str(run), "--plot", str(existing)], "--plot"),
         (["sync", str(run), str(existing)], "DIR"),
     ):
-        result = moeloop(args, tmp_path)
+        result = moeloop_cli(*args, cwd=tmp_path)
         assert result.returncode == 2 and result.stdout == "", result.stderr
         assert result.stderr == f"error: {existing}: not a folder; {flag} names the folder to write into\n"
     assert existing.read_bytes() == b"not a folder"

@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -16,11 +13,13 @@ from moeloop.steps.errors import EXIT_USER_ERROR
 from moeloop.steps.start import start
 from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, table_bytes
 from moeloop.steps.storage.run import RunStorage
-from tests.conftest import REPO, small_config
+from tests.conftest import small_config
 from tests.seaweed import SeaweedS3
 from tests.faults.test_bad_input import assert_user_error
+from tests.processes import moeloop_cli, run_step
 
-STEP_TIMEOUT = 300
+# Every test's processes find the checkpoint cache in its own folder.
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 @pytest.fixture(scope="module")
@@ -47,22 +46,6 @@ def s3_run(started_s3_run: str, seaweed: SeaweedS3) -> str:
     return f"s3://{seaweed.bucket}/{target}"
 
 
-def run(args: list[str], tmp_path: Path, **environment: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args],
-        check=False,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO), "MOELOOP_CACHE": str(tmp_path / "cache"), **environment},
-        capture_output=True,
-        text=True,
-        timeout=STEP_TIMEOUT,
-    )
-
-
-def step(name: str, uri: str, iteration: int, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return run(["-m", f"moeloop.steps.{name}", "--run", uri, "--iteration", str(iteration), *extra], tmp_path)
-
-
 def objects(seaweed: SeaweedS3, uri: str) -> dict[str, str]:
     """Every object under uri: {key: ETag}. Equal snapshots mean nothing was written."""
     prefix = uri.removeprefix(f"s3://{seaweed.bucket}/") + "/"
@@ -82,9 +65,7 @@ def config_file(tmp_path: Path) -> Path:
 def test_run_on_a_bucket_that_does_not_exist(
     s3_environment: dict[str, str], seaweed: SeaweedS3, tmp_path: Path
 ) -> None:
-    result = run(
-        ["-m", "moeloop.workflows.cli", "run", str(config_file(tmp_path)), "--root", "s3://no-such-bucket/runs"], tmp_path
-    )
+    result = moeloop_cli("run", str(config_file(tmp_path)), "--root", "s3://no-such-bucket/runs", cwd=tmp_path)
 
     assert result.returncode == EXIT_USER_ERROR
     assert_user_error(result, "bucket does not exist: s3://no-such-bucket", "s3://no-such-bucket/runs/tiny")
@@ -98,10 +79,8 @@ def test_run_with_a_wrong_secret_names_the_refusal_and_never_the_credentials(
     root = f"s3://{seaweed.bucket}/wrong-secret/{uuid.uuid4().hex[:8]}"
     wrong_secret = "wrong-" + seaweed.secret_key[6:]
 
-    result = run(
-        ["-m", "moeloop.workflows.cli", "run", str(config_file(tmp_path)), "--root", root],
-        tmp_path,
-        AWS_SECRET_ACCESS_KEY=wrong_secret,
+    result = moeloop_cli(
+        "run", str(config_file(tmp_path)), "--root", root, cwd=tmp_path, env={"AWS_SECRET_ACCESS_KEY": wrong_secret}
     )
 
     assert result.returncode == EXIT_USER_ERROR
@@ -112,7 +91,7 @@ def test_run_with_a_wrong_secret_names_the_refusal_and_never_the_credentials(
 
 
 def test_run_with_a_malformed_root_is_refused(tmp_path: Path) -> None:
-    result = run(["-m", "moeloop.workflows.cli", "run", str(config_file(tmp_path)), "--root", "s3://bucket/a/../b"], tmp_path)
+    result = moeloop_cli("run", str(config_file(tmp_path)), "--root", "s3://bucket/a/../b", cwd=tmp_path)
 
     assert_user_error(result, "must not contain '..' path segments: s3://bucket/a/../b/tiny")
     assert not (tmp_path / ".moeloop").exists()
@@ -151,7 +130,7 @@ def test_reward_on_a_truncated_shard_names_it_and_commits_nothing(
     storage.write_bytes(storage.rollout_shard(1, 1, 2), table_bytes(rollout_table(1, 1)))
     before = objects(seaweed, s3_run)
 
-    result = step("reward", s3_run, 1, tmp_path)
+    result = run_step("reward", s3_run, 1)
 
     assert_user_error(
         result, f"not a readable Parquet file: {s3_run}/experience/iter-000001/rollout-00000-of-00002.parquet"
@@ -165,7 +144,7 @@ def test_reward_refuses_a_shard_of_another_iteration(s3_run: str, seaweed: Seawe
     storage.write_bytes(storage.rollout_shard(1, 1, 2), table_bytes(rollout_table(1, 1)))
     before = objects(seaweed, s3_run)
 
-    result = step("reward", s3_run, 1, tmp_path)
+    result = run_step("reward", s3_run, 1)
 
     assert_user_error(result, "rollout-00000-of-00002.parquet holds rows of iteration [2] shard [0]", "foreign data")
     assert objects(seaweed, s3_run) == before
@@ -179,7 +158,7 @@ def test_rollout_finding_a_foreign_shard_at_its_output_stops_without_overwriting
     storage.write_bytes(storage.rollout_shard(1, 0, 2), table_bytes(rollout_table(1, 3)))
     before = objects(seaweed, s3_run)
 
-    result = step("rollout", s3_run, 1, tmp_path, "--shard", "0", "--num-shards", "2")
+    result = run_step("rollout", s3_run, 1, "--shard", "0", "--num-shards", "2")
 
     assert_user_error(
         result, f"{s3_run}/experience/iter-000001/rollout-00000-of-00002.parquet holds rows of", "foreign data"
@@ -198,7 +177,7 @@ def test_a_checkpoint_whose_manifest_does_not_match_is_never_used(
     storage.write_bytes(weights, bytes(data))
     before = objects(seaweed, s3_run)
 
-    result = step("evaluate", s3_run, 0, tmp_path)
+    result = run_step("evaluate", s3_run, 0)
 
     assert_user_error(result, f"object does not match its COMMIT: {s3_run}/checkpoints/iter-000000/model.safetensors")
     assert objects(seaweed, s3_run) == before  # no metrics, no report
@@ -214,7 +193,7 @@ def test_publish_refuses_a_trainer_state_whose_objects_do_not_match(
     storage.write_bytes(f"{state}/model.safetensors", b"truncated")
     before = objects(seaweed, s3_run)
 
-    result = step("publish", s3_run, 1, tmp_path)
+    result = run_step("publish", s3_run, 1)
 
     assert_user_error(result, f"{s3_run}/trainer/iter-000001/model.safetensors does not match its COMMIT (size 9")
     assert objects(seaweed, s3_run) == before

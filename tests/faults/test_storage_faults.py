@@ -1,9 +1,11 @@
 """Fault injection: each writing step (rollout, reward, train, publish) is killed with SIGKILL at a uniformly
-random moment between its start and its normal end, then run again, 50 times, alternately on a local
-folder and on SeaweedFS. After every kill, whatever a reader can see is whole and verifies (committed
-folders against their COMMIT, shards by their rows, LATEST names a checkpoint that loads); after every
-re-run the iteration holds exactly the expected experience rows and LATEST names a loadable checkpoint. The same
-steps killed right after each of their writes, and one rank of a world-size-2 train step killed mid-save of its
+random moment between its start and its normal end, then run again, 50 times, alternately on a local folder and on
+SeaweedFS. The killed steps are processes forked from one that has imported the steps
+(tests/processes.py:start_forked_step), so that the moments fall in the step's work rather than in a fresh
+interpreter's imports; the re-runs run in this process. After every kill, whatever a reader can see is whole and
+verifies (committed folders against their COMMIT, shards by their rows, LATEST names a checkpoint that loads); after
+every re-run the iteration holds exactly the expected experience rows and LATEST names a loadable checkpoint. The
+same steps killed right after each of their writes, and one rank of a world-size-2 train step killed mid-save of its
 sharded trainer state."""
 
 from __future__ import annotations
@@ -26,14 +28,19 @@ import pytest
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.model.policy import load_policy
 from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, WEIGHTS_DIR
-from moeloop.steps.rollout import iteration_prompt_ids, shard_prompt_ids
+from moeloop.steps.publish import publish
+from moeloop.steps.reward import reward
+from moeloop.steps.rollout import iteration_prompt_ids, rollout, shard_prompt_ids
 from moeloop.steps.start import start
 from moeloop.steps.storage.backends import CRASH_AFTER_WRITES, CRASH_RANK
 from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.experience import committed_experience, read_rewards, read_rollout_shard, read_rollouts
+from moeloop.steps.storage.prompt_set import prompt_count
 from moeloop.steps.storage.run import RunStorage
-from tests.conftest import REPO, small_config
+from moeloop.steps.train import train
+from tests.conftest import small_config
 from moeloop.workflows.dag import TRAIN
+from tests.processes import run_forked, start_forked_step, start_process, step_command
 from tests.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.slow
@@ -61,48 +68,40 @@ def fault_config() -> MoeloopConfig:
     return small_config(iterations=1, rollout=rollout)
 
 
-def step_command(step: str, uri: str, config: MoeloopConfig) -> list[str]:
-    command = [sys.executable, "-m", f"moeloop.steps.{step}", "--run", uri, "--iteration", str(ITERATION)]
-    if step == "rollout":  # shard 0; shard 1 is written beforehand, so reward finds the iteration's experience
-        command += ["--shard", "0", "--num-shards", str(config.rollout.num_shards)]
-    return command
+def shard_args(step: str, config: MoeloopConfig, shard: int = 0) -> list[str]:
+    """Rollout's shard 0; shard 1 is written beforehand, so that reward finds the iteration's experience."""
+    return ["--shard", str(shard), "--num-shards", str(config.rollout.num_shards)] if step == "rollout" else []
 
 
-def step_environment(**extra: str) -> dict[str, str]:
-    # One thread, as the local runner gives each step on this machine: more only contend for its 2 cores.
-    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+def fault_step_command(step: str, uri: str, config: MoeloopConfig) -> list[str]:
+    return step_command(step, uri, ITERATION, *shard_args(step, config))
 
 
-def run_step(step: str, uri: str, config: MoeloopConfig) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        step_command(step, uri, config),
-        cwd=REPO,
-        env=step_environment(),
-        capture_output=True,
-        text=True,
-        timeout=STEP_TIMEOUT,
-        check=False,
-    )
+def rerun(step: str, uri: str, config: MoeloopConfig) -> dict:
+    """The killed step run again, in this process (what a retry finds does not depend on the process it runs in):
+    its report."""
+    if step == "rollout":
+        return rollout(uri, ITERATION, 0, config.rollout.num_shards)
+    return {"reward": reward, "train": train, "publish": publish}[step](uri, ITERATION)
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory: pytest.TempPathFactory, s3_environment: dict[str, str]) -> Baseline:
-    """Runs the iteration once, step by step as processes, keeping a copy of the run before each step."""
+    """Runs the iteration once, step by step as forked processes, keeping a copy of the run before each step."""
     config = fault_config()
     work = tmp_path_factory.mktemp("baseline")
     run = work / "root" / config.run_name
     start(str(run), config)
-    shard_1 = step_command("rollout", str(run), config)
-    shard_1[shard_1.index("--shard") + 1] = "1"
-    subprocess.run(shard_1, cwd=REPO, env=step_environment(), check=True, capture_output=True)
+    shard_1 = step_command("rollout", run, ITERATION, *shard_args("rollout", config, shard=1))
+    assert run_forked(shard_1, work / "rollout-1.log") == 0, (work / "rollout-1.log").read_text()[-3000:]
     before, seconds = {}, {}
     for step in STEPS:
         before[step] = work / f"before-{step}"
         shutil.copytree(run, before[step])
         started = time.perf_counter()
-        result = run_step(step, str(run), config)
+        returncode = run_forked(fault_step_command(step, str(run), config), work / f"{step}.log")
         seconds[step] = time.perf_counter() - started
-        assert result.returncode == 0, result.stderr[-3000:]
+        assert returncode == 0, (work / f"{step}.log").read_text()[-3000:]
     return Baseline(before, seconds, config)
 
 
@@ -122,8 +121,7 @@ def place_run(source: Path, backend: str, tmp_path: Path, seaweed: SeaweedS3) ->
 
 
 def expected_sample_ids(config: MoeloopConfig, storage: RunStorage, shards: list[int]) -> set[str]:
-    prompts = len(storage.read_bytes(RunStorage.TRAIN_PROMPTS).decode().splitlines())
-    batch = iteration_prompt_ids(config, prompts, ITERATION)
+    batch = iteration_prompt_ids(config, prompt_count(storage, "train"), ITERATION)
     return {
         f"{ITERATION}-{prompt}-{sample}"
         for shard in shards
@@ -185,22 +183,15 @@ def test_steps_killed_at_random_moments_leave_whole_data_and_finish_on_rerun(
         trials_of[step] += 1
         uri = place_run(baseline.before[step], backend, tmp_path, seaweed)
         storage = RunStorage(uri)
-        process = subprocess.Popen(
-            step_command(step, uri, config),
-            cwd=REPO,
-            env=step_environment(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        process = start_forked_step(fault_step_command(step, uri, config), tmp_path / f"trial-{trial}.log")
         time.sleep(rng.uniform(0, baseline.seconds[step]))
-        process.send_signal(signal.SIGKILL)
-        killed = process.wait() == -signal.SIGKILL
+        process.kill()
+        process.join()
+        killed = process.exitcode == -signal.SIGKILL
         outcome = state_after_kill(step, storage, config) if killed else "finished before the kill"
 
         seen = check_what_readers_see(storage, config, tmp_path / "scratch")
-        rerun = run_step(step, uri, config)
-        assert rerun.returncode == 0, f"trial {trial} ({step} on {backend}): {rerun.stderr[-3000:]}"
-        report = json.loads(rerun.stdout.strip().splitlines()[-1])
+        report = rerun(step, uri, config)
         after = check_what_readers_see(storage, config, tmp_path / "scratch")
 
         shard_rows = read_rollout_shard(storage, ITERATION, 0, config.rollout.num_shards)[0]
@@ -234,22 +225,15 @@ def test_steps_killed_between_any_two_writes_leave_whole_data_and_finish_on_reru
             for writes in range(1, 100):
                 uri = place_run(baseline.before[step], backend, tmp_path, seaweed)
                 storage = RunStorage(uri)
-                crashed = subprocess.run(
-                    step_command(step, uri, config),
-                    cwd=REPO,
-                    env=step_environment(**{CRASH_AFTER_WRITES: str(writes)}),
-                    capture_output=True,
-                    timeout=STEP_TIMEOUT,
-                    check=False,
-                )
-                if crashed.returncode == 0:
+                log = tmp_path / f"{step}-{backend}-{writes}.log"
+                crashed = run_forked(fault_step_command(step, uri, config), log, {CRASH_AFTER_WRITES: str(writes)})
+                if crashed == 0:
                     break  # the step made fewer writes: every crash point of it was tried
-                assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+                assert crashed == -signal.SIGKILL, log.read_text()[-3000:]
                 outcome = state_after_kill(step, storage, config)
                 outcomes[f"{step} {backend} after write {writes}: {outcome}"] += 1
                 check_what_readers_see(storage, config, tmp_path / "scratch")
-                rerun = run_step(step, uri, config)
-                assert rerun.returncode == 0, f"{step} on {backend} after write {writes}: {rerun.stderr[-3000:]}"
+                rerun(step, uri, config)
                 after = check_what_readers_see(storage, config, tmp_path / "scratch")
                 assert after["trainer"] == (step in ("train", "publish"))
                 assert after["published"] == (step == "publish")
@@ -290,10 +274,9 @@ def resubmitted(uri: str, config: MoeloopConfig) -> MoeloopConfig:
 def run_torchrun_train(uri: str, **crash: str) -> subprocess.CompletedProcess[str]:
     """The train step's own torchrun command; fails the test if a rank outlives its killed peer (a hang)."""
     command = [sys.executable, *TRAIN.argv({"run": uri, "iteration": str(ITERATION)}, WORLD_SIZE)[1:]]
-    process = subprocess.Popen(
+    process = start_process(
         command,
-        cwd=REPO,
-        env=step_environment(**crash),
+        env=crash,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

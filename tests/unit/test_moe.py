@@ -9,8 +9,6 @@ import copy
 import importlib.metadata
 import importlib.util
 import logging
-import os
-import subprocess
 import sys
 from functools import partial
 from pathlib import Path
@@ -35,7 +33,7 @@ from moeloop.steps.model import kernels
 from moeloop.steps.model.dispatch import LocalDispatcher, make_dispatcher, sort_by_expert
 from moeloop.steps.model.families import FAMILIES, family_of_block, family_of_config
 from moeloop.steps.model.moe import GroupedExperts, MoeBlock, compile_decoder_layers, hf_state_dict, replace_moe_blocks
-from tests.conftest import REPO
+from tests.processes import run_command
 
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 2, 32
 UNUSED_EXPERTS = [6, 7]  # the skewed router never picks them
@@ -412,9 +410,9 @@ def interpreted(script: str, inputs: tuple[Any, ...], tmp_path: Path) -> Any:
     """What script saves to argv[2] from the inputs it loads from argv[1], run under Triton's interpreter (on CPU
     tensors) in a fresh process, since TRITON_INTERPRET must be set before triton is first imported."""
     torch.save(inputs, tmp_path / "in.pt")
-    subprocess.run(
+    run_command(
         [sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)},
+        env={"TRITON_INTERPRET": "1"},
         check=True,
     )
     return torch.load(tmp_path / "out.pt")

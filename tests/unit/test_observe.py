@@ -4,18 +4,16 @@ back with TensorBoard's and MLflow's own readers and W&B's own records."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import struct
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.evaluate import evaluate
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.observe.events import masked_crc32c
 from moeloop.steps.observe.scalars import flatten, iteration_scalars
@@ -35,9 +33,9 @@ from moeloop.steps.storage.backends import CRASH_AFTER_WRITES
 from moeloop.steps.storage.manifest import TEMPORARY
 from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import train
-from tests.conftest import REPO, SMALL_TRANSFORMERS_ROLLOUT, small_config
+from tests.conftest import REPO, SMALL_TRANSFORMERS_ROLLOUT, run_in_process, small_config
+from tests.processes import run_forked, step_command
 from moeloop.workflows.dag import run_uri
-from moeloop.workflows.local.runner import run_local
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -99,7 +97,7 @@ def test_killed_and_rerun_evaluation_leaves_one_point_per_tag_and_iteration(run_
     observe = {"trackers": ["tensorboard", "mlflow"], "mlflow": {"tracking_uri": store}}
     config = small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT, observe=observe)
     uri = run_uri(config, str(run_root))
-    run_local(config, uri, tmp_path / "logs", progress=False)
+    run_in_process(config, uri)
 
     # Iteration 3 by hand, then its evaluation killed after each of its writes in turn, and run once more.
     longer = config.model_copy(update={"iterations": 3})
@@ -110,20 +108,19 @@ def test_killed_and_rerun_evaluation_leaves_one_point_per_tag_and_iteration(run_
     train(uri, 3)
     publish(uri, 3)
     storage = RunStorage(uri)
-    command = [sys.executable, "-m", "moeloop.steps.evaluate", "--run", uri, "--iteration", "3"]
     for writes in range(1, 10):
-        environment = {**os.environ, "OMP_NUM_THREADS": "1", CRASH_AFTER_WRITES: str(writes)}
-        crashed = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
-        if crashed.returncode == 0:
+        log = tmp_path / f"evaluate-{writes}.log"
+        crashed = run_forked(step_command("evaluate", uri, 3), log, {CRASH_AFTER_WRITES: str(writes)})
+        if crashed == 0:
             break
-        assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+        assert crashed == -signal.SIGKILL, log.read_text()[-3000:]
     else:
         pytest.fail("evaluate never finished")
     assert writes >= 3  # it was killed after its report, and after its metrics (before TensorBoard saw them)
     # A leftover of a write killed midway is cleared by the retry (TensorBoard would read it).
     leftover = run_root / config.run_name / f"{TensorBoardFiles.name(3)}{TEMPORARY}0123abcd"
     leftover.write_bytes((run_root / config.run_name / TensorBoardFiles.name(3)).read_bytes())
-    subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True)
+    evaluate(uri, 3)
     assert not leftover.exists()
 
     expected = expected_scalars(storage, 3)
@@ -245,8 +242,7 @@ def test_step_templates_emit_their_figures_and_the_dashboard_queries_only_those(
     templates = {t["name"]: t for t in document["spec"]["templates"]}
     [loss] = [g for g in templates["train"]["metrics"]["prometheus"] if g["name"] == "moeloop_train_loss"]
     assert loss["gauge"]["value"] == "{{outputs.parameters.loss}}"
-    iteration = {"key": "iteration", "value": "{{inputs.parameters.iteration}}"}
-    assert loss["labels"] == [{"key": "run", "value": config.run_name}, iteration]
+    assert loss["labels"] == [{"key": "run", "value": config.run_name}]  # no iteration: tests/cluster/test_dashboard.py
     assert "moeloop_rollout_engine" not in rendered_metric_names(config)  # text, not a figure
     annotations = document["spec"]["workflowMetadata"]["annotations"]
     tensorboard = "https://s3.console.aws.amazon.com/s3/buckets/bucket?prefix=runs/x/tensorboard/"
@@ -285,11 +281,3 @@ def test_report_plot_writes_pngs(tmp_path: Path) -> None:
     assert [p.name for p in written] == ["learning_curves.png", "time_balance.png", "expert_load.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") and p.stat().st_size > 10_000 for p in written)
     assert write_plots([m for m in metrics if "router" not in m], tmp_path / "few")[-1].name == "time_balance.png"
-
-
-def test_overall_eta_is_the_measured_pace_times_the_iterations_left() -> None:
-    from moeloop.workflows.local.progress import overall_eta
-
-    assert overall_eta(elapsed=120.0, done=2, total=10) == "0:08:00"
-    assert overall_eta(elapsed=3700.0, done=1, total=2) == "1:01:40"
-    assert overall_eta(elapsed=50.0, done=5, total=5) == "0:00:00"

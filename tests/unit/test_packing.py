@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM, Qwen3MoeForTokenClassification
 
-from moeloop.steps.model.attention import VARLEN
+from moeloop.steps.model.attention import PACKED_ATTENTION
 from moeloop.steps.model.logprobs import ChunkedTokenLogprobs, packed_token_logprobs, packed_token_values, use_logprob_head
 from moeloop.steps.model.microbatch import pack_rows
 from moeloop.steps.model.policy import pack_sequences, token_values
@@ -71,7 +71,7 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_batch(family: st
     padded_model = AutoModelForCausalLM.from_config(config)
     packed_model = copy.deepcopy(padded_model)
     use_logprob_head(packed_model)
-    packed_model.config._attn_implementation = VARLEN
+    packed_model.config._attn_implementation = PACKED_ATTENTION["sdpa"]
     input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(*samples(), pad_id=0)
     lengths_B = attention_mask_BT.sum(1)
     generator = torch.Generator().manual_seed(2)
@@ -107,7 +107,7 @@ def test_packed_values_equal_the_padded_batch() -> None:
     input_ids_BT, attention_mask_BT, _ = pack_sequences(*samples(), pad_id=0)
     lengths_B = attention_mask_BT.sum(1)
     values_BT, _ = token_values(critic, input_ids_BT, attention_mask_BT)
-    critic.config._attn_implementation = VARLEN
+    critic.config._attn_implementation = PACKED_ATTENTION["sdpa"]
     micro = pack_rows(input_ids_BT, lengths_B.tolist(), [4, 0, 6])
     values_nT, _ = packed_token_values(critic, micro)
     mask_nT = attention_mask_BT[micro.rows_n].bool()
@@ -147,7 +147,7 @@ def test_empty_microbatch_runs_a_forward_of_no_rows() -> None:
     config._attn_implementation = "sdpa"
     model = Qwen3MoeForCausalLM(config)
     use_logprob_head(model)
-    model.config._attn_implementation = VARLEN
+    model.config._attn_implementation = PACKED_ATTENTION["sdpa"]
     input_ids_BT, attention_mask_BT, _ = pack_sequences(*samples(), pad_id=0)
     micro = pack_rows(input_ids_BT, attention_mask_BT.sum(1).tolist(), [])
     logprobs_nT, _, router_logits_L = packed_token_logprobs(model, micro)

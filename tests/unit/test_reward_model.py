@@ -4,7 +4,6 @@ weighted score to the rule rewards (or uses it alone); bad models are one-line e
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,16 +14,19 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.demo_task import reverse_positions
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.prompting import ChatSettings
 from moeloop.steps.reward import reward
 from moeloop.steps.reward_model import build_tiny_reward_model
 from moeloop.steps.rewards.models import RewardModelScorer
 from moeloop.steps.rollout import rollout
 from moeloop.steps.start import start
+from moeloop.steps.storage.prompt_set import read_prompts
 from moeloop.steps.storage.run import RunStorage
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
 from moeloop.workflows.dag import run_uri
 
-TEXTS = ["abc=cba", "hg=", "abcdefgh=hgfedcba", "a=a", "ddd=ddd" + "d" * 9, "e"]
+# (prompt, response): a string prompt is scored as prompt + response
+SAMPLES = [("abc=", "cba"), ("hg=", ""), ("abcdefgh=", "hgfedcba"), ("a=", "a"), ("ddd=", "ddd" + "d" * 9), ("e", "")]
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +39,14 @@ def reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_batched_scores_equal_transformers_one_sample_at_a_time(reward_model: Path) -> None:
     scorer = RewardModelScorer(reward_model, batch_size=4)
     assert scorer.device.type == "cpu" and scorer.model.dtype == torch.float32
-    scores = scorer.score(TEXTS)  # two batches, the second one shorter; rows padded to different lengths
+    scores = scorer.score(SAMPLES, ChatSettings())  # two batches, the second one shorter; rows padded apart
 
     model = AutoModelForSequenceClassification.from_pretrained(reward_model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(reward_model)
     with torch.no_grad():
-        alone = [float(model(**tokenizer(text, return_tensors="pt")).logits[0, 0]) for text in TEXTS]
+        alone = [float(model(**tokenizer(p + r, return_tensors="pt")).logits[0, 0]) for p, r in SAMPLES]
     assert scores == pytest.approx(alone, rel=1e-4, abs=1e-5)
-    assert len(set(scores)) == len(TEXTS)  # a random model, but not a constant one
+    assert len(set(scores)) == len(SAMPLES)  # a random model, but not a constant one
 
 
 def rm_config(reward_model: Path, functions: bool, weight: float = 0.5) -> MoeloopConfig:
@@ -69,9 +71,9 @@ def test_reward_step_adds_the_weighted_model_score(reward_model: Path, run_root:
 
     rollouts = pq.read_table(Path(uri) / "experience/iter-000001/rollout-00000-of-00002.parquet").to_pylist()
     rewards = {row["sample_id"]: row["reward"] for row in pq.read_table(Path(uri) / storage.rewards(1)).to_pylist()}
-    records = [json.loads(line) for line in (Path(uri) / "data/train.jsonl").read_text().splitlines()]
+    records = read_prompts(storage, "train", [row["prompt_id"] for row in rollouts])
     scores = RewardModelScorer(reward_model, batch_size=1).score(
-        [r["prompt_text"] + r["response_text"] for r in rollouts]
+        [(records[r["prompt_id"]]["prompt"], r["response_text"]) for r in rollouts], ChatSettings()
     )
     for row, model_score in zip(rollouts, scores, strict=True):
         rule = reverse_positions(records[row["prompt_id"]], row["response_text"]) if functions else 0.0

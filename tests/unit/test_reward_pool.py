@@ -21,7 +21,7 @@ from moeloop.steps.errors import MoeloopError
 from moeloop.steps.rewards import pool as pool_module
 from moeloop.steps.rewards.functions import check_reward_routes
 from moeloop.steps.rewards.pool import RewardPool
-from tests.conftest import REPO
+from tests.processes import start_process
 
 FAULTS = {
     "hangs": "took longer than reward.timeout_s (1 s): its worker process was killed",
@@ -213,13 +213,7 @@ def test_a_step_killed_outright_takes_its_workers_with_it(tmp_path: Path) -> Non
         "print(pool.workers[0].process.pid, flush=True)\n"
         "pool.score([{'fault': True}], [''], ['sample 0'])\n"
     )
-    step = subprocess.Popen(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    step = start_process([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     worker = int(step.stdout.readline())
     time.sleep(1.0)  # the worker has imported and is in the hanging call
     os.kill(step.pid, signal.SIGKILL)

@@ -254,18 +254,17 @@ def test_the_shard_schema_stores_routes_in_the_narrowest_type(experts: int, id_t
 
 @pytest.mark.slow
 def test_a_replayed_gspo_run_records_stores_and_replays_the_routes(run_root: Path, tmp_path: Path) -> None:
-    """One iteration through the local runner: the transformers engine records, the shards hold the column, and
+    """One iteration, its steps in this process: the transformers engine records, the shards hold the column, and
     the train step replays it (GSPO-token, token masking), reporting the routers' health and the masked share."""
     from moeloop.steps.storage.experience import read_rollouts
     from moeloop.steps.storage.run import RunStorage
-    from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
+    from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, run_in_process, small_config
     from moeloop.workflows.dag import run_uri
-    from moeloop.workflows.local.runner import run_local
 
     algorithm = {"routing_replay": "rollout", "importance_level": "sequence_token", "mismatch": {"level": "token"}}
     config = small_config(iterations=1, rollout=SMALL_TRANSFORMERS_ROLLOUT, algorithm=algorithm)
     uri = run_uri(config, str(run_root))
-    run_local(config, uri, tmp_path / "logs", progress=False)
+    run_in_process(config, uri)
     storage = RunStorage(uri)
     rollouts = read_rollouts(storage, 1, config.rollout.num_shards).to_pydict()
     samples = zip(rollouts["prompt_token_ids"], rollouts["response_token_ids"], rollouts["routed_experts"], strict=True)
@@ -294,7 +293,7 @@ def test_recording_routes_with_vllm_on_cpu_is_refused_before_anything_runs(
     """vLLM returns routed experts from its Model Runner V2 only, on a GPU: here (no CUDA) the local runner refuses
     the run in one line before it writes anything, and the engine refuses to build (the rollout pod's check)."""
     from moeloop.steps.config import parse_config
-    from moeloop.steps.engines.engine import VLLMEngine
+    from moeloop.steps.engines.vllm_engine import VLLMEngine
     from tests.unit.test_importance import BASE
     from moeloop.workflows.local.runner import preflight
 
@@ -317,14 +316,14 @@ def test_vllm_routed_experts_become_the_completions_routes_at_the_moe_layers_col
     here; tests/loop/test_vllm_routes.py takes the layout from vLLM's own capture)."""
     from types import SimpleNamespace
 
-    from moeloop.steps.engines.engine import VLLMEngine
+    from moeloop.steps.engines.vllm_engine import VLLMEngine
 
     positions = prompt_positions + 2  # and the response's first two of three tokens
     routed_TLK = np.arange(positions * 3 * 4, dtype=np.uint8).reshape(positions, 3, 4)
     routed_TLK[:, 0] = 0  # a dense layer's column
     sample = SimpleNamespace(
         token_ids=[5, 6, 1], logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in (5, 6, 1)], finish_reason="stop",
-        routed_experts=routed_TLK,
+        stop_reason=None, routed_experts=routed_TLK,
     )  # fmt: skip
     completion = VLLMEngine._completion(sample, (1, 2), prompt_positions)
     assert completion.routed_experts.tolist() == routed_TLK[:, 1:].tolist() and completion.finish_reason == "stop"

@@ -19,8 +19,9 @@ from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.rewards.reasoning_gym import generate_records, score
 from moeloop.steps.rewards.verifiers import format_tags, last_boxed, math_verify
 from moeloop.steps.start import start
-from moeloop.steps.storage.prompts import eval_prompts, train_prompts
+from moeloop.steps.storage.prompt_set import SPLITS, prompt_count, read_prompts
 from moeloop.steps.storage.run import RunStorage
+from tests.chat_checkpoints import QWEN3_TEMPLATE
 from tests.conftest import small_config
 
 MATH_CASES = [
@@ -175,12 +176,16 @@ def test_task_settings_are_checked_with_the_config(task: dict, named: str) -> No
 
 
 def test_start_commits_the_generated_sets_into_the_run(tmp_path: Path, run_root: Path, rg_sets: tuple) -> None:
-    """From a checkpoint of the test's (the tiny model's character tokenizer and SFT read string prompts)."""
+    """From a checkpoint of the test's: a character tokenizer over the sets' text with a ChatML template, which
+    renders their messages prompts."""
     checkpoint = tmp_path / "policy"
-    tokenizer = build_tokenizer(["0123456789 abcdefghijklmnopqrstuvwxyz?,.\n"])
-    save_policy(build_tiny_model(small_config().model.tiny, tokenizer, seed=0), tokenizer, checkpoint)
+    tokenizer = build_tokenizer([QWEN3_TEMPLATE] + [r["prompt"][0]["content"] for records in rg_sets for r in records])
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    shape = small_config().model.tiny.model_copy(update={"max_position_embeddings": 512})  # a question: 250 tokens
+    save_policy(build_tiny_model(shape, tokenizer, seed=0), tokenizer, checkpoint)
     config = small_config(model={"checkpoint": str(checkpoint)})
     data = config.model_dump(mode="json")
+    data["rollout"]["vllm"]["max_model_len"] = None
     data["task"] = {"source": "reasoning_gym", "reasoning_gym": RG}
     data["reward"] = {"functions": [{"path": "moeloop.steps.rewards.reasoning_gym:score"}]}
     config = parse_config(data, "test")
@@ -188,5 +193,6 @@ def test_start_commits_the_generated_sets_into_the_run(tmp_path: Path, run_root:
 
     start(storage.uri, config)
 
-    assert (train_prompts(storage), eval_prompts(storage)) == rg_sets
+    committed = [list(read_prompts(storage, split, range(prompt_count(storage, split))).values()) for split in SPLITS]
+    assert tuple(committed) == rg_sets
     assert storage.read_json(storage.report(0, "start"))["source"] == str(checkpoint)

@@ -9,38 +9,78 @@ from moeloop.steps.rl.memory import GIB
 from moeloop.workflows.capacity.options import Evaluated, Plan, pareto
 
 
-def _pools(plan: Plan, e: Evaluated) -> list[str]:
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _pools(plan: Plan, e: Evaluated) -> dict[str, str]:
+    """The option's pools, by column."""
     o, setup = e.option, plan.setup
     if setup.local:
-        return [f"{o.rollout_shards} shard(s)", f"{o.train_gpus} process(es)", "-"]
-    per_shard = f"{o.rollout_shards} x {setup.gpus_per_shard} GPU"
+        return {"rollout": f"{o.rollout_shards} shard(s)", "train": f"{o.train_gpus} process(es)", "reward": "-"}
     reward = f"{o.reward_nodes * setup.prices.gpus} GPUs" if o.reward_nodes else "-"
-    return [
-        f"{per_shard}, {o.rollout_nodes} node(s)",
-        f"{o.train_gpus} GPUs, {o.train_nodes} node(s), EP {o.expert_parallel}",
-        reward,
-    ]
+    return {
+        "rollout (Spot)": f"{o.rollout_shards} x {setup.gpus_per_shard} GPU, {_plural(o.rollout_nodes, 'node')}",
+        "train (on demand)": f"{o.train_gpus} GPUs, {_plural(o.train_nodes, 'node')}",
+        "EP": str(o.expert_parallel),
+        "reward": reward,
+    }
 
 
-def _row(plan: Plan, e: Evaluated) -> list[str]:
-    busy = " ".join(f"{pool} {share:.0%}" for pool, share in e.utilisation.items())
-    row = [
-        "*" if e is plan.best else "",
-        *_pools(plan, e),
-        str(e.option.staleness),
-        f"{e.period:.1f}",
-        e.critical_path,
-        busy,
-    ]
+def _columns(plan: Plan, e: Evaluated, paths: list[str]) -> dict[str, str]:
+    """The option's row, by column header. The critical path is a letter of the legend under the table (the paths
+    are long, and few); the busy shares are the pools' in the legend's order."""
+    row = {
+        "": "*" if e is plan.best else "",
+        **_pools(plan, e),
+        "staleness": str(e.option.staleness),
+        "period s": f"{e.period:.1f}",
+        "path": _path_key(paths.index(e.critical_path)),
+        "busy %": " / ".join(f"{share:.0%}".rstrip("%") for share in e.utilisation.values()),
+    }
     if e.cost_per_iteration is not None:
-        per_million = e.cost_per_iteration / plan.setup.tokens * 1e6
-        memory = f"{e.train_memory.total / GIB:.0f}/{plan.setup.gpu.memory_bytes / GIB:.0f}"
-        row += [f"{e.cost_per_iteration:.2f}", f"{per_million:.3f}", f"{e.spot_retry_seconds:.1f}", memory]
+        row |= {
+            "$/iteration": f"{e.cost_per_iteration:.2f}",
+            "$/M tokens": f"{e.cost_per_iteration / plan.setup.tokens * 1e6:.3f}",
+            "Spot retry s": f"{e.spot_retry_seconds:.1f}",
+            "GiB/GPU": f"{e.train_memory.total / GIB:.0f}/{plan.setup.gpu.memory_bytes / GIB:.0f}",
+        }
     return row
+
+
+def _path_key(index: int) -> str:
+    return chr(ord("A") + index)
+
+
+def _table(plan: Plan, shown: list[Evaluated]) -> list[str]:
+    """The options' rows under their headers, then the legend: each critical path by its letter, and what the
+    columns that need it mean. A column every row leaves empty ("-": no reward GPUs) is left out."""
+    paths = list(dict.fromkeys(e.critical_path for e in shown))
+    rows = [_columns(plan, e, paths) for e in shown]
+    headers = [h for h in rows[0] if any(row[h] != "-" for row in rows)]
+    cells = [headers] + [[row[h] for h in headers] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(headers))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in cells]
+    lines += [f"path {_path_key(i)}: {path}" for i, path in enumerate(paths)]
+    lines.append(f"busy %: the share of the period each pool is busy, {' / '.join(shown[0].utilisation)}")
+    if "EP" in headers:
+        lines += [
+            "EP: the smallest expert-parallel size whose trainer fits the GPU's memory (GiB/GPU). Memory only: the",
+            "    plan takes the trainer's speed to be the same at every EP size.",
+        ]
+    return lines
 
 
 def _count(value: float) -> str:
     return f"{value / 1e9:.3g}B" if value >= 1e9 else f"{value / 1e6:.3g}M"
+
+
+def _described_pools(plan: Plan, e: Evaluated) -> list[str]:
+    """The option's pools in words, for the lines under the table."""
+    pools = _pools(plan, e)
+    if "EP" in pools:
+        pools["train (on demand)"] += f", EP {pools.pop('EP')}"
+    return [pool for pool in pools.values() if pool != "-"]
 
 
 def _best_lines(plan: Plan) -> list[str]:
@@ -48,7 +88,7 @@ def _best_lines(plan: Plan) -> list[str]:
     run = f"{best.period * setup.iterations / 3600:.2f} h for {setup.iterations} iterations"
     if best.cost_per_iteration is not None:
         run += f", ${best.cost_per_iteration * setup.iterations:,.0f}"
-    pools = ", ".join(p for p in _pools(plan, best) if p != "-")
+    pools = ", ".join(_described_pools(plan, best))
     lines = [
         f"best ({plan.constraint}): {pools}, staleness {best.option.staleness}: {best.period:.1f} s/iteration, {run}",
         f"  step seconds{' on one core' if setup.local else ''}: "
@@ -76,14 +116,8 @@ def plan_table(plan: Plan) -> str:
         ),
         "",
     ]
-    header = ["", "rollout", "train", "reward", "staleness", "period s", "critical path", "busy"]
-    if not setup.local:
-        header[1:3] = ["rollout (Spot)", "train (on demand)"]
-        header += ["$/iteration", "$/M tokens", "Spot retry s", "train GiB/GPU"]
     shown = pareto(plan.evaluated)
-    rows = [header] + [_row(plan, e) for e in shown + ([] if plan.best in shown else [plan.best])]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines += _table(plan, shown + ([] if plan.best in shown else [plan.best]))
     lines.append(
         f"{len(plan.evaluated)} options weighed; shown: those no other beats on both period and cost"
         + (f"; {len(plan.unfit)} left out: their trainer fits no EP size on the GPU" if plan.unfit else "")
@@ -95,7 +129,7 @@ def plan_table(plan: Plan) -> str:
         lines += [
             "",
             (
-                f"the run's own setup ({', '.join(p for p in _pools(plan, own) if p != '-')}, staleness"
+                f"the run's own setup ({', '.join(_described_pools(plan, own))}, staleness"
                 f" {own.option.staleness}): predicted {own.period:.2f} s an iteration, measured {measured.value:.2f} s"
                 f" ({error:+.0%}; {measured.source})"
             ),

@@ -167,13 +167,12 @@ def _size_figures(s: Sources) -> dict[str, Figure]:
     if s.measured and s.same_model:
         return {name: s.measured.figures[name] for name in ("checkpoint_gb", "trainer_state_gb")}
     total = parameter_counts(s.shape).total
-    state = 2 + 12 if s.target.trainer.precision == "bf16" else 12
+    # What train commits at either precision (steps/rl/checkpoint.py): fp32 weights (bf16's master copy) and AdamW's
+    # two fp32 moments; the bf16 compute copy is not saved.
     return {
         "checkpoint_gb": Figure(total * 2 / 1e9, "GB", f"derived: {total:,} parameters x 2 bytes (bf16)"),
         "trainer_state_gb": Figure(
-            total * state / 1e9,
-            "GB",
-            f"derived: {total:,} parameters x {state} bytes (weights, fp32 master weights and AdamW moments)",
+            total * 12 / 1e9, "GB", f"derived: {total:,} parameters x 12 bytes (fp32 weights and AdamW's two moments)"
         ),
     }
 

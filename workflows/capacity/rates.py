@@ -71,7 +71,7 @@ def committed_iterations(storage: RunStorage) -> list[int]:
 MEASURES = {
     "rollout_tokens_per_second_per_gpu": ("tokens/s", "rollout-*.json tokens_per_second / GPUs a shard"),
     "rollout_overhead_seconds": ("s", "rollout-*.json seconds - generate_seconds - fetch_seconds"),
-    "fetch_seconds_per_gb": ("s/GB", "rollout-*.json fetch_seconds / the checkpoint's GB"),
+    "fetch_seconds_per_gb": ("s/GB", "rollout-*.json fetch_seconds / fetched_bytes (the checkpoint's, or deltas')"),
     "prompt_tokens": ("tokens", "rollout-*.json prompt_tokens / samples"),
     "response_tokens": ("tokens", "rollout-*.json response_tokens / samples"),
     "reward_seconds_per_sample": ("s", "reward.json seconds / samples"),
@@ -117,8 +117,11 @@ def _iteration_samples(
         samples["rollout_overhead_seconds"].append(
             cores * (r["seconds"] - _field(r, "generate_seconds", shard) - fetched)
         )
-        checkpoint_gb = _folder_gb(storage, storage.checkpoint(r["policy_version"]))
-        samples["fetch_seconds_per_gb"].append(cores * fetched / checkpoint_gb)
+        # What the shard fetched: its checkpoint, or the deltas its engine moved by (none: it held the version).
+        fetched_gb = r["fetched_bytes"] / GB if "fetched_bytes" in r else None
+        fetched_gb = _folder_gb(storage, storage.checkpoint(r["policy_version"])) if fetched_gb is None else fetched_gb
+        if fetched_gb > 0:
+            samples["fetch_seconds_per_gb"].append(cores * fetched / fetched_gb)
         samples["prompt_tokens"].append(_field(r, "prompt_tokens", shard) / count)
         samples["response_tokens"].append(_field(r, "response_tokens", shard) / count)
         tokens += r["prompt_tokens"] + r["response_tokens"]

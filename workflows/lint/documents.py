@@ -4,6 +4,7 @@ checks (schema_checks.py), then the reference checks (references.py); templateRe
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from moeloop.workflows.lint.references import reference_findings
 from moeloop.workflows.lint.schema_checks import schema_findings
 
 ARGO_KINDS = frozenset(argo_schema.KINDS)
+STDIN, STDIN_SOURCE = "-", "<stdin>"  # the path that reads standard input, and how errors name it
 # An Argo object is at most ~1.5 MB (etcd's request limit); a file of many is larger, but not this large.
 MAX_MANIFEST_BYTES = 64 << 20
 # Real kinds that share the argoproj.io API group but are not Argo Workflows manifests a user
@@ -80,9 +82,10 @@ def lint_documents(docs: Iterable[YamlMap], source: str = "<memory>") -> list[Li
 
 
 def lint_paths(paths: Iterable[str | Path]) -> list[LintError]:
-    """Lint files and directories (recursive *.yaml / *.yml), templateRefs checked across all of them."""
+    """Lint files and directories (recursive *.yaml / *.yml), templateRefs checked across all of them; the path `-`
+    is standard input (its errors name it <stdin>)."""
     loaded: list[tuple[str, list[object] | LintError]] = [
-        (str(path), _load_yaml(path)) if isinstance(path, Path) else (path.source, path)
+        (_source(path), _load_yaml(path)) if isinstance(path, Path) else (path.source, path)
         for path in _expand_paths(paths)
     ]
     index = _index_templates(doc for _, docs in loaded if not isinstance(docs, LintError) for doc in docs)
@@ -115,10 +118,16 @@ def document_label(doc: YamlMap) -> str:
     return f"{doc.get('kind') or '<no kind>'}/{name}"
 
 
+def _source(path: Path) -> str:
+    return STDIN_SOURCE if str(path) == STDIN else str(path)
+
+
 def _expand_paths(paths: Iterable[str | Path]) -> Iterator[Path | LintError]:
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
+        if str(raw) == STDIN:
+            yield path
+        elif path.is_dir():
             files = sorted(file for file in path.rglob("*") if file.suffix in (".yaml", ".yml") and file.is_file())
             yield from files or [LintError(str(path), "", "", "no *.yaml or *.yml files in this folder")]
         elif path.exists():
@@ -130,13 +139,17 @@ def _expand_paths(paths: Iterable[str | Path]) -> Iterator[Path | LintError]:
 
 
 def _load_yaml(path: Path) -> list[object] | LintError:
-    """The file's documents, read as moeloop reads every YAML file it is handed (steps/inputs.py)."""
+    """The file's documents (`-`: standard input's), read as moeloop reads every YAML file it is handed
+    (steps/inputs.py)."""
+    source = _source(path)
+    # Standard input through its descriptor, left open; errors name it <stdin>.
+    open_file = (lambda _, mode: open(sys.stdin.fileno(), mode, closefd=False)) if str(path) == STDIN else open
     try:
-        return load_yaml_documents(read_limited(path, "manifest file", MAX_MANIFEST_BYTES), str(path))
+        return load_yaml_documents(read_limited(source, "manifest file", MAX_MANIFEST_BYTES, open_file), source)
     except NotYaml as error:
-        return LintError(str(path), "", "", error.reason)
+        return LintError(source, "", "", error.reason)
     except MoeloopError as error:  # unreadable, too large, not UTF-8
-        return LintError(str(path), "", "", str(error).removeprefix(f"{path}: "))
+        return LintError(source, "", "", str(error).removeprefix(f"{source}: "))
 
 
 def _index_templates(docs: Iterable[object]) -> dict[tuple[bool, str], frozenset[str]]:

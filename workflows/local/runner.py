@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,11 +19,11 @@ from pathlib import Path
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.observe.trackers import check_trackers
+from moeloop.steps.observe.trackers import check_trackers, end_trackers
 from moeloop.steps.rewards.functions import check_reward_routes
 from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.storage.lease import RunLease
-from moeloop.steps.storage.prompts import check_prompts, task_records, train_source
+from moeloop.steps.storage.prompts import check_prompts, set_name, task_prompt_sets
 from moeloop.steps.storage.run import RunStorage
 from moeloop.workflows.dag import EVALUATE, START, Task, loop_tasks, run_values
 from moeloop.workflows.local.launch import Launcher
@@ -37,6 +38,8 @@ EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt)
 @dataclass(frozen=True)
 class ExecutedTask:
     name: str
+    step: str
+    iteration: int
     dependencies: tuple[str, ...]
     argv: tuple[str, ...]
     started_at: float  # wall clock (Unix seconds) when the runner started the task's process
@@ -54,9 +57,10 @@ def preflight(config: MoeloopConfig) -> None:
 
         if (refusal := vllm_refusal({"model_type": config.model.tiny.family, **config.model.tiny.model_dump()})):
             raise MoeloopError(refusal)
-    train, evaluation = task_records(config.task)
-    check_prompts(config, train, train_source(config.task))
-    check_reward_routes(config.reward, train + evaluation, "the train and eval records")
+    sources = task_prompt_sets(config.task)
+    check_prompts(config, sources["train"][0], set_name(config.task, "train"))
+    records = [record for split_records, _ in sources.values() for record in split_records]
+    check_reward_routes(config.reward, records, "the train and eval records")
     with RewardPool(config.reward, "moeloop run's check of the config") as pool:
         pool.check()  # the functions import, each takes its args: in a worker process, as the steps will run them
     check_trackers(config)
@@ -85,10 +89,24 @@ def pending_tasks(tasks: list[Task], latest_iteration: int | None) -> list[Task]
 
 
 def run_local(config: MoeloopConfig, run_uri: str, log_dir: Path, progress: bool = True) -> list[ExecutedTask]:
-    """Check the inputs, take the run's lease (steps/storage/lease.py: one driver at a time), and drive the run."""
+    """Check the inputs, take the run's lease (steps/storage/lease.py: one driver at a time), and drive the run.
+    A run that stops short (a failed step: FAILED; Ctrl-C or a signal: KILLED) ends its trackers' runs so."""
     preflight(config)
     with RunLease(run_uri) as lease:
-        return drive(config, run_uri, log_dir, progress, lease.renew_if_due)
+        try:
+            return drive(config, run_uri, log_dir, progress, lease.renew_if_due)
+        except BaseException as stopped:
+            end_tracker_runs(config, run_uri, "FAILED" if isinstance(stopped, Exception) else "KILLED")
+            raise
+
+
+def end_tracker_runs(config: MoeloopConfig, run_uri: str, status: str) -> None:
+    """End the trackers' runs with status, without hiding why the run stopped: that stays the line to print."""
+    try:
+        end_trackers(RunStorage(run_uri), config, status)
+    except Exception as error:
+        reason = " ".join(str(error).split())
+        print(f"warning: the trackers' runs could not be ended {status}: {reason}", file=sys.stderr)
 
 
 def drive(
@@ -109,7 +127,7 @@ def drive(
     running: dict[str, tuple[Task, subprocess.Popen | StepWorker, float]] = {}
     finished: set[str] = set()
     executed: list[ExecutedTask] = []
-    display = ProgressDisplay(tasks, progress)
+    display = ProgressDisplay(tasks, progress, log_dir)
     try:
         while waiting or running:
             busy = [task for task, _, _ in running.values()]
@@ -131,7 +149,15 @@ def drive(
                     )
                 finished.add(name)
                 executed.append(
-                    ExecutedTask(name, task.dependencies, tuple(task.argv(values)), started, time.time() - started)
+                    ExecutedTask(
+                        name,
+                        task.step.name,
+                        task.iteration,
+                        task.dependencies,
+                        tuple(task.argv(values)),
+                        started,
+                        time.time() - started,
+                    )
                 )
                 metrics = storage.read_json(storage.metrics(task.iteration)) if task.step == EVALUATE else None
                 display.finished(task, metrics)

@@ -20,12 +20,15 @@ class StepWorker:
     """
 
     def __init__(self, environment: dict[str, str]):
+        # A session of its own: a Ctrl-C at the terminal reaches the runner alone, which ends its workers
+        # (terminate_workers); sent to a worker still starting, it printed a "Fatal Python error" into the terminal.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moeloop.workflows.local.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=environment,
             text=True,
+            start_new_session=True,
         )
         self.returncode: int | None = 0
 

@@ -34,23 +34,30 @@ def template_name(config: MoeloopConfig) -> str:
     return f"moeloop-{config.run_name}"
 
 
-def chunk_size(config: MoeloopConfig) -> int:
-    """Iterations per chunk: cluster.chunk_iterations, by default 20 or as many as MAX_CHUNK_TASKS allows."""
-    per_iteration = len(iteration_tasks(config, 1, PLAN.name))
+def chunk_size(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> int:
+    """Iterations per chunk: cluster.chunk_iterations, by default 20 or as many as MAX_CHUNK_TASKS allows, with room
+    for `own_tasks_per_iteration` tasks a user adds to each iteration (workflows.build's argument)."""
+    per_iteration = len(iteration_tasks(config, 1, PLAN.name)) + own_tasks_per_iteration
     fitting = (MAX_CHUNK_TASKS - len(FIXED_CHUNK_TASKS)) // per_iteration
+    if fitting < 1:
+        raise MoeloopError(
+            f"an iteration of {per_iteration} tasks ({own_tasks_per_iteration} of your own) does not fit a"
+            f" Workflow of {MAX_CHUNK_TASKS} tasks beside the chunk's {len(FIXED_CHUNK_TASKS)}"
+        )
     if config.cluster.chunk_iterations is None:
-        return max(1, min(DEFAULT_CHUNK_ITERATIONS, fitting))
+        return min(DEFAULT_CHUNK_ITERATIONS, fitting)
     if config.cluster.chunk_iterations > fitting:
+        own = f" ({own_tasks_per_iteration} of your own)" if own_tasks_per_iteration else ""
         raise MoeloopError(
             f"cluster.chunk_iterations {config.cluster.chunk_iterations} makes a Workflow of more than"
-            f" {MAX_CHUNK_TASKS} tasks at {per_iteration} tasks per iteration; at most {fitting}"
+            f" {MAX_CHUNK_TASKS} tasks at {per_iteration} tasks per iteration{own}; at most {fitting}"
         )
     return config.cluster.chunk_iterations
 
 
-def chunk_tasks(config: MoeloopConfig) -> list[Task]:
+def chunk_tasks(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> list[Task]:
     """The chunk's iteration slots: dag.py's iterations 1..K named slot<j>, rooted at plan."""
-    return iteration_tasks(config, chunk_size(config), PLAN.name, prefix="slot")
+    return iteration_tasks(config, chunk_size(config, own_tasks_per_iteration), PLAN.name, prefix="slot")
 
 
 def slot_iteration(slot: int) -> str:
@@ -76,11 +83,11 @@ def _dag_task(task: Task, when: str | None = None, **values: str) -> HeraTask:
     )
 
 
-def chunk_dag(config: MoeloopConfig) -> DAG:
+def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
+    slots = chunk_tasks(config, own_tasks_per_iteration)
     start = Task(START.name, START, 0, (("iteration", "0"),), ())
-    plan = Task(PLAN.name, PLAN, 0, (("chunk", str(chunk_size(config))),), (START.name,))
+    plan = Task(PLAN.name, PLAN, 0, (("chunk", str(slots[-1].iteration)),), (START.name,))
     latest = Task("eval-latest", EVALUATE, 0, (("iteration", f"{{{{{PLAN_OUTPUTS}.latest}}}}"),), (PLAN.name,))
-    slots = chunk_tasks(config)
     return DAG(
         name=ENTRYPOINT,
         tasks=[

@@ -1,16 +1,18 @@
-"""Multi-node training: the train task as a resource template creating a JobSet of `cluster.train_nodes` pods,
-each the single-node trainer pod, with torchrun's rendezvous over the JobSet's headless service.
+"""Multi-node training: the train task as steps that create a JobSet of `cluster.train_nodes` pods, each the
+single-node trainer pod, with torchrun's rendezvous over the JobSet's headless service, then report its figures.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hera.workflows import Resource
+from hera.workflows import Container, Parameter, Resource, Steps
+from hera.workflows import Step as HeraStep
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.outputs import OUTPUTS_ENV
-from moeloop.workflows.dag import TRAIN
+from moeloop.workflows.dag import TRAIN, TRAIN_REPORT
+from moeloop.workflows.monitoring import template_metrics
 from moeloop.workflows.render.parameters import manifest_text
 from moeloop.workflows.render.placement import (
     LABEL,
@@ -22,7 +24,13 @@ from moeloop.workflows.render.placement import (
     pod_volumes,
     train_processes_per_node,
 )
-from moeloop.workflows.render.step_templates import OUTPUTS_DIR, step_placeholders, template_io
+from moeloop.workflows.render.step_templates import (
+    MISSING_OUTPUT,
+    OUTPUTS_DIR,
+    container_template,
+    step_placeholders,
+    template_io,
+)
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 JOBSET_REPLICATED_JOB = "node"
@@ -81,11 +89,17 @@ def render_jobset(config: MoeloopConfig) -> dict[str, Any]:
     }
 
 
-def jobset_train_template(config: MoeloopConfig) -> Resource:
+JOBSET_TEMPLATE = f"{TRAIN.name}-jobset"
+
+
+def jobset_train_templates(config: MoeloopConfig) -> list[Steps | Resource | Container]:
+    """The train task's template for a multi-node trainer: steps that create the JobSet and wait for it, then run
+    train-report (moeloop.steps.train_report), a CPU pod that reads the committed train report. The JobSet's pods
+    are not Argo's, so without it the train figures would be no template's outputs and no gauge."""
     io = template_io(TRAIN, TRAIN.role)
-    io["outputs"] = None  # the figures stay in the JobSet's pods (and reports/iter-N/train.json)
-    return Resource(
-        name=TRAIN.name,
+    io["outputs"] = None  # the figures are train-report's
+    jobset = Resource(
+        name=JOBSET_TEMPLATE,
         **io,
         **orchestrator_pod(config),
         action="create",
@@ -94,3 +108,16 @@ def jobset_train_template(config: MoeloopConfig) -> Resource:
         success_condition="status.terminalState == Completed",
         failure_condition="status.terminalState == Failed",
     )
+    report = container_template(TRAIN_REPORT, config)
+    # Its gauges are the train step's, named as a single-node train template names them.
+    report.metrics = template_metrics(TRAIN.name, TRAIN_REPORT.params, TRAIN.outputs, config.run_name, MISSING_OUTPUT)
+    iteration = [Parameter(name="iteration", value="{{inputs.parameters.iteration}}")]
+    train = Steps(
+        name=TRAIN.name,
+        inputs=[Parameter(name="iteration")],
+        sub_steps=[
+            HeraStep(name="jobset", template=JOBSET_TEMPLATE, arguments=iteration),
+            HeraStep(name="report", template=TRAIN_REPORT.name, arguments=iteration),
+        ],
+    )
+    return [train, jobset, report]

@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hera.workflows import DAG, Container, CronWorkflow, Parameter, Resource, Workflow, WorkflowTemplate
+from hera.workflows import DAG, Container, CronWorkflow, Parameter, Resource, Steps, Workflow, WorkflowTemplate
 from hera.workflows import models as m
 
 from moeloop.steps.config import MoeloopConfig
-from moeloop.workflows.dag import STEPS, TRAIN, Step
+from moeloop.workflows.dag import FINISH, STEPS, TRAIN, Step
 from moeloop.workflows.monitoring import run_annotations
 from moeloop.workflows.render.chunk import ENTRYPOINT, chunk_dag, label_template, next_chunk_template, template_name
-from moeloop.workflows.render.jobset import jobset_train_template
+from moeloop.workflows.render.jobset import jobset_train_templates
 from moeloop.workflows.render.parameters import PARAMETER_DESCRIPTIONS, PARAMETERS, run_arguments, run_labels
 from moeloop.workflows.render.placement import LABEL
 from moeloop.workflows.render.step_templates import container_template
@@ -40,12 +40,18 @@ class Loop:
 
 
 FILES = ("workflow-template.yaml", "workflow.yaml", "cron-workflow.yaml")
+FINISHED_STATUS = m.Parameter(name="status", value="{{workflow.status}}")
 
 
-def build(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -> Loop:
+def build(
+    config: MoeloopConfig, run_uri: str, iterations: int | None = None, own_tasks_per_iteration: int = 0
+) -> Loop:
     """Every Argo object of the run at `run_uri` (e.g. s3://bucket/runs/<run_name>). `iterations` sets the target;
-    the chunks do not depend on it."""
+    the chunks do not depend on it. A chunk holds as many iterations as fit Argo's 200 tasks a DAG: pass
+    `own_tasks_per_iteration`, the tasks you will add to each iteration slot of `Loop.chunk`, to leave room for them
+    (with `cluster.chunk_iterations` set, a chunk that would not fit them is refused)."""
     config = with_target(config, iterations)
+    ends_tracker_runs = "mlflow" in config.observe.trackers
     metadata = {"namespace": config.cluster.namespace, "labels": run_labels(config)}
     values = run_arguments(config, run_uri, chain=True)
     template = WorkflowTemplate(
@@ -69,11 +75,16 @@ def build(config: MoeloopConfig, run_uri: str, iterations: int | None = None) ->
         workflow_metadata=m.WorkflowMetadata(labels=run_labels(config), annotations=run_annotations(run_uri)),
         pod_metadata=m.Metadata(labels={f"{LABEL}/run": config.run_name}),
         templates=[
-            chunk_dag(config),
-            *(_step_template(step, config) for step in STEPS),
+            chunk_dag(config, own_tasks_per_iteration),
+            *(template for step in STEPS for template in _step_templates(step, config)),
             label_template(config),
             next_chunk_template(config),
+            *([container_template(FINISH, config)] if ends_tracker_runs else []),
         ],
+        # However the chunk ends, its exit hook runs: one that did not succeed ends the MLflow run FAILED.
+        hooks={"exit": m.LifecycleHook(template=FINISH.name, arguments=m.Arguments(parameters=[FINISHED_STATUS]))}
+        if ends_tracker_runs
+        else None,
     )
     return Loop(
         template=template,
@@ -112,8 +123,8 @@ def render(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -
     return {name: hera_object.to_dict() for name, hera_object in build(config, run_uri, iterations).objects().items()}
 
 
-def _step_template(step: Step, config: MoeloopConfig) -> Container | Resource:
-    """The step's template; multi-node training is a resource template creating a JobSet."""
+def _step_templates(step: Step, config: MoeloopConfig) -> list[Container | Resource | Steps]:
+    """The step's template; multi-node training is steps that create a JobSet and then report its figures."""
     if step is TRAIN and config.cluster.train_nodes > 1:
-        return jobset_train_template(config)
-    return container_template(step, config)
+        return jobset_train_templates(config)
+    return [container_template(step, config)]

@@ -1,0 +1,173 @@
+"""How a kept rollout engine takes each iteration's policy version: from deltas, else from the full checkpoint.
+
+The engine a process keeps (`moeloop.steps.engines.engine.engine_for`: a local runner's worker, a long-lived rollout
+pod) holds one version of one run, with its weights' digest. Asked for a later version, it applies the deltas of the
+versions between, in order (each one's base must be what it holds), each written into its weights in place, and
+then reads its weights' digest back out of them: it must be the one the new version's checkpoint COMMIT records.
+Anything else falls back to the full checkpoint, fetched and loaded as a new engine is: a delta missing (not yet
+published, or left out by publish as no smaller than the checkpoint), damaged (its COMMIT does not verify), of another
+base or leading elsewhere; the digest differing; an engine that cannot take deltas (why: `Engine.map_weights`); an
+older version. After every full load the engine checks its weights' digest too: an engine whose layout deltas are not
+written in finds out on its first load, and then takes full checkpoints only. A rollout pod or worker that lives
+across iterations calls `engine_at(storage, version, ...)` each iteration and generates with the engine it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moeloop.steps.config import RolloutConfig
+from moeloop.steps.engines.engine import Engine, engine_for, engine_key, kept_engine
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, weights_digest
+from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
+from moeloop.steps.storage.deltas import delta_files, fetch_delta
+from moeloop.steps.storage.run import RunStorage
+
+
+@dataclass(frozen=True)
+class Held:
+    """The policy version an engine holds: run, version, and its weights' digest, verified (None: the engine cannot
+    read it back, and takes full checkpoints only)."""
+
+    run: str
+    version: int
+    digest: str | None
+
+
+class DeltaUnusable(Exception):
+    """Why an engine could not move to a version by deltas: it falls back to the full checkpoint."""
+
+
+def engine_at(
+    storage: RunStorage, version: int, settings: RolloutConfig, record_routing: bool = False
+) -> tuple[Engine, dict[str, Any]]:
+    """This process's engine holding the run's checkpoint `version`, and how it got there: `policy_update` kept (it
+    held it), delta (applied in place), or full (the checkpoint fetched and loaded, with `fallback`: why no delta
+    served, where the engine held an earlier version), and the seconds and bytes it took."""
+    started = time.perf_counter()
+    manifest, architecture = committed_architecture(storage, version)
+    engine = kept_engine(engine_key(architecture, settings, record_routing))
+    held = engine.held if engine is not None else None
+    fallback = None
+    if held is not None and held.run == storage.uri:
+        if held.version == version:
+            return engine, {"policy_update": "kept", "engine_reused": True, "fetch_seconds": 0.0, "fetched_bytes": 0,
+                            "engine_seconds": 0.0}  # fmt: skip
+        try:
+            return engine, advance(engine, storage, version, manifest.get("weights_digest"), started)
+        except DeltaUnusable as why:
+            fallback = str(why)
+    fetch_started = time.perf_counter()
+    checkpoint_dir = fetch_checkpoint(storage, version)
+    fetched = time.perf_counter() - fetch_started
+    engine, reused = engine_for(checkpoint_dir, settings, record_routing)
+    if engine.held is None or engine.held.run != storage.uri or engine.held.version != version:
+        verify_full_load(engine, storage, version, checkpoint_dir)
+    report = {"policy_update": "full", "engine_reused": reused, "fetch_seconds": round(fetched, 3),
+              "fetched_bytes": sum(entry["size"] for entry in manifest["files"].values()),
+              "engine_seconds": round(time.perf_counter() - started - fetched, 3)}  # fmt: skip
+    return engine, report | ({"fallback": fallback} if fallback else {})
+
+
+def committed_architecture(storage: RunStorage, version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The committed checkpoint `version`'s manifest and its config.json, read from the run (its weights need not
+    be fetched: a kept engine may take deltas)."""
+    folder = storage.checkpoint(version)
+    manifest = storage.manifest(folder)
+    if manifest is None:
+        raise MoeloopError(f"checkpoint of iteration {version} is not committed: {storage.display(folder)}")
+    return manifest, json.loads(storage.read_committed(folder, manifest, ["config.json"])["config.json"])
+
+
+def advance(
+    engine: Engine, storage: RunStorage, version: int, target: str | None, started: float
+) -> dict[str, Any]:
+    """Move a kept engine from the version it holds to a later one (target: its weights' digest, as its checkpoint's
+    COMMIT records it), by the deltas between: its report."""
+    held = engine.held
+    if version < held.version:
+        raise DeltaUnusable(f"the engine holds version {held.version}, later than {version}")
+    if held.digest is None:
+        raise DeltaUnusable(engine.delta_refusal)
+    if target is None:
+        raise DeltaUnusable(f"checkpoint {version}'s COMMIT records no weights digest to check a delta against")
+    fetch_seconds = fetched_bytes = 0.0
+    digest, expected = held.digest, {}
+    engine.held = None  # from the first write on, until the digest is checked, it holds no known version
+    with local_scratch() as scratch:
+        for step in range(held.version + 1, version + 1):
+            record, files = delta_of(storage, step, digest)
+            if step == version and record["digest"] != target:
+                raise DeltaUnusable(f"the delta of version {step} leads to other weights than its checkpoint's")
+            fetch_started = time.perf_counter()
+            try:
+                paths = fetch_delta(storage, step, files, scratch / str(step))
+            except MoeloopError as error:
+                raise DeltaUnusable(f"the delta of version {step} does not verify: {error}") from None
+            fetch_seconds += time.perf_counter() - fetch_started
+            fetched_bytes += sum(entry["size"] for entry in files.values())
+            try:
+                engine.apply_delta(paths)
+            except (KeyError, ValueError) as error:  # verified, yet not of this model: a publisher's error
+                raise DeltaUnusable(f"the delta of version {step} does not fit the engine's weights: {error}") from None
+            digest, expected = record["digest"], record["tensors"]
+    actual = engine.weight_digests()
+    if weights_digest(actual) != target:
+        differing = sorted(name for name in expected if actual.get(name) != expected[name])[:1]
+        raise DeltaUnusable(f"after the deltas its weights' digest differs from version {version}'s at {differing}")
+    engine.held = Held(storage.uri, version, target)
+    return {"policy_update": "delta", "engine_reused": True, "deltas": version - held.version,
+            "fetch_seconds": round(fetch_seconds, 3), "fetched_bytes": int(fetched_bytes),
+            "engine_seconds": round(time.perf_counter() - started - fetch_seconds, 3)}  # fmt: skip
+
+
+def delta_of(storage: RunStorage, version: int, base_digest: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Version's delta record and files, checked to start from base_digest."""
+    try:
+        found = delta_files(storage, version)
+    except MoeloopError as error:
+        raise DeltaUnusable(f"the delta of version {version} is damaged: {error}") from None
+    if found is None:
+        raise DeltaUnusable(f"version {version} has no committed delta")
+    record, files = found
+    if not files:
+        raise DeltaUnusable(f"publish left version {version}'s delta out (no smaller than the checkpoint)")
+    if record.get("base") != version - 1 or record.get("base_digest") != base_digest:
+        raise DeltaUnusable(f"the delta of version {version} starts from other weights than the engine holds")
+    return record, files
+
+
+def verify_full_load(engine: Engine, storage: RunStorage, version: int, checkpoint_dir: Path) -> None:
+    """After a full load: the version the engine holds, and whether it can read its weights back as the
+    checkpoint's (their digest, against the version's record, else the files'): if not, why, in
+    `engine.delta_refusal`, and it takes full checkpoints from then on."""
+    refusal = engine.map_weights(checkpoint_dir)
+    digest = None
+    if refusal is None:
+        expected = recorded_digests(storage, version) or checkpoint_digests(CheckpointTensors(checkpoint_dir))
+        actual = engine.weight_digests()
+        differing = sorted(name for name in expected if actual.get(name) != expected[name])
+        if differing:
+            refusal = f"after a full load its weights differ from the checkpoint's at {differing[0]}"
+        else:
+            digest = weights_digest(expected)
+    engine.delta_refusal = refusal
+    engine.held = Held(storage.uri, version, digest)
+
+
+def recorded_digests(storage: RunStorage, version: int) -> dict[str, str] | None:
+    """The tensor digests the version's delta record holds, where it is committed and whole and agrees with its
+    checkpoint's COMMIT; else None."""
+    try:
+        found = delta_files(storage, version)
+        recorded = storage.manifest(storage.checkpoint(version)).get("weights_digest")
+    except MoeloopError:
+        return None
+    if found is None or found[0]["digest"] != recorded:
+        return None
+    return found[0]["tensors"]

@@ -1,0 +1,189 @@
+"""A policy version's delta: the elements of its HF checkpoint that changed since the version before, which a rollout
+engine holding that version applies in place instead of loading the whole checkpoint; and the weights' digest, by
+which the engine checks that what it holds then is the new checkpoint, element for element.
+
+Digest. A checkpoint tensor's digest is the BLAKE3 of its bytes as the checkpoint stores them: its dtype, row-major,
+its safetensors file's bytes. The weights' digest is the BLAKE3 of every tensor's name and digest, in name order. An
+engine computes it from its own weights, whatever layout it holds them in (`moeloop.steps.engines.weights`): it
+reads each checkpoint tensor back out of its fused tensors, in the stored dtype.
+
+Layout: safetensors files of at most max_file_bytes (`delta-00001.safetensors`, ...), three tensors per changed
+checkpoint tensor (chosen by measurement, benchmarks/deltas.md: the smallest of the fixed-width layouts measured at
+an RL learning rate's 1-3% of elements changed, and as cheap to apply):
+    {name}:counts   int32 [ceil(numel / 65536)]  how many of its elements changed in each block of 65,536
+    {name}:offsets  uint16 [changed]              each changed element's position in its block, ascending
+    {name}:values   its stored dtype [changed]    each changed element's new value
+"Changed" is bitwise: a value whose bytes differ (so -0.0 and 0.0 differ, and NaN is no exception). Unchanged
+tensors are absent. The functions take any mapping of name to tensor: a safetensors folder (`CheckpointTensors`) or
+a state dict in memory, so whichever process holds the two versions writes the delta.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moeloop.steps.model.hf_shards import INDEX, SAFETENSORS_DTYPE, SINGLE
+
+BLOCK = 1 << 16  # elements per block of a changed tensor: positions in a block fit in a uint16
+DELTA_FILE = "delta-{:05d}.safetensors"
+PARALLEL_HASH_BYTES = 64 << 20  # BLAKE3 hashes a tensor this large on several threads
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """The BLAKE3 of a tensor's bytes: its dtype's, row-major."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+    threads = blake3.blake3.AUTO if data.nbytes >= PARALLEL_HASH_BYTES else 1
+    return blake3.blake3(memoryview(data), max_threads=threads).hexdigest()
+
+
+def weights_digest(digests: Mapping[str, str]) -> str:
+    """One digest of all tensors: BLAKE3 over each name and its tensor's digest, in name order."""
+    hasher = blake3.blake3()
+    for name in sorted(digests):
+        hasher.update(name.encode() + b"\0" + bytes.fromhex(digests[name]))
+    return hasher.hexdigest()
+
+
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """The tensors of an HF checkpoint folder (one safetensors file, or an index of shards), each read from its file
+    when asked for, in its stored dtype."""
+
+    def __init__(self, folder: Path) -> None:
+        index = folder / INDEX
+        if index.exists():
+            self.file_of = {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            with safe_open(folder / SINGLE, "pt") as single:
+                self.file_of = dict.fromkeys(single.keys(), folder / SINGLE)
+        self.open: dict[Path, object] = {}
+
+    def _file(self, name: str) -> object:
+        path = self.file_of[name]
+        if path not in self.open:
+            self.open[path] = safe_open(path, "pt")
+        return self.open[path]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)  # type: ignore[attr-defined]
+
+    def kinds(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor's shape and stored dtype, from the files' headers (no tensor is read)."""
+        of_code = {code: dtype for dtype, code in SAFETENSORS_DTYPE.items()}
+        slices = {name: self._file(name).get_slice(name) for name in self.file_of}  # type: ignore[attr-defined]
+        return {name: (tuple(s.get_shape()), of_code[s.get_dtype()]) for name, s in slices.items()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.file_of)
+
+    def __len__(self) -> int:
+        return len(self.file_of)
+
+
+def checkpoint_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Every tensor's digest, by name."""
+    return {name: tensor_digest(tensors[name]) for name in tensors}
+
+
+def changed_positions(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The flat positions (int64, ascending) where new's bytes differ from base's."""
+    if base.shape != new.shape or base.dtype != new.dtype:
+        kinds = f"{tuple(base.shape)} {base.dtype} and {tuple(new.shape)} {new.dtype}"
+        raise ValueError(f"tensors of {kinds} differ in kind")
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+    return torch.nonzero(base.reshape(-1).view(bits) != new.reshape(-1).view(bits)).view(-1)
+
+
+def encode(positions: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts, offsets) of ascending flat positions in a tensor of numel elements."""
+    counts = torch.bincount(positions >> 16, minlength=-(-numel // BLOCK)).to(torch.int32)
+    return counts, (positions & (BLOCK - 1)).to(torch.uint16)
+
+
+def decode(counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The flat positions (int64) that (counts, offsets) encode."""
+    starts = torch.arange(len(counts), dtype=torch.int64, device=counts.device) * BLOCK
+    return torch.repeat_interleave(starts, counts.to(torch.int64)) + offsets.to(torch.int64)
+
+
+@dataclass
+class DeltaSummary:
+    """What a delta holds: base_digests and digests, every tensor's of the two versions (base_digests empty without
+    a base)."""
+
+    base_digests: dict[str, str]
+    digests: dict[str, str]
+    changed: int  # elements
+    elements: int
+    delta_bytes: int  # of its files
+    checkpoint_bytes: int  # of the new version's tensors
+
+    def record(self, base: int, iteration: int) -> dict[str, object]:
+        """The delta's record (its folder's digests.json): the versions, their weights' digests, the new one's
+        tensor digests, and how much changed."""
+        return {
+            "base": base, "iteration": iteration,
+            "base_digest": weights_digest(self.base_digests) if self.base_digests else None,
+            "digest": weights_digest(self.digests),
+            "changed": self.changed, "elements": self.elements, "delta_bytes": self.delta_bytes,
+            "checkpoint_bytes": self.checkpoint_bytes, "tensors": self.digests,
+        }  # fmt: skip
+
+
+def write_delta(
+    base: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], output: Path, max_file_bytes: int
+) -> DeltaSummary:
+    """The delta from base to new (the same tensor names, shapes and dtypes; a ValueError else) into output's
+    safetensors files, and both versions' digests, computed on the way: each tensor is read once from each side.
+    Without a base: new's digests alone."""
+    if base is not None and set(base) != set(new):
+        raise ValueError(f"the versions hold different tensors: {sorted(set(base) ^ set(new))[:3]}")
+    output.mkdir(parents=True, exist_ok=True)
+    pending: dict[str, torch.Tensor] = {}
+    summary = DeltaSummary({}, {}, 0, 0, 0, 0)
+
+    def flush() -> None:
+        if pending:
+            path = output / DELTA_FILE.format(len(list(output.glob("delta-*.safetensors"))) + 1)
+            save_file(pending, path)
+            summary.delta_bytes += path.stat().st_size
+            pending.clear()
+
+    for name in sorted(new):
+        now = new[name]
+        summary.digests[name] = tensor_digest(now)
+        summary.elements += now.numel()
+        summary.checkpoint_bytes += now.numel() * now.element_size()
+        if base is None:
+            continue
+        old = base[name]
+        summary.base_digests[name] = tensor_digest(old)
+        positions = changed_positions(old, now)
+        if not len(positions):
+            continue
+        summary.changed += len(positions)
+        counts, offsets = encode(positions, now.numel())
+        entry = {f"{name}:counts": counts, f"{name}:offsets": offsets, f"{name}:values": now.reshape(-1)[positions]}
+        size = sum(t.numel() * t.element_size() for t in entry.values())
+        if pending and sum(t.numel() * t.element_size() for t in pending.values()) + size > max_file_bytes:
+            flush()
+        pending.update(entry)
+    flush()
+    return summary
+
+
+def read_delta(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(tensor name, flat positions, new values) of every changed tensor of a delta's files."""
+    for path in files:
+        with safe_open(path, "pt") as delta:
+            names = sorted({key.rpartition(":")[0] for key in delta.keys()})
+            for name in names:
+                positions = decode(delta.get_tensor(f"{name}:counts"), delta.get_tensor(f"{name}:offsets"))
+                yield name, positions, delta.get_tensor(f"{name}:values")

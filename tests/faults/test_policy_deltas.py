@@ -1,0 +1,200 @@
+"""A kept rollout engine takes each policy version from its delta, in place, and holds exactly the version's
+checkpoint; a missing, damaged or wrong delta falls back to the full checkpoint (steps/engines/versions.py); an
+engine killed mid-iteration is replaced and its shard, retried once, has exactly an undisturbed engine's rows."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from moeloop.steps.engines.engine import Sampling, TransformersEngine, release_engine
+from moeloop.steps.engines.versions import engine_at
+from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, write_delta
+from moeloop.steps.publish import publish
+from moeloop.steps.reward import reward
+from moeloop.steps.rollout import rollout
+from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.deltas import RECORD
+from moeloop.steps.storage.run import RunStorage
+from moeloop.steps.train import train
+from moeloop.workflows.local.workers import StepWorker
+from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT
+from tests.policy_versions import bf16_run
+from tests.processes import run_step, step_command
+
+TRANSFORMERS = {"rollout": SMALL_TRANSFORMERS_ROLLOUT}
+
+
+@pytest.fixture
+def versions(run_root: Path) -> tuple[RunStorage, object]:
+    uri, config = bf16_run(run_root, versions=3, **TRANSFORMERS)
+    return RunStorage(uri), config
+
+
+def digests_of(storage: RunStorage, version: int) -> dict[str, str]:
+    return checkpoint_digests(CheckpointTensors(fetch_checkpoint(storage, version)))
+
+
+def samples(engine: TransformersEngine) -> list:
+    prompts = [engine.tokenizer(text)["input_ids"] for text in ("abcd=", "ba=", "dcab=")]
+    completions = engine.generate(prompts, Sampling(n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=11))
+    return [[(c.token_ids, c.logprobs) for c in group] for group in completions]
+
+
+def test_a_kept_engine_takes_each_version_from_its_deltas_in_place_and_holds_its_checkpoint(versions) -> None:
+    storage, config = versions
+    engine, report = engine_at(storage, 0, config.rollout)
+    assert report["policy_update"] == "full" and not report["engine_reused"]
+    storages = {name: tensor.data_ptr() for name, tensor in engine.model.state_dict().items()}
+    again, report = engine_at(storage, 2, config.rollout)  # versions 1 and 2, in order
+    assert again is engine and report["policy_update"] == "delta" and report["deltas"] == 2, report
+    checkpoint_bytes = sum(e["size"] for e in storage.manifest(storage.checkpoint(2))["files"].values())
+    assert 0 < report["fetched_bytes"] < checkpoint_bytes / 4, report
+    assert {name: tensor.data_ptr() for name, tensor in engine.model.state_dict().items()} == storages
+    assert engine.weight_digests() == digests_of(storage, 2)
+    assert engine_at(storage, 2, config.rollout)[1]["policy_update"] == "kept"
+    by_deltas = samples(engine)
+    release_engine()
+    assert samples(TransformersEngine(fetch_checkpoint(storage, 2))) == by_deltas  # tokens and logprobs
+
+
+def test_a_missing_delta_falls_back_to_the_full_checkpoint_and_the_next_delta_serves_again(versions) -> None:
+    storage, config = versions
+    engine_at(storage, 0, config.rollout)
+    (Path(storage.root) / storage.delta(2) / "COMMIT").unlink()  # not (yet) committed
+    engine, report = engine_at(storage, 2, config.rollout)
+    assert report["policy_update"] == "full" and "version 2 has no committed delta" in report["fallback"], report
+    assert engine.weight_digests() == digests_of(storage, 2)
+    assert engine_at(storage, 3, config.rollout)[1]["policy_update"] == "delta"
+    assert engine.weight_digests() == digests_of(storage, 3)
+
+
+def test_a_damaged_delta_falls_back_to_the_full_checkpoint(versions) -> None:
+    storage, config = versions
+    engine_at(storage, 0, config.rollout)
+    delta_file = next((Path(storage.root) / storage.delta(1)).glob("delta-*.safetensors"))
+    data = bytearray(delta_file.read_bytes())
+    data[-1] ^= 0xFF  # a value's byte: same size, another digest
+    delta_file.write_bytes(bytes(data))
+    engine, report = engine_at(storage, 1, config.rollout)
+    assert report["policy_update"] == "full" and "does not verify" in report["fallback"], report
+    assert engine.weight_digests() == digests_of(storage, 1)
+
+
+def recommit(storage: RunStorage, version: int, folder: Path) -> None:
+    """Replace version's committed delta folder by folder's files (a publisher's bug, or foreign data)."""
+    target = Path(storage.root) / storage.delta(version)
+    for path in target.iterdir():
+        path.unlink()
+    storage.commit_folder(storage.delta(version), folder, extra={"iteration": version})
+
+
+def test_a_delta_that_verifies_but_is_not_the_versions_falls_back_to_the_full_checkpoint(
+    versions, tmp_path: Path
+) -> None:
+    """Whole, committed, but wrong: a delta from another base; one leading elsewhere; one whose record is right but
+    whose elements are another delta's. The engine checks bases and digests, never trusting the delta alone."""
+    storage, config = versions
+    checkpoints = [CheckpointTensors(fetch_checkpoint(storage, v)) for v in range(4)]
+    record = (Path(storage.root) / storage.delta(2) / RECORD).read_bytes()
+    wrong_elements = tmp_path / "wrong-elements"
+    write_delta(checkpoints[1], checkpoints[3], wrong_elements, 1 << 30)  # 1 -> 3's elements ...
+    (wrong_elements / RECORD).write_bytes(record)  # ... under 1 -> 2's record
+    other_base = tmp_path / "other-base"
+    write_delta(checkpoints[0], checkpoints[2], other_base, 1 << 30)
+    (other_base / RECORD).write_bytes(record.replace(b'"base": 1', b'"base": 0'))
+    expected = {"wrong-elements": "differs from version 2", "other-base": "starts from other weights"}
+    for folder, why in expected.items():
+        release_engine()
+        engine_at(storage, 1, config.rollout)
+        recommit(storage, 2, tmp_path / folder)
+        engine, report = engine_at(storage, 2, config.rollout)
+        assert report["policy_update"] == "full" and why in report["fallback"], (folder, report)
+        assert engine.weight_digests() == digests_of(storage, 2)
+
+
+def test_an_older_version_is_a_full_load(versions) -> None:
+    storage, config = versions
+    engine_at(storage, 2, config.rollout)
+    engine, report = engine_at(storage, 1, config.rollout)
+    assert report["policy_update"] == "full" and "later than 1" in report["fallback"]
+    assert engine.weight_digests() == digests_of(storage, 1)
+
+
+def test_publish_writes_the_delta_that_the_next_rollout_takes_and_its_rows_are_a_fresh_processs(run_root: Path) -> None:
+    """The real steps from a bf16 start at an RL learning rate: publish commits checkpoint 1 with its weights' digest
+    and deltas/iter-1; iteration 2's rollout, in the process that ran iteration 1's, takes the delta; its shard is
+    byte for byte what a fresh process, loading the full checkpoint, writes."""
+    uri, config = bf16_run(run_root, versions=0, iterations=2, trainer={"learning_rate": 1e-6}, **TRANSFORMERS)
+    storage, shards = RunStorage(uri), config.rollout.num_shards
+    for shard in range(shards):
+        rollout(uri, 1, shard, shards)
+    reward(uri, 1)
+    train(uri, 1)
+    published = publish(uri, 1)
+    assert 0 < published["delta_bytes"] and 0 < published["delta_changed_fraction"] < 0.2, published
+    assert storage.manifest(storage.checkpoint(1))["weights_digest"] == published["weights_digest"]
+    report = rollout(uri, 2, 0, shards)
+    assert report["policy_update"] == "delta" and report["deltas"] == 1, report
+    shard = Path(storage.root) / storage.rollout_shard(2, 0, shards)
+    by_delta = shard.read_bytes()
+    shard.unlink()
+    threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}  # as this process sampled: the same reductions
+    run_step("rollout", uri, 2, "--shard", "0", "--num-shards", str(shards), env=threads, check=True)
+    assert shard.read_bytes() == by_delta
+
+
+@pytest.mark.slow
+def test_an_engine_killed_mid_iteration_is_replaced_and_the_shard_retried_once_has_exact_rows(
+    run_root: Path, tmp_path: Path
+) -> None:
+    """Two long-lived rollout processes (the local runner's workers, as long-lived rollout pods) serve one shard of
+    two identical runs over iterations 1-3, moving by deltas; one is SIGKILLed in the middle of iteration 3 and a
+    new one, built on the full checkpoint, retries that shard once: it commits exactly once, and its rows are the
+    undisturbed process's."""
+    sizes = {"rollout": {**SMALL_TRANSFORMERS_ROLLOUT, "prompts_per_iteration": 32, "samples_per_prompt": 8}}
+    runs = [bf16_run(run_root / name, versions=2, **sizes) for name in ("undisturbed", "killed")]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def command(uri: str, iteration: int) -> list[str]:
+        return step_command("rollout", uri, iteration, "--shard", "0", "--num-shards", "2")
+
+    def run(worker: StepWorker, uri: str, iteration: int) -> int:
+        worker.start(command(uri, iteration), tmp_path / f"{Path(uri).parent.parent.name}-{iteration}.log")
+        while worker.poll() is None:
+            time.sleep(0.05)
+        return worker.poll()
+
+    undisturbed, killed = StepWorker(environment), StepWorker(environment)
+    try:
+        for worker, (uri, _) in ((undisturbed, runs[0]), (killed, runs[1])):
+            assert [run(worker, uri, i) for i in (1, 2)] == [0, 0]
+        started = time.perf_counter()
+        assert run(undisturbed, runs[0][0], 3) == 0
+        seconds = time.perf_counter() - started
+        killed.start(command(runs[1][0], 3), tmp_path / "killed-3.log")
+        time.sleep(seconds / 4)  # the worker is warm: the step's time is its engine's update and generation
+        assert killed.poll() is None, "the shard finished before it could be killed"
+        os.kill(killed.process.pid, signal.SIGKILL)
+        killed.process.wait()
+        storages = [RunStorage(uri) for uri, _ in runs]
+        shard = [Path(s.root) / s.rollout_shard(3, 0, 2) for s in storages]
+        assert not shard[1].exists() and not list(shard[1].parent.glob("*.tmp-*"))
+        replacement = StepWorker(environment)
+        try:
+            assert run(replacement, runs[1][0], 3) == 0
+        finally:
+            replacement.close()
+    finally:
+        undisturbed.close()
+        killed.close()
+    reports = [s.read_json(s.report(3, "rollout-0")) for s in storages]
+    assert reports[0]["policy_update"] == "delta" and reports[1]["policy_update"] == "full", reports
+    assert pq.read_table(shard[1]).equals(pq.read_table(shard[0]))
+    assert pq.read_table(shard[1]).num_rows == 32 // 2 * 8

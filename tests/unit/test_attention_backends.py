@@ -1,0 +1,59 @@
+"""`trainer.attention`: which kernel runs packed attention where (`moeloop.steps.model.attention`), and the one-line
+errors for a backend selected where it cannot run (the flash kernels themselves: tests/gpu/test_cuda.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import Qwen3MoeForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from moeloop.steps.config import TrainerConfig, load_config
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.attention import PACKED_ATTENTION, attention_backend, flash4_missing, use_packed_attention
+from moeloop.steps.model.policy import build_tokenizer, tiny_model_config
+from moeloop.steps.rl.parallel import Parallel
+from moeloop.steps.rl.state import trainer_attention
+from tests.conftest import REPO
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_is_the_padded_exact_path_off_cuda(dtype: torch.dtype) -> None:
+    assert attention_backend("auto", CPU, dtype) == "sdpa"
+    assert attention_backend("sdpa", CPU, dtype) == "sdpa"
+
+
+@pytest.mark.parametrize("backend", ["flash4", "flash2"])
+def test_a_flash_backend_off_cuda_is_one_line_naming_what_it_needs(backend: str) -> None:
+    with pytest.raises(MoeloopError) as raised:
+        attention_backend(backend, CPU, torch.bfloat16)
+    message = str(raised.value)
+    assert "\n" not in message and f"trainer.attention {backend}" in message and "CUDA" in message, message
+    with pytest.raises(MoeloopError, match="auto or sdpa"):  # the train step's check, before any weight is loaded
+        trainer_attention(TrainerConfig(attention=backend), Parallel())
+
+
+def test_flash4_is_refused_by_the_config_with_fp32_and_missing_says_how_to_install() -> None:
+    with pytest.raises(ValidationError, match="attention flash4 computes in bf16"):
+        TrainerConfig(precision="fp32", attention="flash4")
+    assert TrainerConfig(precision="fp32", attention="sdpa").attention == "sdpa"
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("a flash_attn package is installed here")
+    assert "pip install flash-attn-4" in flash4_missing(torch.device("cuda"))
+
+
+def test_each_backend_is_a_registered_attention_implementation_of_its_own() -> None:
+    """The HF names avoid "flash" and "sdpa", which transformers reads as its own implementations."""
+    assert len(set(PACKED_ATTENTION.values())) == len(PACKED_ATTENTION) == 3
+    for name in PACKED_ATTENTION.values():
+        assert name in ALL_ATTENTION_FUNCTIONS.valid_keys() and "flash" not in name and "sdpa" not in name
+
+    tiny = load_config(REPO / "configs" / "tiny.yaml").model.tiny
+    model = Qwen3MoeForCausalLM(tiny_model_config(tiny, build_tokenizer(["abc"])))
+    use_packed_attention(model, "sdpa")
+    assert model.config._attn_implementation == PACKED_ATTENTION["sdpa"]

@@ -1,0 +1,140 @@
+"""A policy version's delta (steps/model/delta.py): what it holds, that applying it gives the new version bit for bit,
+and the digest an engine reads back out of its own layout (steps/engines/weights.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moeloop.steps.engines.weights import EngineWeights, Slot, concatenated
+from moeloop.steps.model.delta import (
+    BLOCK,
+    CheckpointTensors,
+    checkpoint_digests,
+    decode,
+    encode,
+    read_delta,
+    tensor_digest,
+    weights_digest,
+    write_delta,
+)
+
+
+def versions() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two bf16 versions: a tensor spanning several 65,536-element blocks with changes at their edges, one
+    unchanged, and one whose only change is 0.0 -> -0.0 (equal as numbers, not as bytes)."""
+    generator = torch.Generator().manual_seed(0)
+    base = {
+        "big": torch.randn(3 * BLOCK + 5, generator=generator).to(torch.bfloat16).view(1, -1),
+        "same": torch.randn(7, 3, generator=generator).to(torch.bfloat16),
+        "signed": torch.zeros(4, dtype=torch.bfloat16),
+    }
+    new = {name: tensor.clone() for name, tensor in base.items()}
+    positions = torch.tensor([0, 1, BLOCK - 1, BLOCK, 2 * BLOCK + 17, 3 * BLOCK + 4])
+    new["big"].view(-1)[positions] = (new["big"].view(-1)[positions].float() * 1.5).to(torch.bfloat16)
+    new["signed"][2] = -0.0
+    return base, new
+
+
+def apply(base: dict[str, torch.Tensor], files: list[Path]) -> dict[str, torch.Tensor]:
+    result = {name: tensor.clone() for name, tensor in base.items()}
+    for name, positions, values in read_delta(files):
+        result[name].view(-1).index_copy_(0, positions, values)
+    return result
+
+
+def test_a_delta_holds_the_changed_elements_and_applying_it_gives_the_new_version_bit_for_bit(tmp_path: Path) -> None:
+    base, new = versions()
+    summary = write_delta(base, new, tmp_path, max_file_bytes=1 << 30)
+    files = sorted(tmp_path.glob("delta-*.safetensors"))
+    changed = {name: positions.tolist() for name, positions, _ in read_delta(files)}
+    assert changed == {"big": [0, 1, BLOCK - 1, BLOCK, 2 * BLOCK + 17, 3 * BLOCK + 4], "signed": [2]}
+    assert (summary.changed, summary.elements) == (7, 3 * BLOCK + 5 + 21 + 4)
+    result = apply(base, files)
+    for name in new:
+        assert torch.equal(result[name].view(torch.int16), new[name].view(torch.int16)), name
+    assert summary.digests == checkpoint_digests(new) and summary.base_digests == checkpoint_digests(base)
+    record = summary.record(4, 5)
+    assert record["digest"] == weights_digest(checkpoint_digests(result)) != record["base_digest"]
+    assert summary.delta_bytes == sum(path.stat().st_size for path in files)
+
+
+def test_a_delta_is_cut_into_files_of_at_most_the_given_size_and_names_no_unchanged_tensor(tmp_path: Path) -> None:
+    base, new = versions()
+    base["third"] = torch.ones(3, dtype=torch.bfloat16)
+    new["third"] = torch.tensor([2.0, 1.0, 1.0], dtype=torch.bfloat16)
+    write_delta(base, new, tmp_path, max_file_bytes=10)  # 40, 8 and 8 bytes of entries: a file each
+    files = sorted(tmp_path.glob("delta-*.safetensors"))
+    assert [path.name for path in files] == [f"delta-0000{k}.safetensors" for k in (1, 2, 3)]
+    assert sorted(name for name, _, _ in read_delta(files)) == ["big", "signed", "third"]
+    assert all(torch.equal(t, new[n]) for n, t in apply(base, files).items())
+
+
+def test_without_a_base_or_with_other_tensors_there_is_no_delta(tmp_path: Path) -> None:
+    base, new = versions()
+    summary = write_delta(None, new, tmp_path / "none", max_file_bytes=1 << 30)
+    assert summary.digests == checkpoint_digests(new) and not list((tmp_path / "none").glob("delta-*"))
+    assert summary.record(0, 1)["base_digest"] is None
+    with pytest.raises(ValueError, match="different tensors"):
+        write_delta({"other": base["big"]}, new, tmp_path / "other", max_file_bytes=1 << 30)
+    with pytest.raises(ValueError, match="differ in kind"):
+        write_delta(base | {"same": base["same"].float()}, new, tmp_path / "kind", max_file_bytes=1 << 30)
+
+
+def test_positions_encode_per_block_and_decode_back() -> None:
+    positions = torch.tensor([3, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 65535])
+    counts, offsets = encode(positions, 6 * BLOCK)
+    assert counts.tolist() == [2, 2, 0, 0, 0, 1] and offsets.dtype == torch.uint16
+    assert torch.equal(decode(counts, offsets), positions)
+
+
+def test_a_checkpoint_folders_tensors_and_digests_are_its_files_bytes(tmp_path: Path) -> None:
+    _, new = versions()
+    save_file(new, tmp_path / "model.safetensors")
+    tensors = CheckpointTensors(tmp_path)
+    assert tensors.kinds() == {name: (tuple(t.shape), torch.bfloat16) for name, t in new.items()}
+    import blake3
+
+    raw = new["same"].contiguous().view(torch.int16).numpy().tobytes()
+    assert checkpoint_digests(tensors)["same"] == blake3.blake3(raw).hexdigest() == tensor_digest(new["same"])
+
+
+def test_engine_weights_write_a_delta_into_fused_and_packed_tensors_and_read_the_checkpoint_back(
+    tmp_path: Path,
+) -> None:
+    """An engine that fuses q and k into one fp32 tensor, and packs experts per slab (each slab transposed, as a
+    kernel's packing permutes it): the delta lands on the changed elements only, and the digests read back are the
+    new checkpoint's."""
+    generator = torch.Generator().manual_seed(1)
+    base = {name: torch.randn(shape, generator=generator).to(torch.bfloat16)
+            for name, shape in {"q": (4, 3), "k": (2, 3), "e0": (2, 5), "e1": (2, 5)}.items()}  # fmt: skip
+    new = {name: tensor.clone() for name, tensor in base.items()}
+    new["k"][1, 2] = 7.0
+    new["e1"][0, 4] = -3.0
+    write_delta(base, new, tmp_path, max_file_bytes=1 << 30)
+    qk = torch.cat([base["q"], base["k"]]).float()
+    slab = torch.arange(10).view(2, 5).t().reshape(-1)  # packed position p holds unpacked element slab[p]
+    packing = torch.empty(10, dtype=torch.int64)
+    packing[slab] = torch.arange(10)
+    experts = torch.stack([base["e0"], base["e1"]]).float().view(2, -1)[:, slab].contiguous()
+    slots = concatenated("qk", [("q", 12, torch.bfloat16), ("k", 6, torch.bfloat16)])
+    slots |= concatenated("experts", [("e0", 10, torch.bfloat16), ("e1", 10, torch.bfloat16)])
+    weights = EngineWeights({"qk": qk, "experts": experts}, slots, {"experts": packing})
+    assert weights.refusal(base) is None
+    assert weights.digests() == checkpoint_digests(base)
+    before = {"qk": qk.clone(), "experts": experts.clone()}
+    weights.apply(read_delta(sorted(tmp_path.glob("delta-*"))))
+    assert weights.digests() == checkpoint_digests(new)
+    assert int((qk != before["qk"]).sum()) == 1 and qk[5, 2] == 7.0
+    assert int((experts != before["experts"]).sum()) == 1 and experts.view(2, -1)[1, packing[4]] == -3.0
+
+
+def test_engine_weights_refuse_what_they_cannot_hold_exactly() -> None:
+    bf16 = {"w": Slot("w", 0, 4, torch.bfloat16)}
+    assert "does not hold" in EngineWeights({"w": torch.zeros(4, dtype=torch.float16)}, bf16, {}).refusal(["w"])
+    assert "holds no x" in EngineWeights({"w": torch.zeros(4)}, bf16, {}).refusal(["w", "x"])
+    assert "elements do not hold" in EngineWeights({"w": torch.zeros(3)}, bf16, {}).refusal(["w"])
+    assert EngineWeights({"w": torch.zeros(6)}, bf16, {}).refusal(["w"]) is None  # the rest: padding
