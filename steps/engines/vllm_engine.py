@@ -75,6 +75,9 @@ class VLLMEngine:
             max_num_seqs=settings.max_num_seqs,
             max_model_len=settings.max_model_len,
             enforce_eager=settings.enforce_eager,
+            # vLLM rewinds a seeded request's generator after a split prefill (gpu_model_runner's _bookkeeping_sync),
+            # which a CPU generator cannot (no offset): on the CPU no prefill is split.
+            enable_chunked_prefill=on_gpu,
             attention_backend=attention_backend,
             tensor_parallel_size=settings.tensor_parallel_size,
             enable_expert_parallel=settings.enable_expert_parallel,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 from pathlib import Path
 
@@ -137,6 +138,34 @@ def test_vllm_rollouts_are_reproducible_and_agree_with_the_trainer(
         prompts = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
         sampled = engine.generate(prompts, Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=5))
         assert_trainer_logprobs(published, prompts, sampled)
+    finally:
+        release_engine()
+
+
+def test_seeded_samples_past_the_schedulers_token_budget_are_each_prompts_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of more prompt tokens than one scheduler step takes (4,096 by default on the CPU), sampled with seeds:
+    vLLM splits no prefill on the CPU, where a split seeded request failed ("CPU Generator does not use offset",
+    configs/tiny-chat.yaml's first rollout), and each prompt's samples are those it gets in a batch of its own."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the local runner runs its steps
+    config = small_config(iterations=1)
+    tokenizer = build_tokenizer(["abcdefgh="])
+    checkpoint = tmp_path / "policy"
+    save_policy(build_tiny_model(config.model.tiny, tokenizer, seed=0), tokenizer, checkpoint)
+    generator = torch.Generator().manual_seed(0)
+    letters = tokenizer("abcdefgh")["input_ids"]
+    prompts = [[letters[int(i)] for i in torch.randint(len(letters), (40,), generator=generator)] for _ in range(64)]
+    sampling = Sampling(n=8, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=11)
+    try:
+        engine, _ = engine_for(checkpoint, config.rollout)
+        assert isinstance(engine, VLLMEngine)
+        budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        assert len(prompts) * sampling.n * len(prompts[0]) > 2 * budget
+        batch = engine.generate(prompts, sampling)
+        for index in (0, len(prompts) - 1):
+            alone = engine.generate([prompts[index]], dataclasses.replace(sampling, seed=sampling.seed + index))
+            assert [c.token_ids for c in batch[index]] == [c.token_ids for c in alone[0]]
     finally:
         release_engine()
 
