@@ -7,7 +7,9 @@ Runs in an environment of its own, with TRL installed (`benchmarks/trl_grpo.py` 
 The same task as `moeloop run configs/tiny.yaml`: its SFT checkpoint, prompts, reward
 (`moeloop.steps.demo_task.reverse_positions`, imported from this repository, standard library only), batch (192 prompts x
 16 samples an iteration), learning rate, 2 epochs of minibatches of 128, clip 0.2, no KL, token-mean loss
-(`loss_type="bnpo"`), and the same evaluation: greedy on the 256 held-out prompts, grouped by prompt length so
+(`loss_type="bnpo"`), the same optimizer (AdamW, betas, weight decay, gradient clipping: `trl_grpo.py` passes
+them from the run's config), fp32 without gradient checkpointing (TRL's defaults, bf16 and checkpointing on, are
+overridden: see `main`), and the same evaluation: greedy on the 256 held-out prompts, grouped by prompt length so
 nothing is padded (as moeloop's transformers engine does), after every iteration's last optimizer step and once
 before the first. The evaluations are timed and taken out of the clock (moeloop evaluates beside its loop).
 CURVE.json: {"iterations": [{"iteration", "eval_reward_mean", "seconds"}], "eval_seconds", "seconds"}, seconds
@@ -17,15 +19,23 @@ counted from the process's start (`--started-at`, the launcher's clock) without 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+# moeloop is not installed in TRL's environment: the repository's root, linked as `moeloop`, is its package (as
+# pyproject.toml maps steps/ to moeloop.steps), from which only the demo's reward (standard library) is imported.
+PACKAGE_LINK = Path(tempfile.mkdtemp(prefix="moeloop-link-"))
+atexit.register(shutil.rmtree, PACKAGE_LINK)  # the link, not what it points to
+(PACKAGE_LINK / "moeloop").symlink_to(REPO, target_is_directory=True)
+sys.path.insert(0, str(PACKAGE_LINK))
 
 import smoke  # noqa: E402
 
@@ -97,7 +107,13 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, required=True, help="the SFT checkpoint (an HF folder)")
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--iterations", type=int, default=24)
+    # The demo's settings, which trl_grpo.py reads from moeloop's config of the run and passes (defaults: tiny.yaml's).
     parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.99])
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--clip-eps", type=float, default=0.2)
+    parser.add_argument("--clip-eps-high", type=float, default=0.2)
     parser.add_argument("--max-new-tokens", type=int, default=10)
     parser.add_argument("--started-at", type=float, default=time.time())
     parser.add_argument("--out", type=Path, required=True)
@@ -118,7 +134,14 @@ def main() -> None:
         use_cpu=True,
         learning_rate=args.learning_rate,
         lr_scheduler_type="constant",
-        max_grad_norm=1.0,
+        adam_beta1=args.betas[0],
+        adam_beta2=args.betas[1],
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        # TRL's GRPOConfig defaults both to True (1.16.0): bf16 autocast and recomputation on a CPU, for a 3-layer
+        # model, which a careful user turns off (moeloop's demo trains in fp32 without checkpointing).
+        bf16=False,
+        gradient_checkpointing=False,
         per_device_train_batch_size=MINIBATCH,
         gradient_accumulation_steps=1,
         steps_per_generation=PROMPTS_PER_ITERATION * SAMPLES_PER_PROMPT // MINIBATCH,
@@ -129,7 +152,8 @@ def main() -> None:
         temperature=1.0,
         top_p=1.0,
         beta=0.0,
-        epsilon=0.2,
+        epsilon=args.clip_eps,
+        epsilon_high=args.clip_eps_high,
         loss_type="bnpo",
         logging_steps=STEPS_PER_ITERATION,
         save_strategy="no",

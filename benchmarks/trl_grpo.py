@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import smoke
 import yaml
 
+from moeloop.steps.config import load_config
+
 REPO = Path(__file__).resolve().parents[1]
 GAINS = (0.20, 0.25)
 # --smoke: every run at a toy size (with --no-trl, one seed, one engine, one iteration).
@@ -62,6 +64,22 @@ def demo_config(folder: Path, name: str, seed: int, iterations: int, changes: di
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def contender_settings(config_path: Path) -> list[str]:
+    """trl_contender.py's arguments for the settings of the run's config it must match, read from the config as
+    moeloop reads it (its defaults included), not restated."""
+    config = load_config(config_path)
+    trainer = config.trainer
+    return [
+        "--learning-rate", repr(trainer.learning_rate),
+        "--betas", *map(repr, trainer.betas),
+        "--weight-decay", repr(trainer.weight_decay),
+        "--max-grad-norm", repr(trainer.max_grad_norm),
+        "--clip-eps", repr(config.algorithm.clip_eps),
+        "--clip-eps-high", repr(config.algorithm.clip_eps_high or config.algorithm.clip_eps),
+        "--max-new-tokens", str(config.rollout.max_new_tokens),
+    ]  # fmt: skip
 
 
 def timed(command: list[str], environment: dict[str, str], log: Path) -> tuple[float, float]:
@@ -174,6 +192,7 @@ def main() -> None:
             out = folder / f"trl-{seed}.json"
             trl_command = [args.trl_python, str(REPO / "benchmarks" / "trl_contender.py"), "--seed", str(seed)]
             trl_command += ["--checkpoint", str(checkpoint), "--iterations", str(args.iterations), "--out", str(out)]
+            trl_command += contender_settings(sft_config)
             launched = time.time()
             _, cores = timed([*trl_command, "--started-at", str(launched)], environment, folder / f"trl-{seed}.log")
             trl = json.loads(out.read_text())

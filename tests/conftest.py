@@ -117,6 +117,7 @@ MACHINE_CORES = (
 # start early on both workers and the short files fill in after them.
 LONGEST_FILES = [
     "loop/test_demo.py",
+    "loop/test_chat_demo.py",
     "loop/test_ppo_rm_demo.py",
     "loop/test_ppo_demo.py",
     "loop/test_async.py",

@@ -83,6 +83,19 @@ def test_trl_benchmark_measures_a_curve_as_its_table_defines() -> None:
     assert unreached["seconds to SFT + 0.20"] is None and unreached["iterations to SFT + 0.20"] is None
 
 
+def test_trl_contender_gets_the_runs_optimizer_and_clip_settings_from_its_config(tmp_path) -> None:
+    """What trl_grpo.py passes trl_contender.py is the config as moeloop reads it: its values where set, moeloop's
+    defaults where not (betas (0.9, 0.99), where TRL's default beta2 is 0.999), never a restated number."""
+    from benchmarks.trl_grpo import contender_settings, demo_config
+
+    changes = {"trainer.learning_rate": 1e-4, "trainer.weight_decay": 0.01, "algorithm.clip_eps_high": 0.28}
+    arguments = contender_settings(demo_config(tmp_path, "run", 0, 3, changes))
+    assert arguments == [
+        "--learning-rate", "0.0001", "--betas", "0.9", "0.99", "--weight-decay", "0.01", "--max-grad-norm", "1.0",
+        "--clip-eps", "0.2", "--clip-eps-high", "0.28", "--max-new-tokens", "10",
+    ]  # fmt: skip
+
+
 def test_changed_fraction_benchmark_measures_a_runs_and_the_models_updates_at_toy_sizes() -> None:
     """--smoke: a one-iteration run of the demo's task (its checkpoints 0 and 1, as stored and as bf16) and two
     updates of the policy_update model at toy sizes on CPU; every row's fractions and sizes filled in."""
