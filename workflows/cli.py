@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from moeloop.steps.errors import ArgumentParser, run_cli
@@ -12,9 +12,18 @@ from moeloop.workflows import commands, server_commands
 FORMATS = ("table", "json", "yaml")
 
 
+def installed_version() -> str:
+    """The installed distribution's version; a source tree put on PYTHONPATH (a pod or GPU machine running from a
+    checkout) has none, and every command must still run there."""
+    try:
+        return version("moeloop")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def parser() -> argparse.ArgumentParser:
     root = ArgumentParser(prog="moeloop", description=__doc__)
-    root.add_argument("--version", action="version", version=f"moeloop {version('moeloop')}")
+    root.add_argument("--version", action="version", version=f"moeloop {installed_version()}")
     subcommands = root.add_subparsers(dest="command", required=True)
 
     def with_config(name: str, help_text: str) -> argparse.ArgumentParser:

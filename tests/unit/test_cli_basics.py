@@ -32,6 +32,26 @@ def test_version() -> None:
     assert (result.returncode, result.stdout) == (0, f"moeloop {version('moeloop')}\n")
 
 
+def test_every_command_parses_from_a_source_tree_with_no_installed_distribution(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkout on PYTHONPATH (a GPU machine's tests, `tests/gpu/test_cuda.py`'s `moeloop run`) has no package
+    metadata: the parser, built for every command, failed there with PackageNotFoundError."""
+    from importlib.metadata import PackageNotFoundError
+
+    from moeloop.workflows import cli
+
+    def not_installed(name: str) -> str:
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(cli, "version", not_installed)
+    assert cli.parser().parse_args(["run", "configs/tiny.yaml"]).command == "run"
+    with pytest.raises(SystemExit) as exited:
+        cli.parser().parse_args(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == "moeloop (not installed: run from a source tree)\n"
+
+
 def test_lint_reads_standard_input() -> None:
     rendered = render(small_config(), "s3://bucket/runs/x")
     good = yaml.safe_dump_all(list(rendered.values()))
