@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from moeloop.workflows.local import workers
 from tests.conftest import REPO
 
 # A hang guard, not a speed limit: a loaded machine may take many times a process's usual time.
@@ -86,20 +87,12 @@ def start_process(
     return subprocess.Popen(command, cwd=cwd, env=environment(env), **popen)
 
 
-# What the fork server imports once; each forked step starts from there.
-FORKED_STEP_MODULES = [
-    *(f"moeloop.steps.{name}" for name in ("start", "rollout", "reward", "train", "publish", "evaluate")),
-    "moeloop.workflows.local.worker",
-    __name__,
-]
-
-
 @functools.cache
 def fork_server() -> multiprocessing.context.ForkServerContext:
-    """multiprocessing's fork server with the steps imported, started by the test process's first call, which
-    returns once the imports are done (a test that times a forked step calls it first, to leave them out)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(FORKED_STEP_MODULES)
+    """The local runner's fork server (moeloop.workflows.local.workers: the steps imported), started by the test
+    process's first call, which returns once the imports are done (a test that times a forked step calls it first,
+    to leave them out)."""
+    context = workers.fork_server()
     first = context.Process(target=int)  # forked once the server has imported the steps
     first.start()
     first.join()

@@ -181,8 +181,8 @@ def test_an_engine_killed_mid_iteration_is_replaced_and_the_shard_retried_once_h
         killed.start(command(runs[1][0], 3), tmp_path / "killed-3.log")
         time.sleep(seconds / 4)  # the worker is warm: the step's time is its engine's update and generation
         assert killed.poll() is None, "the shard finished before it could be killed"
-        os.kill(killed.process.pid, signal.SIGKILL)
-        killed.process.wait()
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.process.join()
         storages = [RunStorage(uri) for uri, _ in runs]
         shard = [Path(s.root) / s.rollout_shard(3, 0, 2) for s in storages]
         assert not shard[1].exists() and not list(shard[1].parent.glob("*.tmp-*"))

@@ -93,7 +93,7 @@ def test_a_worker_runs_each_command_on_the_cores_given(tmp_path: Path, all_machi
             while worker.poll() is None:
                 time.sleep(0.01)
             assert worker.returncode == 2
-            assert os.sched_getaffinity(worker.process.pid) == cores
+            assert os.sched_getaffinity(worker.pid) == cores
         assert "not a step command" in (tmp_path / "refused.log").read_text()
     finally:
         worker.close()
@@ -147,17 +147,17 @@ def test_a_step_alone_gets_all_cores_and_threads_and_two_side_by_side_get_disjoi
     workers = [StepWorker(step_environment(len(cores), pin_cores=True)) for _ in range(2)]
     try:
         [alone] = shares.start(["first"])
-        shares.started("first", workers[0].process.pid, worker=True)
+        shares.started("first", workers[0].pid, worker=True)
         log = run_refused(workers[0], tmp_path / "first.log", alone, len(alone))
-        assert os.sched_getaffinity(workers[0].process.pid) == set(cores)
+        assert os.sched_getaffinity(workers[0].pid) == set(cores)
         assert f"worker: {len(cores)} torch threads, cores {cores}" in log
 
         [beside] = shares.start(["second"])
-        shares.started("second", workers[1].process.pid, worker=True)
+        shares.started("second", workers[1].pid, worker=True)
         log = run_refused(workers[1], tmp_path / "second.log", beside, len(beside))
-        first_threads = [int(t.name) for t in Path(f"/proc/{workers[0].process.pid}/task").iterdir()]
+        first_threads = [int(t.name) for t in Path(f"/proc/{workers[0].pid}/task").iterdir()]
         first_cores = {core for thread in first_threads for core in os.sched_getaffinity(thread)}
-        second_cores = os.sched_getaffinity(workers[1].process.pid)
+        second_cores = os.sched_getaffinity(workers[1].pid)
         assert first_cores and second_cores and not first_cores & second_cores
         assert first_cores | second_cores == set(cores)
         assert f"worker: {len(second_cores)} torch threads, cores {sorted(second_cores)}" in log

@@ -60,10 +60,10 @@ class Launcher:
             environment = step_environment(threads, self.cores.pinned)
             slot = worker_slot(task) if self.use_workers else None
             if slot:
-                if slot not in self.workers or self.workers[slot].process.poll() is not None:
+                if slot not in self.workers or not self.workers[slot].alive():
                     self.workers[slot] = StepWorker(environment)
                 process = self.workers[slot].start(argv, log_path, share if self.cores.pinned else None, threads)
-                self.cores.started(task.name, self.workers[slot].process.pid, worker=True)
+                self.cores.started(task.name, self.workers[slot].pid, worker=True)
             else:
                 with open(log_path, "wb") as log:
                     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
@@ -102,7 +102,8 @@ def warm_workers(
 
 def warm_modules(config: MoeloopConfig, task: Task, values: dict[str, str]) -> list[str]:
     """The step's module, and for the steps that build a model the modules they import lazily: the policy's
-    (transformers), and for a rollout that runs on vLLM, vLLM (the largest import)."""
+    (transformers), and for a rollout that runs on vLLM, vLLM (the largest import). All but vLLM are the fork
+    server's already (workers.STEP_MODULES): the worker's log says so, in 0.0 s."""
     modules = ["torch", local_argv(task, values)[2]]  # the worker itself sizes torch's threads for each command
     if task.step in (ROLLOUT, EVALUATE):
         modules.append("moeloop.steps.model.policy")

@@ -1,12 +1,13 @@
 """A long-lived step process for the local runner: it runs step commands one after another, in-process.
 
 A rollout shard's engine then stays loaded between iterations and only its weights are swapped
-(`moeloop.steps.engines.engine.engine_for`), as a long-lived rollout pod would do. The commands are exactly the pods'
-commands (`python -m moeloop.steps.<name> ...`); each request is one JSON line on stdin,
-{"argv": [...], "log": PATH, "threads": N or null}, and each reply one JSON line on stdout, {"returncode": N}.
-While a command runs, its output goes to its log file. A request {"warm": [MODULE, ...], "log": PATH} imports
-the modules (the step's, and the engine's it will build) and has no reply: the runner sends it as it starts the
-worker, long before the worker's first command, so a step's imports are done while the steps before it run.
+(`moeloop.steps.engines.engine.engine_for`), as a long-lived rollout pod would do. The runner forks it from its fork
+server (`moeloop.workflows.local.workers`) with `serve` as its target. The commands are exactly the pods' commands
+(`python -m moeloop.steps.<name> ...`); each request is one message on the worker's connection, {"argv": [...],
+"log": PATH, "threads": N or null}, and each reply one message, {"returncode": N}. While a command runs, its output
+goes to its log file. A request {"warm": [MODULE, ...], "log": PATH} imports the modules the fork server has not
+(vLLM, for a rollout on it) and has no reply: the runner sends it as it starts the worker, long before the worker's
+first command, so a step's imports are done while the steps before it run.
 The runner moves the worker onto the command's cores before it sends it; the worker sizes torch's threads to
 them (what the command starts inherits that size too).
 When a step starting beside it takes some of those cores mid-command, the runner moves the worker onto the rest
@@ -17,7 +18,6 @@ threads to its cores again: two OpenMP threads of one step on one core would spi
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import signal
 import sys
@@ -25,6 +25,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 
 from moeloop.steps.errors import run_cli
 
@@ -112,11 +113,20 @@ def output_to(log_path: str) -> Iterator[None]:
             sys.stderr.flush()
 
 
-def main() -> None:
+def serve(requests: Connection, environment: dict[str, str]) -> None:
+    """The worker: the runner's environment (the fork server's is the runner's as it started), then its requests
+    until the runner closes its end."""
+    # A session of its own: a Ctrl-C at the terminal reaches the runner alone, which ends its workers
+    # (terminate_workers); sent to a worker mid-import, it printed a "Fatal Python error" into the terminal.
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(environment)
     signal.signal(signal.SIGWINCH, fit_threads_to_cores)
-    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    for line in sys.stdin:
-        request = json.loads(line)
+    while True:
+        try:
+            request = requests.recv()
+        except EOFError:
+            return
         with output_to(request["log"]):
             if "warm" in request:
                 warm(request["warm"])
@@ -125,9 +135,4 @@ def main() -> None:
             if request.get("threads"):
                 use_threads(request["threads"])
             returncode = run_command(request["argv"])
-        replies.write(json.dumps({"returncode": returncode}) + "\n")
-        replies.flush()
-
-
-if __name__ == "__main__":
-    main()
+        requests.send({"returncode": returncode})
