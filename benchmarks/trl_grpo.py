@@ -5,7 +5,7 @@ TRL lives in an environment of its own, never moeloop's (its versions are the on
     python3 -m venv /tmp/trl-env
     /tmp/trl-env/bin/pip install torch==2.13.0 transformers==5.19.0 trl==1.16.0
     PYTHONPATH=$PWD .venv/bin/python benchmarks/trl_grpo.py --trl-python /tmp/trl-env/bin/python \\
-        [--seeds 0 1 2] [--engines transformers vllm] [--iterations 24] [--keep DIR] \\
+        [--seeds 0 1 2] [--draws 1] [--engines transformers vllm] [--iterations 24] [--keep DIR] \\
         [--variant NAME SECTION.KEY=VALUE ... [--variant ...]] [--no-trl]
 
 For each seed: the demo's SFT (`python -m moeloop.steps.start` on configs/tiny.yaml at that seed) makes one checkpoint;
@@ -16,6 +16,13 @@ published (reports' publish `ended_at`); TRL's when that iteration's last optimi
 evaluations (run inside its loop) taken out. "SFT + d" is the first iteration whose greedy eval on the 256
 held-out prompts reaches the SFT checkpoint's own eval (iteration 0) + d. CPU cores used: the process tree's
 user + system seconds over its wall seconds. Prints Markdown.
+
+`--draws D` runs every contender D times from each seed's checkpoint, each time a different draw of prompts,
+samples and minibatches: moeloop under another run name (which seeds its draws with the seed), TRL with another
+seed (SEED + 1000 x draw; the checkpoint stays the seed's). A table column holds every run, seed by seed and draw
+by draw, then the median and the range. The summary compares each moeloop contender with TRL run for run (same
+seed, same draw): the ratio of TRL's seconds to moeloop's to SFT + d, and to the same iteration (the last: speed
+alone, whatever the draw learnt), each as median and range.
 
 `--variant NAME SECTION.KEY=VALUE ...` adds, for each engine, a moeloop contender "moeloop (ENGINE, NAME)" with
 those settings changed from the demo's (values in YAML, e.g. `algorithm.drop_equal_groups=true`): the demo's
@@ -124,6 +131,7 @@ def measures(curve: list[dict], total: float, cores: float) -> dict[str, float |
     tail = [by_iteration[i]["eval_reward_mean"] for i in range(max(1, last - 4), last + 1)]
     return {
         **found,
+        "seconds to iteration 1 (start-up and one iteration)": by_iteration[1]["seconds"] if 1 in by_iteration else None,
         f"total seconds, {last} iterations": total,
         f"seconds per iteration, iterations 5-{last}": statistics.mean(steady) if steady else None,
         f"mean eval over iterations {max(1, last - 4)}-{last}": statistics.mean(tail),
@@ -151,6 +159,7 @@ def main() -> None:
     parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="WORD",
                         help="NAME SECTION.KEY=VALUE ...: a moeloop contender per engine with these settings")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--draws", type=int, default=1, help="runs of each contender from each seed's checkpoint")
     parser.add_argument("--engines", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"])
     parser.add_argument("--iterations", type=int, default=24)
     parser.add_argument("--keep", type=Path, help="run in this (new) folder and keep everything")
@@ -179,50 +188,75 @@ def main() -> None:
             start = [sys.executable, "-m", "moeloop.steps.start", "--run", str(sft_run), "--iteration", "0"]
             timed([*start, "--config", str(sft_config)], environment, folder / f"sft-{seed}.log")
             checkpoint = sft_run / "checkpoints" / "iter-000000"
-            for contender, (engine, variant_name, changes) in moeloop.items():
-                name = f"moeloop-{engine}{'-' + variant_name if variant_name else ''}-{seed}"
-                settings = {**toy, "model.checkpoint": str(checkpoint), "rollout.engine": engine, **changes}
-                config = demo_config(folder, name, seed, args.iterations, settings)
-                command = [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root", str(folder / "runs")]
-                launched, cores = timed([*command, "--no-progress"], environment, folder / f"{name}.log")
-                curve, total = moeloop_curve(folder / "runs" / name, launched)
-                results[contender].append(measures(curve, total, cores))
-            if args.no_trl:
-                continue
-            out = folder / f"trl-{seed}.json"
-            trl_command = [args.trl_python, str(REPO / "benchmarks" / "trl_contender.py"), "--seed", str(seed)]
-            trl_command += ["--checkpoint", str(checkpoint), "--iterations", str(args.iterations), "--out", str(out)]
-            trl_command += contender_settings(sft_config)
-            launched = time.time()
-            _, cores = timed([*trl_command, "--started-at", str(launched)], environment, folder / f"trl-{seed}.log")
-            trl = json.loads(out.read_text())
-            results["TRL"].append(measures(trl["iterations"], trl["seconds"], cores))
+            for draw in range(args.draws):
+                for contender, (engine, variant_name, changes) in moeloop.items():
+                    name = f"moeloop-{engine}{'-' + variant_name if variant_name else ''}-{seed}{drawn(draw)}"
+                    settings = {**toy, "model.checkpoint": str(checkpoint), "rollout.engine": engine, **changes}
+                    config = demo_config(folder, name, seed, args.iterations, settings)
+                    command = [sys.executable, "-m", "moeloop.workflows.cli", "run", str(config), "--root",
+                               str(folder / "runs"), "--no-progress"]  # fmt: skip
+                    launched, cores = timed(command, environment, folder / f"{name}.log")
+                    curve, total = moeloop_curve(folder / "runs" / name, launched)
+                    results[contender].append(measures(curve, total, cores))
+                if args.no_trl:
+                    continue
+                out = folder / f"trl-{seed}{drawn(draw)}.json"
+                trl_seed = str(seed + 1000 * draw)
+                trl_command = [args.trl_python, str(REPO / "benchmarks" / "trl_contender.py"), "--seed", trl_seed]
+                trl_command += ["--checkpoint", str(checkpoint), "--iterations", str(args.iterations), "--out", str(out)]
+                trl_command += contender_settings(sft_config)
+                launched = time.time()
+                log = folder / f"trl-{seed}{drawn(draw)}.log"
+                _, cores = timed([*trl_command, "--started-at", str(launched)], environment, log)
+                trl = json.loads(out.read_text())
+                results["TRL"].append(measures(trl["iterations"], trl["seconds"], cores))
 
     print(
-        f"seeds {args.seeds}, {args.iterations} iterations of 192 prompts x 16, {os.cpu_count()} cores, 1-minute load"
-        f" {load:.1f} before; moeloop's contenders by `rollout.engine`.\n"
+        f"seeds {args.seeds}, {args.draws} draw(s) each, {args.iterations} iterations of 192 prompts x 16,"
+        f" {os.cpu_count()} cores, 1-minute load {load:.1f} before; moeloop's contenders by `rollout.engine`.\n"
     )
-    print("| measure | " + " | ".join(contenders) + " |")
+    print("| measure (every run; median, range) | " + " | ".join(contenders) + " |")
     print("|---|" + "---|" * len(contenders))
     for measure in results[contenders[0]][0]:
-        cells = [
-            " / ".join("-" if r[measure] is None else f"{r[measure]:.3g}" for r in results[name]) for name in contenders
-        ]
+        cells = [cell([r[measure] for r in results[name]]) for name in contenders]
         print(f"| {measure} | " + " | ".join(cells) + " |")
     print()
-    if args.no_trl:
-        return
-    for gain in GAINS:
-        key = f"seconds to SFT + {gain:.2f}"
-        trl = [r[key] for r in results["TRL"]]
+    if not args.no_trl:
+        for line in comparison(results, list(moeloop), args.iterations):
+            print(line)
+
+
+def drawn(draw: int) -> str:
+    """A run's suffix for its draw: none for the first (the names of runs before --draws), -dN after."""
+    return f"-d{draw}" if draw else ""
+
+
+def cell(values: list[float | None]) -> str:
+    runs = " / ".join("-" if v is None else f"{v:.3g}" for v in values)
+    if len(values) < 3 or None in values:
+        return runs
+    return f"{runs}; **{statistics.median(values):.3g}**, {min(values):.3g}-{max(values):.3g}"
+
+
+def comparison(results: dict[str, list[dict]], moeloop: list[str], iterations: int) -> list[str]:
+    """Each moeloop contender against TRL, run for run (same seed and draw): TRL's seconds over moeloop's, to
+    SFT + d (speed and the draw's learning) and to the last iteration (speed alone)."""
+    lines = []
+    keys = [f"seconds to SFT + {gain:.2f}" for gain in GAINS] + [f"total seconds, {iterations} iterations"]
+    for key in keys:
         for name in moeloop:
-            ours = [r[key] for r in results[name]]
-            if None in ours or None in trl:
-                print(f"- {key}, {name}: not reached by every contender in every seed")
+            pairs = list(zip(results["TRL"], results[name], strict=True))
+            ratios = [t[key] / m[key] for t, m in pairs if t[key] is not None and m[key] is not None]
+            if len(ratios) < len(pairs):
+                lines.append(f"- {key}, {name}: not reached by both in {len(pairs) - len(ratios)} of {len(pairs)} runs")
+            if not ratios:
                 continue
-            wins = sum(o < t for o, t in zip(ours, trl, strict=True))
-            ratio = statistics.median(trl) / statistics.median(ours)
-            print(f"- {key}, {name}: ahead in {wins} of {len(ours)} seeds; TRL median / ours {ratio:.2f}x")
+            wins = sum(r > 1 for r in ratios)
+            lines.append(
+                f"- {key}, {name}: ahead in {wins} of {len(ratios)} runs; TRL's seconds over ours, run for run: median"
+                f" {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x"
+            )
+    return lines
 
 
 if __name__ == "__main__":

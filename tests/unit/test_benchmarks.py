@@ -79,8 +79,29 @@ def test_trl_benchmark_measures_a_curve_as_its_table_defines() -> None:
     assert figures["seconds per iteration, iterations 5-6"] == 4.0
     assert figures["mean eval over iterations 2-6"] == pytest.approx((0.69 + 0.71 + 0.74 + 0.76 + 0.75) / 5)
     assert figures["CPU cores used, on average"] == 1.5
+    assert figures["seconds to iteration 1 (start-up and one iteration)"] == 14.0
     unreached = measures(curve[:3], total=20.0, cores=1.0)
     assert unreached["seconds to SFT + 0.20"] is None and unreached["iterations to SFT + 0.20"] is None
+
+
+def test_trl_benchmark_compares_run_for_run_and_reports_the_spread() -> None:
+    """--draws: each moeloop run against TRL's of the same seed and draw; the ratio's median and range, and the runs
+    where either never reached the gain."""
+    from benchmarks.trl_grpo import cell, comparison
+
+    def run(to_020: float | None, total: float) -> dict[str, float | None]:
+        return {"seconds to SFT + 0.20": to_020, "seconds to SFT + 0.25": None, "total seconds, 4 iterations": total}
+
+    results = {"TRL": [run(60, 100), run(90, 120), run(50, 90)], "moeloop (vllm)": [run(30, 80), run(100, 60), run(None, 45)]}
+    lines = comparison(results, ["moeloop (vllm)"], 4)
+    assert "- seconds to SFT + 0.20, moeloop (vllm): not reached by both in 1 of 3 runs" in lines
+    assert "- seconds to SFT + 0.20, moeloop (vllm): ahead in 1 of 2 runs; TRL's seconds over ours, run for run:" \
+        " median 1.45x, range 0.90-2.00x" in lines
+    assert "- seconds to SFT + 0.25, moeloop (vllm): not reached by both in 3 of 3 runs" in lines
+    assert "- total seconds, 4 iterations, moeloop (vllm): ahead in 3 of 3 runs; TRL's seconds over ours, run for" \
+        " run: median 2.00x, range 1.25-2.00x" in lines
+    assert cell([3.0, 1.0, 2.0]) == "3 / 1 / 2; **2**, 1-3"
+    assert cell([3.0, None, 2.0]) == "3 / - / 2"
 
 
 def test_trl_contender_gets_the_runs_optimizer_and_clip_settings_from_its_config(tmp_path) -> None:
