@@ -14,8 +14,8 @@ TRL runs `benchmarks/trl_contender.py` on it, one process after the other on the
 clocks start when their process is launched. moeloop's time of an iteration is when its checkpoint was
 published (reports' publish `ended_at`); TRL's when that iteration's last optimizer step ended, its
 evaluations (run inside its loop) taken out. "SFT + d" is the first iteration whose greedy eval on the 256
-held-out prompts reaches the SFT checkpoint's own eval (iteration 0) + d. CPU cores used: the process tree's
-user + system seconds over its wall seconds. Prints Markdown.
+held-out prompts reaches the SFT checkpoint's own eval (iteration 0) + d. CPU cores used: the machine's busy CPU
+seconds over the contender's wall seconds (the machine otherwise idle). Prints Markdown.
 
 `--draws D` runs every contender D times from each seed's checkpoint, each time a different draw of prompts,
 samples and minibatches: moeloop under another run name (which seeds its draws with the seed), TRL with another
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -89,18 +88,25 @@ def contender_settings(config_path: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def busy_seconds() -> float:
+    """The machine's CPU seconds spent busy so far, all cores and processes (/proc/stat's first line: every count
+    but idle and iowait). Not RUSAGE_CHILDREN: the local runner's workers are its fork server's children, which
+    the runner never waits for, so their time never reaches it (it read 0.012 cores for `moeloop run`)."""
+    user, nice, system, idle, iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(command: list[str], environment: dict[str, str], log: Path) -> tuple[float, float]:
-    """Run command to its end (its output in log); returns (when it was launched, its tree's CPU cores used)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """Run command to its end (its output in log); returns (when it was launched, the CPU cores the machine used
+    meanwhile: the command's, on a machine otherwise idle)."""
+    before = busy_seconds()
     launched = time.time()
     with open(log, "wb") as out:
         done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=environment, cwd=REPO, check=False)
     wall = time.time() - launched
     if done.returncode:
         raise SystemExit(f"{' '.join(command[:4])} ... failed (exit {done.returncode}): see {log}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return launched, cpu / wall
+    return launched, (busy_seconds() - before) / wall
 
 
 def moeloop_curve(run: Path, launched: float) -> tuple[list[dict], float]:
