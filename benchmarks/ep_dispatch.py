@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 8 benchmarks/ep_dispatch.py            # EP = 8, NCCL
     torchrun --standalone --nproc-per-node 2 benchmarks/ep_dispatch.py --device cpu --tokens 64 --hidden 64 \\
         --intermediate 32 --experts 8 --top-k 2 --dispatchers all_to_all --update-layers 0   # gloo, tiny
+    python benchmarks/ep_dispatch.py --smoke                                      # one CPU process, EP = 1 (CI)
 
 EP = the number of processes (every rank one EP rank, DP = 1 for the experts). Defaults: Qwen3-30B-A3B's MoE
 shapes (hidden 2048, expert intermediate 768, 128 experts, top-8), bf16, 4096 and 16384 tokens per rank, a

@@ -1,7 +1,7 @@
 """The MoE layer's forward + backward on one GPU at Qwen3-30B-A3B or DeepSeek-V3 expert shapes, in expert-matmul
 TFLOP/s.
 
-    PYTHONPATH=. python3 benchmarks/moe_layer.py [--tokens 16384] [--profile-dir DIR]
+    PYTHONPATH=. python3 benchmarks/moe_layer.py [--tokens 16384] [--profile-dir DIR] [--smoke]
     PYTHONPATH=. python3 benchmarks/moe_layer.py --family deepseek_v3 --tokens 8192 --eager-reps 0
 
 Defaults (`--family qwen3_moe`): hidden 2048, expert intermediate 768, 128 experts, top-8, 16384 tokens, bf16,

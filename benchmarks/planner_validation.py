@@ -1,7 +1,7 @@
 """The capacity planner against the loop: from a short calibration, predict the iteration period of three longer
 runs whose shards, staleness and batch differ, then run them and compare.
 
-    python benchmarks/planner_validation.py [--calibration-iterations 5] [--iterations 10] [--engine vllm] [--keep DIR]
+    python benchmarks/planner_validation.py [--calibration-iterations 5] [--iterations 10] [--engine vllm] [--keep DIR] [--smoke]
 
 Every run is the demo (configs/tiny.yaml) through `moeloop run`, with 10 SFT steps, 64 eval prompts and the
 local runner's defaults (2 slots on pinned cores, long-lived workers). The calibration is two short runs of one

@@ -1,6 +1,6 @@
 """A bf16 engine against the fp32 trainer, routing replay off and on: one update each, on the same rollouts.
 
-    python benchmarks/replay_mismatch.py [--prompts 16] [--samples 4] [--seed 0]
+    python benchmarks/replay_mismatch.py [--prompts 16] [--samples 4] [--seed 0] [--smoke]
 
 The engine is transformers `generate` in bf16 (`rollout.transformers_dtype`) on a random tiny Qwen3-MoE (vLLM
 records no routes here, steps/rl/README.md), recording each response token's experts; the trainer holds the fp32

@@ -1,6 +1,6 @@
 """Rollout engines on the demo's tiny Qwen3-MoE: generation throughput, and engine reuse across iterations.
 
-    python benchmarks/rollout_engines.py [--iterations 4] [--prompts 192] [--samples 16]
+    python benchmarks/rollout_engines.py [--iterations 4] [--prompts 192] [--samples 16] [--smoke]
 
 (a) tokens/s of vLLM and transformers `generate` on the same prompts and sampling settings, after one
     warm-up batch; (b) an iteration's engine cost with a new engine per checkpoint against one engine that

@@ -1,6 +1,6 @@
 """Storage throughput: the storage module against raw boto3 on the same S3 server and the same bytes.
 
-    .venv/bin/python -m benchmarks.storage [--checkpoint-mb 200] [--parquet-mb 100] [--repeats 3]
+    .venv/bin/python -m benchmarks.storage [--checkpoint-mb 200] [--parquet-mb 100] [--repeats 3] [--smoke]
 
 Starts its own SeaweedFS on loopback (tests/seaweed.py) in a temporary folder. For each operation it
 prints the best of `repeats` runs for both sides:

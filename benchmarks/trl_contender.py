@@ -1,8 +1,11 @@
 """TRL's GRPOTrainer on moeloop's demo, the contender `benchmarks/trl_grpo.py` runs: not part of moeloop.
 
-Runs in an environment of its own, with TRL installed (`benchmarks/trl_grpo.py` says how), never moeloop's:
+Measured in an environment of its own, with TRL installed (`benchmarks/trl_grpo.py` says how), never moeloop's:
 
-    TRL-PYTHON benchmarks/trl_contender.py --checkpoint SFT --seed S --iterations N --out CURVE.json
+    TRL-PYTHON benchmarks/trl_contender.py --checkpoint SFT --seed S --iterations N --out CURVE.json [--smoke]
+
+The tests' extras install the same TRL into moeloop's environment (it adds only TRL and accelerate there), so CI runs
+its --smoke mode (tests/unit/test_benchmark_smoke.py).
 
 The same task as `moeloop run configs/tiny.yaml`: its SFT checkpoint, prompts, reward
 (`moeloop.steps.demo_task.reverse_positions`, imported from this repository, standard library only), batch (192 prompts x

@@ -6,7 +6,7 @@ TRL lives in an environment of its own, never moeloop's (its versions are the on
     /tmp/trl-env/bin/pip install torch==2.13.0 transformers==5.19.0 trl==1.16.0
     PYTHONPATH=$PWD .venv/bin/python benchmarks/trl_grpo.py --trl-python /tmp/trl-env/bin/python \\
         [--seeds 0 1 2] [--draws 1] [--engines transformers vllm] [--iterations 24] [--keep DIR] \\
-        [--variant NAME SECTION.KEY=VALUE ... [--variant ...]] [--no-trl]
+        [--variant NAME SECTION.KEY=VALUE ... [--variant ...]] [--no-trl] [--smoke]
 
 For each seed: the demo's SFT (`python -m moeloop.steps.start` on configs/tiny.yaml at that seed) makes one checkpoint;
 then each moeloop engine runs `moeloop run` on configs/tiny.yaml with `model.checkpoint` that checkpoint, and

@@ -5,8 +5,8 @@ A rollout shard's engine then stays loaded between iterations and only its weigh
 server (`moeloop.workflows.local.workers`) with `serve` as its target. The commands are exactly the pods' commands
 (`python -m moeloop.steps.<name> ...`); each request is one message on the worker's connection, {"argv": [...],
 "log": PATH, "threads": N or null}, and each reply one message, {"returncode": N}. While a command runs, its output
-goes to its log file. A request {"warm": [MODULE, ...], "log": PATH} imports the modules the fork server has not
-(vLLM, for a rollout on it) and has no reply: the runner sends it as it starts the worker, long before the worker's
+goes to its log file. A request {"warm": [MODULE, ...], "log": PATH} imports the modules (all but vLLM, for a rollout
+on it, are the fork server's already) and has no reply: the runner sends it as it starts the worker, long before the worker's
 first command, so a step's imports are done while the steps before it run.
 The runner moves the worker onto the command's cores before it sends it; the worker sizes torch's threads to
 them (what the command starts inherits that size too).

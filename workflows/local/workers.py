@@ -2,30 +2,25 @@
 protocol): starting one, sending it a command or modules to import, polling it, closing them all.
 
 Every worker is forked from one fork server that has imported the steps once (multiprocessing's "forkserver": a
-fresh process that imports, then forks on request). A fresh interpreter
-per worker imported torch, transformers and the step again, 4.7 s of CPU each: 7 workers on 2 cores held the
-first step back 12.6 s, on one core 26 s, and their exits took 3.5-6.7 s more (a 2-iteration run of 5.5 s of
-steps took 21-38 s in all)."""
+fresh process that imports, then forks on request). A fresh interpreter per worker imported torch, transformers and
+the step again, 4.7 s of CPU each: 7 workers on 2 cores held the first step back 12.6 s, on one core 26 s, and
+their exits took 3.5-6.7 s more (a 2-iteration run of 5.5 s of steps took 21-38 s in all)."""
 
 from __future__ import annotations
 
 import functools
 import multiprocessing
-import multiprocessing.connection
 import os
 import time
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
+from moeloop.workflows.dag import STEPS
 from moeloop.workflows.local.pinning import pin_process_tree
 
 # What the fork server imports once: each step's module and what they import lazily to build a model. Not vLLM:
 # a rollout worker on it imports it itself (warm_modules), where it runs.
-STEP_MODULES = [
-    *(f"moeloop.steps.{name}" for name in ("start", "rollout", "reward", "train", "publish", "evaluate")),
-    "moeloop.steps.model.policy",
-    "moeloop.workflows.local.worker",
-]
+STEP_MODULES = [*(step.module for step in STEPS), "moeloop.steps.model.policy", "moeloop.workflows.local.worker"]
 
 
 @functools.cache
