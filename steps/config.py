@@ -148,6 +148,13 @@ class TrainerConfig(Strict):
     # The largest safetensors file of a published checkpoint (model-0000k-of-0000n.safetensors, HF's layout); a
     # tensor larger than this is a file alone. Publish holds a block of the trainer state, not a file, whatever this is.
     checkpoint_shard_bytes: int = Field(4 << 30, gt=0)
+    # How long a trainer process lives (steps/trainer.py). iteration: each iteration's train step is a new process
+    # (a pod, a JobSet) that fetches the trainer state and commits it back. chunk: one trainer for the chunk (the
+    # whole run locally) holds weights and optimizer state in memory, takes each iteration's update as a command,
+    # writes each iteration's checkpoint and delta from memory, and commits its state every `state_every`
+    # iterations and at the chunk's end, in the background; restarted, it replays the iterations since.
+    lifetime: Literal["iteration", "chunk"] = "iteration"
+    state_every: int = Field(1, gt=0)
 
     def compute_precision(self, cuda: bool) -> Literal["bf16", "fp32"]:
         if self.precision == "auto":
@@ -160,6 +167,8 @@ class TrainerConfig(Strict):
             raise ValueError(f"betas {list(self.betas)}: each must be in [0, 1)")
         if self.precision == "fp32" and self.attention in ("flash4", "flash2"):
             raise ValueError(f"attention {self.attention} computes in bf16: it needs precision bf16 or auto, not fp32")
+        if self.state_every > 1 and self.lifetime != "chunk":
+            raise ValueError(f"state_every {self.state_every} needs lifetime chunk: a trainer per iteration commits every one")
         if self.world_size % self.expert_parallel:
             raise ValueError(
                 f"world_size {self.world_size} is not a multiple of expert_parallel {self.expert_parallel}"
