@@ -1,12 +1,10 @@
-"""What every step CLI shares: its arguments, opening its iteration, seeds and reports."""
+"""What every step CLI shares: its arguments, opening its iteration, its printed report."""
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
-import time
 from typing import Any
 
 from moeloop.steps.config import MoeloopConfig
@@ -34,21 +32,6 @@ def already_committed(storage: RunStorage, relative: str) -> dict[str, str]:
     """The report of a step that finds its output committed and does nothing: re-runs are no-ops. The step has
     checked that the output is its own first (anything else there is foreign data: an error)."""
     return {"skipped": f"already committed: {storage.display(relative)}"}
-
-
-def derive_seed(*parts: object) -> int:
-    """A seed from names and numbers: the same inputs give the same samples."""
-    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def write_report(storage: RunStorage, iteration: int, name: str, report: dict[str, Any]) -> None:
-    """The step's report, stamped with its wall-clock span in Unix seconds: `ended_at` now, as the step writes
-    it (before it commits its output), and `started_at` the report's `seconds` earlier. Evaluate reads the
-    stamps of all steps, wherever they ran, to tell how long each waited on the others."""
-    ended_at = time.time()
-    report.update(started_at=round(ended_at - report["seconds"], 3), ended_at=round(ended_at, 3))
-    storage.write_json(storage.report(iteration, name), report)
 
 
 def quiet_libraries() -> None:

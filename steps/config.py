@@ -5,6 +5,8 @@ Loaded from YAML; unknown keys and wrong types are rejected with the key's dotte
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 import re
 from pathlib import Path
@@ -389,3 +391,9 @@ def _resolve(location: str | None, base: Path) -> str | None:
     if location is None or "://" in location or Path(location).is_absolute():
         return location
     return str((base / location).resolve())
+
+
+def derive_seed(*parts: object) -> int:
+    """A seed from names and numbers: the same inputs give the same samples."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF

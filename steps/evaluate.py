@@ -15,16 +15,8 @@ import math
 import time
 from typing import Any
 
-from moeloop.steps.common import (
-    already_committed,
-    derive_seed,
-    open_iteration,
-    print_json,
-    quiet_libraries,
-    step_parser,
-    write_report,
-)
-from moeloop.steps.config import MoeloopConfig, policy_version
+from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser
+from moeloop.steps.config import MoeloopConfig, derive_seed, policy_version
 from moeloop.steps.engines.engine import Engine, Sampling, TransformersEngine
 from moeloop.steps.errors import run_cli
 from moeloop.steps.observe.scalars import step_reports
@@ -35,6 +27,7 @@ from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.metrics import read_metrics
 from moeloop.steps.storage.prompt_set import prompt_count, read_prompts
+from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import RunStorage
 
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from moeloop.steps.common import already_committed, open_iteration, print_json, step_parser, write_report
+from moeloop.steps.common import already_committed, open_iteration, print_json, step_parser
 from moeloop.steps.errors import MoeloopError, run_cli
 from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, write_hf_checkpoint
-from moeloop.steps.model.delta import CheckpointTensors
 from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
-from moeloop.steps.storage.deltas import commit_delta
+from moeloop.steps.storage.deltas import commit_policy
 from moeloop.steps.storage.run import CRITIC_DIR
 
 
@@ -42,15 +41,12 @@ def publish(run_uri: str, iteration: int) -> dict[str, Any]:
         storage.fetch_files(state, weights, scratch / "state")
         shard_bytes = config.trainer.checkpoint_shard_bytes
         write_hf_checkpoint(scratch / "state", scratch / "policy", shard_bytes)
-        base = CheckpointTensors(fetch_checkpoint(storage, iteration - 1))
-        delta = commit_delta(storage, iteration, base, CheckpointTensors(scratch / "policy"), shard_bytes)
-        report = {"seconds": round(time.perf_counter() - started, 3), **delta}
-        write_report(storage, iteration, "publish", report)
+        critic = None
         if (scratch / "state" / CRITIC_DIR).is_dir():
-            write_hf_checkpoint(scratch / "state" / CRITIC_DIR, scratch / CRITIC_DIR, shard_bytes)
-            storage.commit_folder(storage.critic(iteration), scratch / CRITIC_DIR, extra={"iteration": iteration})
-        extra = {"iteration": iteration, "weights_digest": delta["weights_digest"]}
-        storage.commit_folder(checkpoint, scratch / "policy", extra=extra)
+            critic = scratch / CRITIC_DIR
+            write_hf_checkpoint(scratch / "state" / CRITIC_DIR, critic, shard_bytes)
+        base = fetch_checkpoint(storage, iteration - 1)
+        report = commit_policy(storage, iteration, scratch / "policy", critic, base, shard_bytes, started)
     storage.move_latest(iteration)
     return report
 

@@ -15,14 +15,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser, write_report
+from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser
 from moeloop.steps.errors import MoeloopError, run_cli
 from moeloop.steps.prompting import ChatSettings
 from moeloop.steps.rewards.functions import by_source
 from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.rl.overlong import overlong_penalty
-from moeloop.steps.storage.experience import REWARD_SCHEMA, commit_experience, committed_experience, read_written_rollouts
+from moeloop.steps.storage.experience import (
+    REWARD_SCHEMA,
+    commit_experience,
+    committed_experience,
+    read_written_rollouts,
+)
 from moeloop.steps.storage.prompt_set import read_prompts
+from moeloop.steps.storage.reports import write_report
 
 FLOAT32_MAX = 3.4028234663852886e38  # rewards.parquet's column: a larger weighted sum would be stored as inf
 
@@ -48,7 +54,9 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
         rewards = [reward + penalty for reward, penalty in zip(rewards, penalties, strict=True)]
         report["overlong_penalty_mean"] = sum(penalties) / len(penalties)
     if config.reward.models:
-        from moeloop.steps.rewards.models import load_reward_models  # torch and transformers: only when a model is configured
+        from moeloop.steps.rewards.models import (
+            load_reward_models,  # torch and transformers: only when a model is configured
+        )
 
         model_started = time.perf_counter()
         samples = [(r["prompt"], response) for r, response in zip(sample_records, responses, strict=True)]

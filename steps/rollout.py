@@ -16,16 +16,8 @@ from typing import Any
 import pyarrow as pa
 from transformers import AutoConfig
 
-from moeloop.steps.common import (
-    already_committed,
-    derive_seed,
-    open_iteration,
-    print_json,
-    quiet_libraries,
-    step_parser,
-    write_report,
-)
-from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser
+from moeloop.steps.config import MoeloopConfig, derive_seed
 from moeloop.steps.engines.engine import FINISH_REASONS, Completion, Sampling
 from moeloop.steps.engines.versions import committed_architecture, engine_at
 from moeloop.steps.errors import MoeloopError, run_cli
@@ -33,6 +25,7 @@ from moeloop.steps.model.families import num_experts
 from moeloop.steps.prompting import ChatSettings, render_prompt
 from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, read_rollout_shard, rollout_schema, table_bytes
 from moeloop.steps.storage.prompt_set import prompt_count, read_prompts
+from moeloop.steps.storage.reports import write_report
 
 
 def iteration_prompt_ids(config: MoeloopConfig, num_prompts: int, iteration: int) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from moeloop.steps.common import print_json, print_progress, quiet_libraries, step_parser, write_report
+from moeloop.steps.common import print_json, print_progress, quiet_libraries, step_parser
 from moeloop.steps.config import (
     MoeloopConfig,
     SFTConfig,
@@ -44,16 +44,17 @@ from moeloop.steps.model.policy import (
     tiny_tokenizer,
     token_logprobs,
 )
-from moeloop.steps.prompting import ChatSettings, fit_prompts, render_prompt, sft_answer
 from moeloop.steps.observe.trackers import begin_trackers, check_trackers
-from moeloop.steps.rl.memory import refuse_unfit_trainer
-from moeloop.steps.rl.router_bias import bias_update_rate
+from moeloop.steps.prompting import ChatSettings, fit_prompts, render_prompt, sft_answer
 from moeloop.steps.rewards.functions import check_reward_routes
 from moeloop.steps.rewards.models import adopt_reward_models, check_reward_models
+from moeloop.steps.rl.memory import refuse_unfit_trainer
+from moeloop.steps.rl.router_bias import bias_update_rate
 from moeloop.steps.storage.cache import cache_root, fetch_verified, local_scratch
 from moeloop.steps.storage.manifest import json_bytes, manifest_of, parse_manifest
 from moeloop.steps.storage.prompt_set import commit_prompt_set
 from moeloop.steps.storage.prompts import PromptRows, check_prompts, set_name, task_prompt_sets
+from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import RunStorage
 
 # Settings that may change between submissions of one run without changing its results. The trainer's process

@@ -3,7 +3,8 @@ with PPO the critic's too, in critic/).
 
 Starts from the trainer state of the previous iteration (checkpoint 0 for the first, and for PPO a critic made
 from it), so the optimizer's moments carry across iterations. The reference policy for the KL is checkpoint 0,
-the SFT start: its logprobs are computed once, before the policy is loaded. The update is in steps/rl/update.py,
+the SFT start: its logprobs are computed once, before the policy is loaded (`moeloop.steps.rl.state.update_policy`). The update
+is in steps/rl/update.py,
 its losses and advantages in steps/rl/grpo.py and steps/rl/ppo.py (steps/rl/README.md).
 
 One process per GPU where there is CUDA: under torchrun when `trainer.world_size` > 1, over a (dp, ep) device
@@ -11,94 +12,41 @@ mesh; each rank holds its models under FSDP2 (steps/model/sharding.py) at `train
 packed microbatches of every minibatch. The update equals one process's on the whole minibatch
 (tests/distributed/test_train_ep.py, tests/distributed/test_fsdp.py). Every rank writes its shards of the trainer state and uploads them
 (`moeloop.steps.rl.checkpoint`); rank 0 writes the report, and the state's COMMIT once every rank's files are up.
+
+With `trainer.lifetime: chunk` the step trains nothing itself: one process, it asks the chunk's trainer
+(steps/trainer.py), which holds the policy in memory, for the iteration's update, and waits for its checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from moeloop.steps.common import (
-    already_committed,
-    derive_seed,
-    open_iteration,
-    print_json,
-    quiet_libraries,
-    step_parser,
-    write_report,
-)
-from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser
 from moeloop.steps.errors import MoeloopError, run_cli
-from moeloop.steps.model.families import moe_layers
-from moeloop.steps.model.policy import hf_model_on_meta, read_config
-from moeloop.steps.rl.batch import experience_batch, recorded_routes
 from moeloop.steps.rl.checkpoint import commit_trainer_state
 from moeloop.steps.rl.memory import refuse_unfit_trainer
-from moeloop.steps.rl.parallel import Parallel, init_parallel
+from moeloop.steps.rl.parallel import init_parallel
 from moeloop.steps.rl.router_bias import bias_update_rate
-from moeloop.steps.rl.state import load_trainer_start, reference_logprobs, save_trainer_state, trainer_attention
-from moeloop.steps.rl.update import Critic, policy_update, require_finite
+from moeloop.steps.rl.state import save_trainer_state, trainer_attention, update_policy
 from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
-from moeloop.steps.storage.experience import read_rewards, read_rollouts, rollout_columns
+from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
 
-
-@dataclass(frozen=True)
-class UpdatedTrainer:
-    model: torch.nn.Module
-    tokenizer: Any
-    optimizer: torch.optim.Optimizer
-    critic: Critic | None
-    report: dict[str, Any]
-
-
-def update_policy(
-    storage: RunStorage, config: MoeloopConfig, iteration: int, scratch: Path, parallel: Parallel = Parallel()
-) -> UpdatedTrainer:
-    """The iteration's update in memory: the policy (PPO: and the critic) after it, and the report. Deterministic."""
-    rollouts = rollout_columns(read_rollouts(storage, iteration, config.rollout.num_shards))
-    recorded = recorded_routes(rollouts)
-    if config.algorithm.routing_replay == "rollout" and not recorded:
-        raise MoeloopError(
-            f"algorithm.routing_replay rollout needs the rollout shards' routed_experts column: iteration {iteration}'s"
-            " shards lack it (written before it existed, or by an engine that did not record routes)"
-        )
-    rewards = read_rewards(storage, iteration).to_pydict()
-    rewards_by_sample = dict(zip(rewards["sample_id"], rewards["reward"], strict=False))
-    for sample, value in rewards_by_sample.items():  # the reward step refuses these: this is foreign data
-        require_finite(value, f"{storage.display(storage.rewards(iteration))}: the reward of sample {sample}")
-    seed = derive_seed(config.run_name, config.seed, "train", iteration)
-    torch.manual_seed(seed)
-    settings = config.trainer
-    architecture = read_config(fetch_checkpoint(storage, 0))[0]
-    top_k = architecture.num_experts_per_tok if recorded else None
-    layers = moe_layers(hf_model_on_meta(architecture)) if recorded else ()  # for shards that name none
-    batch = experience_batch(rollouts, rewards_by_sample, top_k, layers)
-    batch = batch.to(parallel.device)
-    ref_logprobs_BT = reference_logprobs(fetch_checkpoint(storage, 0), batch, config, parallel)
-    model, tokenizer, optimizer, critic = load_trainer_start(storage, iteration, scratch, config, parallel)
-    started = time.perf_counter()
-    report = policy_update(model, ref_logprobs_BT, optimizer, batch, config, seed, parallel, critic)
-    seconds = time.perf_counter() - started
-    report["train_tokens_per_second"] = round(int(batch.attention_mask_BT.sum()) * settings.epochs / seconds, 1)
-    report["device"] = str(parallel.device)
-    report["precision"] = settings.compute_precision(parallel.device.type == "cuda")
-    report["attention"] = model.config._attn_implementation
-    if parallel.device.type == "cuda":
-        report["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(parallel.device)
-    return UpdatedTrainer(model, tokenizer, optimizer, critic, report)
+ASK_POLL_SECONDS = 0.25
+TRAINER_SILENT_SECONDS = 900.0  # a restarted trainer resumes (state fetch, replay) before it beats: minutes at scale
 
 
 def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
-    """The train step on this rank; the report on rank 0, None on the others (they write nothing)."""
+    """The train step on this rank; the report on rank 0, None on the others (they write nothing). With
+    `trainer.lifetime: chunk` it asks the chunk's trainer for the update instead (`ask_trainer`)."""
     started = time.perf_counter()
     storage, config = open_iteration(run_uri, iteration)
+    if config.trainer.lifetime == "chunk":
+        return ask_trainer(storage, iteration)
     output = storage.trainer_state(iteration)
     if storage.is_committed(output):
         return already_committed(storage, output)
@@ -122,6 +70,25 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
         return report if parallel.rank == 0 else None
     finally:
         dist.destroy_process_group()
+
+
+def ask_trainer(storage: RunStorage, iteration: int) -> dict[str, Any]:
+    """Ask the chunk's trainer (steps/trainer.py) for iteration's update, and wait for it: done when checkpoint N is
+    committed and its train report written. Fails when the trainer has not been heard from for TRAINER_SILENT_SECONDS
+    (it died and nothing started it again). Safe to re-run: the command is written once, an update is done once."""
+    report, checkpoint = storage.report(iteration, "train"), storage.checkpoint(iteration)
+    storage.create_bytes(storage.train_command(iteration), json.dumps({"iteration": iteration}).encode())
+    asked = time.time()
+    while not (storage.is_committed(checkpoint) and storage.exists(report)):
+        heard = storage.read_json(storage.TRAINER_HEARTBEAT)["at"] if storage.exists(storage.TRAINER_HEARTBEAT) else 0
+        if time.time() - max(heard, asked) > TRAINER_SILENT_SECONDS:
+            since = f"since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(heard))} UTC" if heard else "at all"
+            raise MoeloopError(
+                f"iteration {iteration} asked the chunk's trainer for its update, but the trainer has not been heard"
+                f" from {since} ({storage.display(storage.TRAINER_HEARTBEAT)}): is its pod (or local process) running?"
+            )
+        time.sleep(ASK_POLL_SECONDS)
+    return storage.read_json(report)
 
 
 def main() -> None:

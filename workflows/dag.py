@@ -33,13 +33,16 @@ class Step:
     torchrun: bool = False  # launched by torchrun as trainer.world_size processes (one plain process at 1)
     outputs: tuple[str, ...] = ()  # report keys exposed as Argo output parameters (steps/outputs.py)
     program: str = ""  # the module moeloop.steps.<program> its pods run; "": the step's name
+    # Lives beside the iterations, which talk to it through the run's storage: nothing waits for its end, and the
+    # local runner starts it again when it fails, as its Job does on Argo (workflows/render/trainer.py).
+    daemon: bool = False
 
     @property
     def module(self) -> str:
         return f"moeloop.steps.{self.program or self.name}"
 
     def processes(self, config: MoeloopConfig) -> int:
-        return config.trainer.world_size if self.torchrun else 1
+        return config.trainer.world_size if self.torchrun and not asks_trainer(self, config) else 1
 
     def argv(self, values: Mapping[str, str], processes: int = 1, rendezvous: Sequence[str] = ()) -> list[str]:
         """The pod's command; values are concrete locally and Argo placeholders in the render.
@@ -76,6 +79,9 @@ TRAIN = Step(
     torchrun=True,
     outputs=("loss", "kl", "grad_norm", "clip_fraction_binding", "entropy", "train_tokens_per_second", "seconds"),
 )
+# trainer.lifetime chunk: the chunk's trainer, which holds the policy in memory across the chunk's iterations up to
+# `last` (steps/trainer.py); each iteration's train step then asks it for the update, from a CPU pod.
+TRAINER = Step("trainer", "train", ("last",), run_params=("run",), torchrun=True, daemon=True)
 # A trainer of several nodes runs in a JobSet's pods, which Argo does not see: this pod after the JobSet reads the
 # iteration's committed train report, so that the train template has its figures as outputs and gauges
 # (workflows/render/jobset.py). Not a task of the loop: the local runner and a single-node train have no need of it.
@@ -90,13 +96,21 @@ PUBLISH = Step("publish", "memory", ("iteration",), outputs=("seconds",))
 EVALUATE = Step(
     "evaluate", "cpu", ("iteration",), outputs=("iteration", "eval_reward_mean", "reward_mean", "kl", "loss")
 )
-STEPS = (START, PLAN, ROLLOUT, REWARD, TRAIN, PUBLISH, EVALUATE)
+STEPS = (START, PLAN, ROLLOUT, REWARD, TRAIN, PUBLISH, EVALUATE)  # each a template of every render
+
+
+def asks_trainer(step: Step, config: MoeloopConfig) -> bool:
+    """Whether the step is a train step that asks the chunk's trainer for its update (trainer.lifetime chunk)."""
+    return step is TRAIN and config.trainer.lifetime == "chunk"
 
 
 def step_role(step: Step, config: MoeloopConfig) -> str:
-    """The placement role of the step's pods: the reward step scores with reward models on GPUs when it has any."""
+    """The placement role of the step's pods: the reward step scores with reward models on GPUs when it has any;
+    a train step that asks the chunk's trainer waits on a CPU node."""
     if step is REWARD and config.reward.models:
         return "reward"
+    if asks_trainer(step, config):
+        return "cpu"
     return step.role
 
 
@@ -123,7 +137,8 @@ def loop_tasks(config: MoeloopConfig, iterations: int | None = None) -> list[Tas
     """Every task of the run in a topological order, for iterations 1..N after the start (iteration 0)."""
     last = config.iterations if iterations is None else iterations
     start = _task(config, START, "start", 0, [])
-    return [start, _task(config, EVALUATE, "eval-0", 0, [start.name]), *iteration_tasks(config, last, start.name)]
+    trainer = [_task(config, TRAINER, TRAINER.name, 1, [start.name], last=last)] if config.trainer.lifetime == "chunk" else []
+    return [start, _task(config, EVALUATE, "eval-0", 0, [start.name]), *trainer, *iteration_tasks(config, last, start.name)]
 
 
 def iteration_tasks(config: MoeloopConfig, last: int, root: str, prefix: str = "it") -> list[Task]:

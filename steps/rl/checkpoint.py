@@ -30,7 +30,7 @@ import itertools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +154,10 @@ def saved_shapes(folder: Path) -> dict[str, TensorStorageMetadata]:
 def require_same_tensors(folder: Path, weights: dict[str, torch.Tensor], source: str) -> None:
     """A one-line error naming the first tensor whose name or global shape differs between the state and the model."""
     saved = {key: tuple(value.size) for key, value in saved_shapes(folder).items()}
-    ours = {key: tuple(value.shape) for key, value in weights.items()}
+    require_same_shapes(saved, {key: tuple(value.shape) for key, value in weights.items()}, source)
+
+
+def require_same_shapes(saved: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]], source: str) -> None:
     for key in sorted(saved.keys() | ours.keys()):
         if saved.get(key) != ours.get(key):
             raise MoeloopError(
@@ -164,22 +167,27 @@ def require_same_tensors(folder: Path, weights: dict[str, torch.Tensor], source:
 
 
 def commit_trainer_state(
-    storage: RunStorage, folder: str, local_dir: Path, parallel: Parallel, extra: dict[str, Any]
+    storage: RunStorage,
+    folder: str,
+    local_dir: Path,
+    parallel: Parallel,
+    extra: dict[str, Any],
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Every rank uploads the files it wrote under local_dir (its shards; rank 0 also the config, tokenizer and DCP
     indexes), in parallel on S3; rank 0 gathers their COMMIT entries and writes COMMIT, the folder's commit point,
-    once all have arrived. Collective."""
+    once all have arrived. Collective over group (default: the world)."""
     sources = {p.relative_to(local_dir).as_posix(): p for p in sorted(local_dir.rglob("*")) if p.is_file()}
     files = storage.put_objects(folder, sources)
     gathered: list[Any] | None = [None] * parallel.world_size if parallel.rank == 0 else None
     if parallel.world_size > 1:
-        dist.gather_object(files, gathered, dst=0)
+        dist.gather_object(files, gathered, dst=0, group=group)
     else:
         gathered = [files]
     if parallel.rank == 0:
         storage.commit(folder, {name: entry for part in gathered for name, entry in part.items()}, extra)
     if parallel.world_size > 1:
-        dist.barrier()  # no rank reports the state committed before it is
+        dist.barrier(group=group)  # no rank reports the state committed before it is
 
 
 def read_whole(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -265,23 +273,54 @@ def write_hf_checkpoint(state_dir: Path, output: Path, max_shard_bytes: int) -> 
     config's dtype (what HF keeps in fp32 in fp32, as its save_pretrained writes it), the experts per expert and
     every tensor named as the model's family stores them. Each block is cast and streamed to its file as it is read
     (`read_in_blocks`), so a writer holds a saved chunk and a block, never the model; the files are written side by side, one thread each, as many at once as this process has cores."""
-    config, tokenizer = read_config(state_dir)
-    dtype = stored_dtype(config)
     folder = state_dir / WEIGHTS_DIR
+    shapes = {key: tuple(value.size) for key, value in saved_shapes(folder).items()}
+    write_hf_shards(state_dir, shapes, lambda keys: read_in_blocks(folder, keys), output, max_shard_bytes)
+
+
+def write_hf_from_memory(held_dir: Path, tensors: dict[str, torch.Tensor], output: Path, max_shard_bytes: int) -> None:
+    """The HF checkpoint of whole tensors held in memory (`whole_weights`), with held_dir's config and tokenizer:
+    the bytes `write_hf_checkpoint` writes from a trainer state of the same weights (each tensor cast the same way)."""
+    shapes = {key: tuple(value.shape) for key, value in tensors.items()}
+    write_hf_shards(held_dir, shapes, lambda keys: ((key, tensors[key]) for key in keys), output, max_shard_bytes)
+
+
+def whole_weights(model: nn.Module, parallel: Parallel) -> dict[str, torch.Tensor] | None:
+    """Every tensor `save_sharded` saves of model, whole, in fp32 on the host: on rank 0; None on the others.
+    Collective: the ranks gather one tensor at a time, in name order, so none holds more than a tensor besides its
+    shard (rank 0 keeps each one's host copy)."""
+    experts = expert_parameters(model)
+    whole = {}
+    for name, tensor in sorted(checkpointed(model).items()):
+        view = global_view(tensor, tensor, tensor in experts, parallel)
+        value = view.full_tensor() if isinstance(view, DTensor) else view
+        if parallel.rank == 0:
+            whole[name] = value.to("cpu", torch.float32, copy=True)
+    return whole if parallel.rank == 0 else None
+
+
+def write_hf_shards(
+    config_dir: Path,
+    shapes: dict[str, tuple[int, ...]],
+    read_blocks: Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]],
+    output: Path,
+    max_shard_bytes: int,
+) -> None:
+    """The HF checkpoint of the model config_dir's config describes, its tensors (by trainer name, of the given
+    shapes) read by read_blocks(keys) as (key, row block) in keys' order."""
+    config, tokenizer = read_config(config_dir)
+    dtype = stored_dtype(config)
     model = hf_model_on_meta(config)
-    require_same_tensors(folder, checkpointed(model), str(state_dir))
+    require_same_shapes(shapes, {key: tuple(value.shape) for key, value in checkpointed(model).items()}, str(config_dir))
     blocks = sparse_blocks(model)
-    stored = {
-        key: stored_tensors(key, tuple(value.size), blocks, tensor_dtype(key, model, dtype))
-        for key, value in sorted(saved_shapes(folder).items())
-    }
+    stored = {key: stored_tensors(key, shape, blocks, tensor_dtype(key, model, dtype)) for key, shape in sorted(shapes.items())}
     shards = plan_shards(stored, max_shard_bytes)
     names = shard_names(len(shards))
     output.mkdir(parents=True, exist_ok=True)
 
     def write_shard(name: str, keys: list[str]) -> None:
         with SafetensorsWriter(output / name, [t for key in keys for t in stored[key]]) as writer:
-            for key, block in read_in_blocks(folder, keys):
+            for key, block in read_blocks(keys):
                 writer.write(block.to(stored[key][0].dtype))
 
     with ThreadPoolExecutor(min(len(shards), len(os.sched_getaffinity(0)))) as pool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import gc
 import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +21,22 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from moeloop.steps.config import MoeloopConfig, TrainerConfig
+from moeloop.steps.config import MoeloopConfig, TrainerConfig, derive_seed
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.attention import attention_backend, use_packed_attention
+from moeloop.steps.model.families import moe_layers
 from moeloop.steps.model.logprobs import use_logprob_head
 from moeloop.steps.model.moe import compile_decoder_layers
-from moeloop.steps.model.policy import load_critic_shard, load_policy_shard, read_config, shard_model
+from moeloop.steps.model.policy import hf_model_on_meta, load_critic_shard, load_policy_shard, read_config, shard_model
 from moeloop.steps.model.sharding import PRECISIONS, checkpoint_decoder_layers, shard_trainer_model
-from moeloop.steps.rl.batch import ExperienceBatch, frozen_logprobs
-from moeloop.steps.rl.offload import OffloadedAdamW
+from moeloop.steps.rl.batch import ExperienceBatch, experience_batch, frozen_logprobs, recorded_routes
 from moeloop.steps.rl.checkpoint import METADATA, WEIGHTS_DIR, load_sharded, save_sharded
+from moeloop.steps.rl.offload import OffloadedAdamW
 from moeloop.steps.rl.parallel import Parallel
 from moeloop.steps.rl.router_loss import freeze_routers
-from moeloop.steps.rl.update import Critic
+from moeloop.steps.rl.update import Critic, policy_update, require_finite
 from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.experience import read_rewards, read_rollouts, rollout_columns
 from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
 
 
@@ -172,3 +176,56 @@ def save_trainer_state(
     if parallel.rank == 0:
         model.config.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
+
+
+@dataclass(frozen=True)
+class UpdatedTrainer:
+    model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    critic: Critic | None
+    report: dict[str, Any]
+
+
+def update_policy(
+    storage: RunStorage,
+    config: MoeloopConfig,
+    iteration: int,
+    scratch: Path,
+    parallel: Parallel = Parallel(),
+    start: tuple[Any, Any, torch.optim.Optimizer, Critic | None] | None = None,
+) -> UpdatedTrainer:
+    """The iteration's update in memory: the policy (PPO: and the critic) after it, and the report. Deterministic.
+    It starts from `start` (policy, tokenizer, optimizer, critic: a trainer that holds them, steps/rl/held.py), else
+    from the previous iteration's trainer state (`load_trainer_start`)."""
+    rollouts = rollout_columns(read_rollouts(storage, iteration, config.rollout.num_shards))
+    recorded = recorded_routes(rollouts)
+    if config.algorithm.routing_replay == "rollout" and not recorded:
+        raise MoeloopError(
+            f"algorithm.routing_replay rollout needs the rollout shards' routed_experts column: iteration {iteration}'s"
+            " shards lack it (written before it existed, or by an engine that did not record routes)"
+        )
+    rewards = read_rewards(storage, iteration).to_pydict()
+    rewards_by_sample = dict(zip(rewards["sample_id"], rewards["reward"], strict=False))
+    for sample, value in rewards_by_sample.items():  # the reward step refuses these: this is foreign data
+        require_finite(value, f"{storage.display(storage.rewards(iteration))}: the reward of sample {sample}")
+    seed = derive_seed(config.run_name, config.seed, "train", iteration)
+    torch.manual_seed(seed)
+    settings = config.trainer
+    architecture = read_config(fetch_checkpoint(storage, 0))[0]
+    top_k = architecture.num_experts_per_tok if recorded else None
+    layers = moe_layers(hf_model_on_meta(architecture)) if recorded else ()  # for shards that name none
+    batch = experience_batch(rollouts, rewards_by_sample, top_k, layers)
+    batch = batch.to(parallel.device)
+    ref_logprobs_BT = reference_logprobs(fetch_checkpoint(storage, 0), batch, config, parallel)
+    model, tokenizer, optimizer, critic = start or load_trainer_start(storage, iteration, scratch, config, parallel)
+    started = time.perf_counter()
+    report = policy_update(model, ref_logprobs_BT, optimizer, batch, config, seed, parallel, critic)
+    seconds = time.perf_counter() - started
+    report["train_tokens_per_second"] = round(int(batch.attention_mask_BT.sum()) * settings.epochs / seconds, 1)
+    report["device"] = str(parallel.device)
+    report["precision"] = settings.compute_precision(parallel.device.type == "cuda")
+    report["attention"] = model.config._attn_implementation
+    if parallel.device.type == "cuda":
+        report["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(parallel.device)
+    return UpdatedTrainer(model, tokenizer, optimizer, critic, report)

@@ -1,8 +1,9 @@
 """A policy version's delta folder in the run, `deltas/iter-NNNNNN/`, committed beside its checkpoint: the record of
 the version's weights (`digests.json`: every tensor's digest, the weights' digest and its base's, how much changed)
 and, where it is smaller than the checkpoint, the delta from version N-1 (`delta-*.safetensors`,
-`moeloop.steps.model.delta`). Publish commits it before the checkpoint; rollout engines read it to move from the
-version they hold to the next (`moeloop.steps.engines.versions`).
+`moeloop.steps.model.delta`). Publish commits it before the checkpoint (`commit_policy`, which a trainer that lives
+for a chunk calls too); rollout engines read it to move from the version they hold to the next
+(`moeloop.steps.engines.versions`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 
 import torch
 
-from moeloop.steps.model.delta import write_delta
+from moeloop.steps.model.delta import CheckpointTensors, write_delta
 from moeloop.steps.storage.cache import local_scratch
+from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import RunStorage
 
 RECORD = "digests.json"
@@ -75,3 +77,20 @@ def fetch_delta(storage: RunStorage, iteration: int, files: dict[str, dict[str, 
     """Version N's delta files into target, each verified against its COMMIT entry, in order."""
     storage.fetch_files(storage.delta(iteration), files, target)
     return [target / name for name in sorted(files)]
+
+
+def commit_policy(
+    storage: RunStorage, iteration: int, policy: Path, critic: Path | None, base: Path, shard_bytes: int, started: float
+) -> dict[str, Any]:
+    """Commit checkpoint N (the HF folder policy; PPO: its critic's beside it) with deltas/iter-N against checkpoint
+    N-1 (base, an HF folder) first, and publish's report: what publish does once it has the checkpoint, and what a
+    trainer that lives for a chunk does with the checkpoint it writes from memory (steps/rl/held.py). LATEST is
+    publish's to move."""
+    delta = commit_delta(storage, iteration, CheckpointTensors(base), CheckpointTensors(policy), shard_bytes)
+    report = {"seconds": round(time.perf_counter() - started, 3), **delta}
+    write_report(storage, iteration, "publish", report)
+    if critic is not None:
+        storage.commit_folder(storage.critic(iteration), critic, extra={"iteration": iteration})
+    extra = {"iteration": iteration, "weights_digest": delta["weights_digest"]}
+    storage.commit_folder(storage.checkpoint(iteration), policy, extra=extra)
+    return report

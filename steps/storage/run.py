@@ -1,28 +1,8 @@
 """The one storage layout of a run, and the commit protocol every step reads and writes it with.
 
-RunStorage holds the layout (the paths below), atomic single objects, committed folders and LATEST, over one
-of two backends (steps/storage/backends.py): a local folder or s3://bucket/prefix. The protocol is in
-README.md in this folder.
-
-    <run>/config.yaml                                  the run's config (written by start; a later submission
-                                                       may change only iterations and placement)
-    <run>/data/{train,eval}/                           the prompt sets, committed by start (Parquet shards +
-                                                       COMMIT; runs started before: data/{train,eval}.jsonl)
-    <run>/reward-models/model-KK/                      reward.models[K], committed by start (HF files + COMMIT)
-    <run>/data/model-source.json                       model.checkpoint's files as start first found them,
-                                                       when it has no COMMIT (sizes and digests)
-    <run>/checkpoints/iter-NNNNNN/                     HF checkpoint of the policy after iteration N
-    <run>/checkpoints/iter-NNNNNN/COMMIT               written last: names every file with its size and digest
-    <run>/deltas/iter-NNNNNN/                          its weights' digests, and the elements changed since N-1 + COMMIT
-    <run>/experience/iter-NNNNNN/rollout-SSSSS-of-KKKKK.parquet   one rollout shard
-    <run>/experience/iter-NNNNNN/rewards.parquet       one row per sample
-    <run>/experience/iter-NNNNNN/COMMIT                written last (by reward): names the shards and rewards
-    <run>/critics/iter-NNNNNN/                         PPO: HF checkpoint of the critic after iteration N + COMMIT
-    <run>/trainer/iter-NNNNNN/                         trainer state (weights, optimizer; PPO: critic/ too) + COMMIT
-    <run>/reports/iter-NNNNNN/<step>.json              what each step measured
-    <run>/metrics/iter-NNNNNN.json                     one JSON object per iteration
-    <run>/LATEST                                       {"iteration": N, "checkpoint": "checkpoints/iter-NNNNNN"}
-"""
+RunStorage holds the layout (every path of a run), atomic single objects, committed folders and LATEST, over one
+of two backends (steps/storage/backends.py): a local folder or s3://bucket/prefix. The tree and the protocol are
+in README.md in this folder."""
 
 from __future__ import annotations
 
@@ -120,6 +100,12 @@ class RunStorage:
     @staticmethod
     def trainer_state(iteration: int) -> str:
         return f"trainer/{iteration_dir(iteration)}"
+
+    TRAINER_HEARTBEAT = "commands/trainer.json"
+
+    @staticmethod
+    def train_command(iteration: int) -> str:
+        return f"commands/{iteration_dir(iteration)}.json"
 
     @staticmethod
     def reward_model(index: int) -> str:
@@ -400,9 +386,7 @@ class RunStorage:
             raise MoeloopError(f"run does not exist (no {self.CONFIG}): {self.uri}")
 
     def latest(self) -> dict[str, Any] | None:
-        return (
-            parse_latest(self.read_bytes(self.LATEST), self.display(self.LATEST)) if self.exists(self.LATEST) else None
-        )
+        return parse_latest(self.read_bytes(self.LATEST), self.display(self.LATEST)) if self.exists(self.LATEST) else None
 
     def move_latest(self, iteration: int) -> None:
         """Point LATEST at a committed checkpoint. It never moves backwards, even with concurrent publishers:

@@ -18,7 +18,8 @@ from moeloop.steps.rollout import rollout
 from moeloop.steps.start import start
 from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.run import RunStorage
-from moeloop.steps.train import train, update_policy
+from moeloop.steps.rl.state import update_policy
+from moeloop.steps.train import train
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
 from moeloop.workflows.dag import loop_tasks, run_uri, run_values
 from moeloop.workflows.local import launch

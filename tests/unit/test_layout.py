@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from moeloop.workflows.dag import FINISH, STEPS, TRAIN_REPORT
+from moeloop.workflows.dag import FINISH, STEPS, TRAIN_REPORT, TRAINER
 
 STEPS_DIR = REPO / "steps"
 MAX_LINES = 450
 # Programs besides the DAG's steps: run by hand (README), never imported.
 OTHER_PROGRAMS = ("reward_model", "demo_task")
-# The DAG's steps, and the two pods Argo runs beside them (workflows/dag.py)
-DAG_PROGRAMS = {step.module for step in (*STEPS, TRAIN_REPORT, FINISH)}
+# The DAG's steps, the chunk's trainer, and the two pods Argo runs beside them (workflows/dag.py)
+DAG_PROGRAMS = {step.module for step in (*STEPS, TRAINER, TRAIN_REPORT, FINISH)}
 PROGRAMS = DAG_PROGRAMS | {f"moeloop.steps.{name}" for name in OTHER_PROGRAMS}
 PROGRAMS_HELPER = "moeloop.steps.common"  # what the pod CLIs share: their arguments, reports, opening an iteration
 

@@ -51,30 +51,39 @@ class Launcher:
             self.workers = warm_workers(config, tasks, values, log_dir, environment)
 
     def start(self, tasks: list[Task]) -> Iterator[tuple[Task, subprocess.Popen | StepWorker]]:
-        """Start the tasks together (their shares are taken at once), yielding each as it has started."""
-        for task, share in zip(tasks, self.cores.start([t.name for t in tasks]), strict=True):
+        """Start the tasks together (their shares are taken at once), yielding each as it has started. A daemon
+        (the chunk's trainer) takes no share: it works while a train task waits on it, on every core, unpinned."""
+        steps = [t for t in tasks if not t.step.daemon]
+        shares = dict(zip([t.name for t in steps], self.cores.start([t.name for t in steps]), strict=True))
+        for task in tasks:
+            share = shares.get(task.name, set(self.cores.cores))
             argv = local_argv(task, self.values)
             log_path = self.log_dir / f"{task.name}.log"
-            log_path.write_bytes(b"")
+            if not task.step.daemon or not log_path.exists():  # a daemon started again keeps what its last one said
+                log_path.write_bytes(b"")
             threads = max(1, len(share) // task.processes)  # a torchrun job's ranks split the share
-            environment = step_environment(threads, self.cores.pinned)
+            pinned = self.cores.pinned and not task.step.daemon
+            environment = step_environment(threads, pinned)
             slot = worker_slot(task) if self.use_workers else None
             if slot:
                 if slot not in self.workers or not self.workers[slot].alive():
                     self.workers[slot] = StepWorker(environment)
-                process = self.workers[slot].start(argv, log_path, share if self.cores.pinned else None, threads)
-                self.cores.started(task.name, self.workers[slot].pid, worker=True)
+                process = self.workers[slot].start(argv, log_path, share if pinned else None, threads)
+                pid = self.workers[slot].pid
             else:
-                with open(log_path, "wb") as log:
+                with open(log_path, "ab") as log:
                     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment)
+                pid = process.pid
                 # Pinned before its imports are done: torch's threads and torchrun's ranks inherit it.
-                self.cores.started(task.name, process.pid)
-                if self.cores.pinned:
+                if pinned:
                     pin_process_tree(process.pid, share)
+            if task.name in shares:
+                self.cores.started(task.name, pid, worker=bool(slot))
             yield task, process
 
     def finished(self, name: str) -> None:
-        self.cores.finished(name)
+        if name in self.cores.shares:
+            self.cores.finished(name)
 
     def terminate_workers(self) -> None:
         """End the workers at once, without waiting for their imports (a failed or interrupted run)."""

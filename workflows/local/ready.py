@@ -25,9 +25,13 @@ def ready_tasks(
     before it) waits: a worker runs one command at a time, e.g. ahead of training a shard's next iteration may be
     ready before its worker is free."""
     busy = {worker_slot(task) for task in running} if workers else set()
-    starting: list[Task] = []
+    starting: list[Task] = []  # the daemons first, beside the rest: they take no share of `parallelism`
+    running = [task for task in running if not task.step.daemon]  # it works while a train task waits on it
     for task in waiting:
         if not all(dependency in finished for dependency in task.dependencies):
+            continue
+        if task.step.daemon:
+            starting.append(task)
             continue
         if len(running) + len(starting) >= parallelism:
             break

@@ -25,13 +25,14 @@ from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.storage.lease import RunLease
 from moeloop.steps.storage.prompts import check_prompts, set_name, task_prompt_sets
 from moeloop.steps.storage.run import RunStorage
-from moeloop.workflows.dag import EVALUATE, START, Task, loop_tasks, run_values
+from moeloop.workflows.dag import EVALUATE, START, TRAINER, Task, loop_tasks, run_values
 from moeloop.workflows.local.launch import Launcher
 from moeloop.workflows.local.progress import ProgressDisplay
 from moeloop.workflows.local.ready import ready_tasks
 from moeloop.workflows.local.workers import StepWorker
 
 POLL_SECONDS = 0.05
+DAEMON_RESTARTS = 3  # the chunk's trainer's Job's backoffLimit on Argo (workflows/render/trainer.py)
 EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt): ")
 
 
@@ -77,7 +78,9 @@ def pending_tasks(tasks: list[Task], latest_iteration: int | None) -> list[Task]
     kept = [
         t
         for t in tasks
-        if t.step == START or t.iteration > latest_iteration or (t.iteration == latest_iteration and t.step == EVALUATE)
+        if t.step in (START, TRAINER)  # the chunk's trainer finds where the run stands itself
+        or t.iteration > latest_iteration
+        or (t.iteration == latest_iteration and t.step == EVALUATE)
     ]
     names = {t.name for t in kept}
     return [
@@ -126,6 +129,7 @@ def drive(
     # name -> (task, its process, when it started)
     running: dict[str, tuple[Task, subprocess.Popen | StepWorker, float]] = {}
     finished: set[str] = set()
+    restarts: dict[str, int] = {}  # a daemon's starts after its first
     executed: list[ExecutedTask] = []
     display = ProgressDisplay(tasks, progress, log_dir)
     try:
@@ -143,6 +147,12 @@ def drive(
                     continue
                 del running[name]
                 launcher.finished(name)
+                if process.poll() != 0 and task.step.daemon and restarts.get(name, 0) < DAEMON_RESTARTS:
+                    restarts[name] = restarts.get(name, 0) + 1  # as its Job starts a new pod on Argo
+                    with open(log_dir / f"{name}.log", "a") as log:
+                        log.write(f"moeloop run: {name} exited with {process.poll()}: started again\n")
+                    waiting.insert(0, task)
+                    continue
                 if process.poll() != 0:
                     raise MoeloopError(
                         f"step {name} failed: {failure_line(log_dir / f'{name}.log')} (log: {log_dir / f'{name}.log'})"

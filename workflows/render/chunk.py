@@ -10,7 +10,7 @@ from hera.workflows import models as m
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
-from moeloop.workflows.dag import EVALUATE, PLAN, START, Task, iteration_tasks
+from moeloop.workflows.dag import EVALUATE, PLAN, START, TRAIN, TRAINER, Task, iteration_tasks
 from moeloop.workflows.render.parameters import PARAMETERS, manifest_text, run_labels
 from moeloop.workflows.render.placement import LABEL, orchestrator_pod
 
@@ -22,7 +22,7 @@ MAX_CHUNK_TASKS = 200
 DEFAULT_CHUNK_ITERATIONS = 20  # a Workflow per ~day of a large run: short enough to find, resubmit, archive
 PLAN_OUTPUTS = "tasks.plan.outputs.parameters"
 # The chunk's tasks besides its iteration slots.
-FIXED_CHUNK_TASKS = ("start", "plan", "eval-latest", "label", "next-chunk")
+FIXED_CHUNK_TASKS = ("start", "plan", "eval-latest", "label", "next-chunk")  # and trainer, with lifetime chunk
 # The label task's inputs: the iterations plan chose (a template cannot see the DAG's tasks).
 LABEL_INPUTS = {
     "first": f"{{{{{PLAN_OUTPUTS}.first}}}}",
@@ -38,11 +38,12 @@ def chunk_size(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> int:
     """Iterations per chunk: cluster.chunk_iterations, by default 20 or as many as MAX_CHUNK_TASKS allows, with room
     for `own_tasks_per_iteration` tasks a user adds to each iteration (workflows.build's argument)."""
     per_iteration = len(iteration_tasks(config, 1, PLAN.name)) + own_tasks_per_iteration
-    fitting = (MAX_CHUNK_TASKS - len(FIXED_CHUNK_TASKS)) // per_iteration
+    fixed = len(FIXED_CHUNK_TASKS) + (config.trainer.lifetime == "chunk")
+    fitting = (MAX_CHUNK_TASKS - fixed) // per_iteration
     if fitting < 1:
         raise MoeloopError(
             f"an iteration of {per_iteration} tasks ({own_tasks_per_iteration} of your own) does not fit a"
-            f" Workflow of {MAX_CHUNK_TASKS} tasks beside the chunk's {len(FIXED_CHUNK_TASKS)}"
+            f" Workflow of {MAX_CHUNK_TASKS} tasks beside the chunk's {fixed}"
         )
     if config.cluster.chunk_iterations is None:
         return min(DEFAULT_CHUNK_ITERATIONS, fitting)
@@ -88,12 +89,26 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
     start = Task(START.name, START, 0, (("iteration", "0"),), ())
     plan = Task(PLAN.name, PLAN, 0, (("chunk", str(slots[-1].iteration)),), (START.name,))
     latest = Task("eval-latest", EVALUATE, 0, (("iteration", f"{{{{{PLAN_OUTPUTS}.latest}}}}"),), (PLAN.name,))
+    # trainer.lifetime chunk: the chunk's trainer, started as soon as plan knows the chunk's last iteration, so that
+    # it resumes while slot 1's rollouts run; each train task applies it again, then asks it (render/trainer.py).
+    held = config.trainer.lifetime == "chunk"
+    last = LABEL_INPUTS["last"]
+    trainer = [_dag_task(Task(TRAINER.name, TRAINER, 0, (("last", last),), (PLAN.name,)), when=_counted(1))] if held else []
+
+    def slot_task(task: Task) -> HeraTask:
+        hera_task = _dag_task(task, when=_counted(task.iteration), iteration=slot_iteration(task.iteration))
+        if held and task.step is TRAIN:
+            hera_task.arguments.append(Parameter(name="last", value=last))
+            hera_task.dependencies.append(TRAINER.name)
+        return hera_task
+
     return DAG(
         name=ENTRYPOINT,
         tasks=[
             _dag_task(start),
             _dag_task(plan),
             _dag_task(latest, when=f"{{{{{PLAN_OUTPUTS}.evaluate}}}} == true"),
+            *trainer,
             HeraTask(
                 name="label",
                 template="label",
@@ -101,7 +116,7 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
                 dependencies=[PLAN.name],
                 when=_counted(1),
             ),
-            *(_dag_task(task, when=_counted(task.iteration), iteration=slot_iteration(task.iteration)) for task in slots),
+            *(slot_task(task) for task in slots),
             HeraTask(
                 name="next-chunk",
                 template="next-chunk",

@@ -11,7 +11,7 @@ from hera.workflows import Step as HeraStep
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.outputs import OUTPUTS_ENV
-from moeloop.workflows.dag import TRAIN, TRAIN_REPORT
+from moeloop.workflows.dag import TRAIN, TRAIN_REPORT, Step
 from moeloop.workflows.monitoring import template_metrics
 from moeloop.workflows.render.parameters import manifest_text
 from moeloop.workflows.render.placement import (
@@ -37,8 +37,10 @@ JOBSET_REPLICATED_JOB = "node"
 RENDEZVOUS_PORT = 29500
 
 
-def render_jobset(config: MoeloopConfig) -> dict[str, Any]:
-    """The JobSet the multi-node train task creates (a Kubernetes object, so a plain dict); Argo fills its {{...}}."""
+def render_jobset(config: MoeloopConfig, step: Step = TRAIN, name: str | None = None, max_restarts: int = 0) -> dict[str, Any]:
+    """The JobSet of the step's trainer pods (a Kubernetes object, so a plain dict); Argo fills its {{...}}. TRAIN:
+    the one a multi-node train task creates, generated names, none started again; TRAINER: the chunk's trainer,
+    its name given, all its pods started again up to max_restarts times when one fails."""
     nodes = config.cluster.train_nodes
     # Pod i of replicated job `node` is <jobset>-node-0-i, reachable as such under the subdomain <jobset>.
     rendezvous = [
@@ -48,7 +50,7 @@ def render_jobset(config: MoeloopConfig) -> dict[str, Any]:
         f"--rdzv-endpoint=$(JOBSET_NAME)-{JOBSET_REPLICATED_JOB}-0-0.$(JOBSET_NAME):{RENDEZVOUS_PORT}",
         "--rdzv-id=$(JOBSET_NAME)",
     ]
-    argv = TRAIN.argv(step_placeholders(TRAIN), train_processes_per_node(config), rendezvous)
+    argv = step.argv(step_placeholders(step), train_processes_per_node(config), rendezvous)
     downward = [
         ("JOBSET_NAME", "metadata.labels['jobset.sigs.k8s.io/jobset-name']"),
         ("NODE_RANK", "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
@@ -56,12 +58,9 @@ def render_jobset(config: MoeloopConfig) -> dict[str, Any]:
     env = [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in downward]
     env.append({"name": OUTPUTS_ENV, "value": OUTPUTS_DIR})
     volumes, _ = pod_volumes("train", placement(config, "train"))
-    labels = {
-        f"{LABEL}/run": config.run_name,
-        f"{LABEL}/step": TRAIN.name,
-        ROLE_LABEL: TRAIN.role,
-        f"{LABEL}/iteration": "{{inputs.parameters.iteration}}",
-    }
+    labels = {f"{LABEL}/run": config.run_name, f"{LABEL}/step": step.name, ROLE_LABEL: step.role}
+    if "iteration" in step.params:
+        labels[f"{LABEL}/iteration"] = "{{inputs.parameters.iteration}}"
     pod_spec = {
         "restartPolicy": "Never",
         **pod_placement(config, "train"),
@@ -78,11 +77,12 @@ def render_jobset(config: MoeloopConfig) -> dict[str, Any]:
     return {
         "apiVersion": JOBSET_API_VERSION,
         "kind": "JobSet",
-        "metadata": {"generateName": f"{config.run_name}-", "labels": labels},
+        "metadata": {**({"name": name} if name else {"generateName": f"{config.run_name}-"}), "labels": labels},
         "spec": {
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
             # A failed rank fails the iteration's train task; re-running it (Argo retry, resubmit) starts anew.
-            "failurePolicy": {"maxRestarts": 0},
+            # The chunk's trainer is started again instead: it resumes from the run's storage.
+            "failurePolicy": {"maxRestarts": max_restarts},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [JOBSET_REPLICATED_JOB]},
             "replicatedJobs": [{"name": JOBSET_REPLICATED_JOB, "replicas": 1, "template": {"spec": job}}],
         },

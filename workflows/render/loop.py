@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hera.workflows import DAG, Container, CronWorkflow, Parameter, Resource, Steps, Workflow, WorkflowTemplate
+from hera.workflows import Step as HeraStep
 from hera.workflows import models as m
 
 from moeloop.steps.config import MoeloopConfig
@@ -18,6 +19,7 @@ from moeloop.workflows.render.jobset import jobset_train_templates
 from moeloop.workflows.render.parameters import PARAMETER_DESCRIPTIONS, PARAMETERS, run_arguments, run_labels
 from moeloop.workflows.render.placement import LABEL
 from moeloop.workflows.render.step_templates import container_template
+from moeloop.workflows.render.trainer import DELETE_TEMPLATE, trainer_templates
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Loop:
 
 FILES = ("workflow-template.yaml", "workflow.yaml", "cron-workflow.yaml")
 FINISHED_STATUS = m.Parameter(name="status", value="{{workflow.status}}")
+EXIT_TEMPLATE = "chunk-exit"
 
 
 def build(
@@ -52,6 +55,7 @@ def build(
     (with `cluster.chunk_iterations` set, a chunk that would not fit them is refused)."""
     config = with_target(config, iterations)
     ends_tracker_runs = "mlflow" in config.observe.trackers
+    exit_templates, hooks = exit_hook(config)
     metadata = {"namespace": config.cluster.namespace, "labels": run_labels(config)}
     values = run_arguments(config, run_uri, chain=True)
     template = WorkflowTemplate(
@@ -80,11 +84,9 @@ def build(
             label_template(config),
             next_chunk_template(config),
             *([container_template(FINISH, config)] if ends_tracker_runs else []),
+            *exit_templates,
         ],
-        # However the chunk ends, its exit hook runs: one that did not succeed ends the MLflow run FAILED.
-        hooks={"exit": m.LifecycleHook(template=FINISH.name, arguments=m.Arguments(parameters=[FINISHED_STATUS]))}
-        if ends_tracker_runs
-        else None,
+        hooks=hooks,
     )
     return Loop(
         template=template,
@@ -124,7 +126,23 @@ def render(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -
 
 
 def _step_templates(step: Step, config: MoeloopConfig) -> list[Container | Resource | Steps]:
-    """The step's template; multi-node training is steps that create a JobSet and then report its figures."""
+    """The step's templates. With trainer.lifetime chunk, train's are workflows/render/trainer.py's (the chunk's
+    trainer's with them); else multi-node training is steps that create a JobSet and then report its figures."""
+    if config.trainer.lifetime == "chunk" and step is TRAIN:
+        return trainer_templates(config)
     if step is TRAIN and config.cluster.train_nodes > 1:
         return jobset_train_templates(config)
     return [container_template(step, config)]
+
+
+def exit_hook(config: MoeloopConfig) -> tuple[list[Steps], dict[str, m.LifecycleHook] | None]:
+    """The chunk's exit handler, however it ended: where observe.trackers has mlflow, `finish` ends the MLflow run
+    FAILED if the chunk did not succeed; with trainer.lifetime chunk, the trainer's JobSet is deleted."""
+    finish = "mlflow" in config.observe.trackers
+    if config.trainer.lifetime != "chunk":
+        hook = m.LifecycleHook(template=FINISH.name, arguments=m.Arguments(parameters=[FINISHED_STATUS]))
+        return [], {"exit": hook} if finish else None
+    parts = [HeraStep(name=DELETE_TEMPLATE, template=DELETE_TEMPLATE)]
+    if finish:
+        parts.append(HeraStep(name=FINISH.name, template=FINISH.name, arguments=[Parameter(name="status", value=FINISHED_STATUS.value)]))
+    return [Steps(name=EXIT_TEMPLATE, sub_steps=[parts])], {"exit": m.LifecycleHook(template=EXIT_TEMPLATE)}

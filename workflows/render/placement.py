@@ -13,7 +13,6 @@ from hera.workflows import models as m
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.config_cluster import Resources, RolePlacement, Toleration
-from moeloop.workflows.dag import TRAIN
 
 LABEL = "moeloop.dev"
 
@@ -92,7 +91,7 @@ def placement(config: MoeloopConfig, role: str) -> RolePlacement:
 
 
 def train_processes_per_node(config: MoeloopConfig) -> int:
-    return TRAIN.processes(config) // config.cluster.train_nodes
+    return config.trainer.world_size // config.cluster.train_nodes
 
 
 def pod_security(role: str) -> dict[str, Any]:

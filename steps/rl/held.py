@@ -1,0 +1,195 @@
+"""The trainer that lives for a chunk (`trainer.lifetime: chunk`; its process is steps/trainer.py).
+
+It holds the policy (PPO: and the critic) and their optimizers in memory from one iteration's update to the next, so
+an iteration neither fetches nor commits a trainer state: after each update it writes the iteration's HF checkpoint
+from memory and commits it with its delta (`moeloop.steps.storage.deltas.commit_policy`, the bytes publish writes from a trainer
+state of the same weights), and every `trainer.state_every` iterations, and after the last it serves, it commits its
+trainer state in the background (`BackgroundStates`): the state is copied to host memory, the update goes on.
+
+Started, or started again after a failure, it resumes from the newest committed trainer state and replays the updates
+since from their committed experience. The update is deterministic, so every replayed policy must be the one already
+committed: its weights' digest is checked against the checkpoint's COMMIT, and a difference is an error, not a fork.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, weights_digest
+from moeloop.steps.rl.checkpoint import (
+    OPTIMIZER_DIR,
+    WEIGHTS_DIR,
+    ReproducibleWriter,
+    commit_trainer_state,
+    sharded_tensors,
+    whole_weights,
+    write_hf_from_memory,
+)
+from moeloop.steps.rl.parallel import Parallel
+from moeloop.steps.rl.state import UpdatedTrainer, load_trainer_start, update_policy
+from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.deltas import commit_policy
+from moeloop.steps.storage.reports import write_report
+from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
+
+
+@dataclass(frozen=True)
+class HeldTrainer:
+    """The trainer after iteration `iteration`'s update, and (rank 0) the HF checkpoint of it that it wrote: the
+    base of the next iteration's delta (None: fetched from the run)."""
+
+    iteration: int
+    trainer: UpdatedTrainer
+    policy: Path | None
+
+
+def newest_state(storage: RunStorage, iteration: int) -> int:
+    """The newest iteration at or before `iteration` whose trainer state is committed; 0 where none is (the trainer
+    then starts from checkpoint 0, as iteration 1's train step does)."""
+    return next((i for i in range(iteration, 0, -1) if storage.is_committed(storage.trainer_state(i))), 0)
+
+
+def resume(storage: RunStorage, config: MoeloopConfig, iteration: int, scratch: Path, parallel: Parallel) -> HeldTrainer:
+    """The trainer as it stood after `iteration`: the newest committed trainer state at or before it, and the updates
+    since replayed from their committed experience, each checked against its committed checkpoint."""
+    state = newest_state(storage, iteration)
+    model, tokenizer, optimizer, critic = load_trainer_start(storage, state + 1, scratch / "resume", config, parallel)
+    shutil.rmtree(scratch / "resume", ignore_errors=True)
+    held = HeldTrainer(state, UpdatedTrainer(model, tokenizer, optimizer, critic, {}), None)
+    for replayed in range(state + 1, iteration + 1):
+        held = advance(storage, config, held, replayed, scratch, parallel)
+    return held
+
+
+def advance(
+    storage: RunStorage, config: MoeloopConfig, held: HeldTrainer, iteration: int, scratch: Path, parallel: Parallel
+) -> HeldTrainer:
+    """The held trainer updated by `iteration`'s experience, its checkpoint committed (a replay: checked against the
+    committed one), and its train report written (rank 0; a replay keeps the report there is)."""
+    if iteration != held.iteration + 1:
+        raise MoeloopError(f"the trainer holds iteration {held.iteration}: it cannot take iteration {iteration}'s update")
+    started = time.perf_counter()
+    start = (held.trainer.model, held.trainer.tokenizer, held.trainer.optimizer, held.trainer.critic)
+    updated = update_policy(storage, config, iteration, scratch, parallel, start)
+    policy = commit_from_memory(storage, config, iteration, updated, held.policy, scratch, parallel, started)
+    report_path = storage.report(iteration, "train")
+    if parallel.rank == 0 and not storage.exists(report_path):
+        write_report(storage, iteration, "train", {**updated.report, "seconds": round(time.perf_counter() - started, 3)})
+    return HeldTrainer(iteration, updated, policy)
+
+
+def commit_from_memory(
+    storage: RunStorage,
+    config: MoeloopConfig,
+    iteration: int,
+    updated: UpdatedTrainer,
+    base: Path | None,
+    scratch: Path,
+    parallel: Parallel,
+    started: float,
+) -> Path | None:
+    """Write checkpoint `iteration` from the trainer's memory and commit it with its delta against base (the
+    previous checkpoint's folder; None: fetched), or, if it is committed already, check that it is the same policy.
+    The new checkpoint's folder on rank 0 (the next base); None on the others. Collective."""
+    policy_tensors = whole_weights(updated.model, parallel)
+    critic_tensors = whole_weights(updated.critic.model, parallel) if updated.critic is not None else None
+    if parallel.rank != 0:
+        return None
+    shard_bytes = config.trainer.checkpoint_shard_bytes
+    policy = scratch / f"policy-{iteration}"
+    write_hf_from_memory(model_files(updated.model, updated.tokenizer, scratch / "policy-config"), policy_tensors, policy, shard_bytes)
+    committed = storage.manifest(storage.checkpoint(iteration))
+    if committed is not None:
+        digest = weights_digest(checkpoint_digests(CheckpointTensors(policy)))
+        if digest != committed.get("weights_digest"):
+            raise MoeloopError(
+                f"the trainer's replay of iteration {iteration} made other weights than its committed checkpoint"
+                f" {storage.display(storage.checkpoint(iteration))} (digest {digest[:12]}, committed"
+                f" {str(committed.get('weights_digest'))[:12]}): the update did not repeat itself (it must run on the"
+                " threads, world size and kernels that made the checkpoint: a float sum's order follows them)"
+            )
+    else:
+        critic = None
+        if critic_tensors is not None:
+            critic = scratch / f"critic-{iteration}"
+            config_dir = model_files(updated.critic.model, updated.tokenizer, scratch / "critic-config")
+            write_hf_from_memory(config_dir, critic_tensors, critic, shard_bytes)
+        base_dir = base or fetch_checkpoint(storage, iteration - 1)
+        commit_policy(storage, iteration, policy, critic, base_dir, shard_bytes, started)
+        if critic is not None:
+            shutil.rmtree(critic)
+    if base is not None:
+        shutil.rmtree(base)
+    return policy
+
+
+def model_files(model: nn.Module, tokenizer: Any, directory: Path) -> Path:
+    """directory with the model's HF config and the tokenizer, as a trainer state holds them."""
+    model.config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of tensor (a plain tensor, or a DTensor's local shard under the same spec) in host memory."""
+    if isinstance(tensor, DTensor):
+        return DTensor(tensor.to_local().to("cpu", copy=True), tensor._spec, requires_grad=False)
+    return tensor.to("cpu", copy=True)
+
+
+class BackgroundStates:
+    """Commits the held trainer's states in a thread, one at a time and in order, while the updates go on: each is
+    copied to host memory when submitted, then written (DCP, `moeloop.steps.rl.checkpoint`), uploaded and committed
+    beside the update. Its collectives go over a gloo group of their own, so they never interleave with the
+    update's. `wait` returns when the last submitted state is committed (and raises what failed)."""
+
+    def __init__(self, storage: RunStorage, parallel: Parallel) -> None:
+        self.storage, self.parallel = storage, parallel
+        self.group = dist.new_group(backend="gloo")
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="trainer-state")
+        self.pending: Future | None = None
+
+    def submit(self, held: HeldTrainer, directory: Path) -> None:
+        self.wait()
+        trainer, parallel = held.trainer, self.parallel
+        models = [(trainer.model, trainer.optimizer, directory)]
+        if trainer.critic is not None:
+            models.append((trainer.critic.model, trainer.critic.optimizer, directory / CRITIC_DIR))
+        copies = []
+        for model, optimizer, folder in models:
+            weights, moments = sharded_tensors(model, optimizer, parallel)
+            moments_copy = {name: {k: host_copy(v) for k, v in state.items()} for name, state in moments.items()}
+            copies.append(({name: host_copy(v) for name, v in weights.items()}, moments_copy, folder))
+            if parallel.rank == 0:
+                model_files(model, trainer.tokenizer, folder)
+        self.pending = self.thread.submit(self._commit, held.iteration, copies, directory)
+
+    def _commit(self, iteration: int, copies: list, directory: Path) -> None:
+        for weights, moments, folder in copies:
+            dcp.save(weights, storage_writer=ReproducibleWriter(folder / WEIGHTS_DIR), process_group=self.group)
+            dcp.save(moments, storage_writer=ReproducibleWriter(folder / OPTIMIZER_DIR), process_group=self.group)
+        folder = self.storage.trainer_state(iteration)
+        extra = {"iteration": iteration}
+        commit_trainer_state(self.storage, folder, directory, self.parallel, extra, group=self.group)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=True, cancel_futures=False)

@@ -1,0 +1,180 @@
+"""The chunk's trainer (`trainer.lifetime: chunk`, steps/trainer.py) against trainers of one iteration each, on the
+same committed experience: SIGKILLed between iterations and during one, and started again (as a Job restarts its
+pod), it publishes bit-identical checkpoints and deltas, and commits bit-identical trainer states every
+`state_every` iterations and after its last; a replay that would make other weights is refused; a train step whose
+trainer is silent fails with a line that says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from moeloop.steps import train as train_step
+from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.publish import publish
+from moeloop.steps.storage.run import RunStorage
+from moeloop.steps.train import ask_trainer
+from moeloop.workflows.local.logs import log_folder
+from tests.conftest import run_in_process, small_config
+from tests.processes import cli_command, start_forked_step, start_process, step_command
+
+pytestmark = pytest.mark.slow
+
+ITERATIONS = 3
+STATE_EVERY = 2
+
+
+def chunk_run_of(baseline: str, root: Path) -> RunStorage:
+    """A copy of the baseline run up to its committed experience: what the trainers of the baseline made is gone
+    (checkpoints and deltas after 0, trainer states, train and publish reports), LATEST is checkpoint 0, and its
+    config says lifetime chunk."""
+    source = Path(baseline)
+    target = root / "chunk" / source.name
+    shutil.copytree(source, target)
+    for i in range(1, ITERATIONS + 1):
+        for folder in (RunStorage.checkpoint(i), RunStorage.delta(i), RunStorage.trainer_state(i)):
+            shutil.rmtree(target / folder, ignore_errors=True)
+        for step in ("train", "publish"):
+            (target / RunStorage.report(i, step)).unlink()
+    (target / RunStorage.LATEST).write_text('{"iteration": 0, "checkpoint": "checkpoints/iter-000000"}')
+    data = yaml.safe_load((target / RunStorage.CONFIG).read_text())
+    data["trainer"] |= {"lifetime": "chunk", "state_every": STATE_EVERY}
+    MoeloopConfig.model_validate(data)
+    (target / RunStorage.CONFIG).write_text(yaml.safe_dump(data, sort_keys=False))
+    return RunStorage(str(target))
+
+
+def files_of(storage: RunStorage, folder: str) -> dict[str, dict]:
+    """The committed folder's files, each with its size and digests, by name."""
+    return storage.manifest(folder)["files"]
+
+
+def start_trainer(storage: RunStorage, logs: Path, attempt: int):
+    return start_forked_step(step_command("trainer", storage.uri, None, "--last", str(ITERATIONS)), logs / f"trainer-{attempt}.log")
+
+
+def wait_for(condition, what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> RunStorage:
+    root = tmp_path_factory.mktemp("baseline")
+    config = small_config(ITERATIONS, rollout={"prompts_per_iteration": 4, "samples_per_prompt": 4, "num_shards": 1})
+    uri = f"{root}/{config.run_name}"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the forked trainers run: a float sum's order follows the threads that add it
+    try:
+        run_in_process(config, uri)
+    finally:
+        torch.set_num_threads(threads)
+    return RunStorage(uri)
+
+
+def test_a_chunk_trainer_killed_between_and_during_iterations_publishes_what_trainers_of_one_iteration_did(
+    baseline: RunStorage, tmp_path: Path
+) -> None:
+    storage = chunk_run_of(baseline.uri, tmp_path)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    trainer = start_trainer(storage, logs, 1)
+    ask_trainer(storage, 1)
+    publish(storage.uri, 1)
+    trainer.kill()  # between iterations: it holds iteration 1, no trainer state is committed yet
+    trainer.join()
+    trainer = start_trainer(storage, logs, 2)
+    report = ask_trainer(storage, 2)  # it resumes from checkpoint 0 and replays iteration 1 first
+    publish(storage.uri, 2)
+    wait_for(lambda: storage.is_committed(storage.trainer_state(2)), "the trainer state of iteration 2")
+    storage.create_bytes(storage.train_command(3), b'{"iteration": 3}')
+    time.sleep(random.uniform(0.1, 0.9) * report["seconds"])  # during iteration 3's update
+    assert not storage.is_committed(storage.checkpoint(3)), "the kill came after the update: no fault injected"
+    trainer.kill()
+    trainer.join()
+    trainer = start_trainer(storage, logs, 3)
+    ask_trainer(storage, 3)  # it resumes from the trainer state of iteration 2
+    publish(storage.uri, 3)
+    trainer.join(300)
+    assert trainer.exitcode == 0, (logs / "trainer-3.log").read_text()[-2000:]
+    served = (logs / "trainer-3.log").read_text()
+    assert '"resumed_at": 2' in served and '"replayed": 0' in served and '"served": [3]' in served
+    for i in range(1, ITERATIONS + 1):
+        assert files_of(storage, storage.checkpoint(i)) == files_of(baseline, baseline.checkpoint(i)), i
+        assert files_of(storage, storage.delta(i)) == files_of(baseline, baseline.delta(i)), i
+    for i in (STATE_EVERY, ITERATIONS):
+        assert files_of(storage, storage.trainer_state(i)) == files_of(baseline, baseline.trainer_state(i)), i
+    assert not storage.exists(storage.trainer_state(1))
+    assert storage.latest()["iteration"] == ITERATIONS
+
+
+def test_a_replay_that_makes_other_weights_is_refused(baseline: RunStorage, tmp_path: Path) -> None:
+    storage = chunk_run_of(baseline.uri, tmp_path)
+    shutil.copytree(Path(baseline.uri) / baseline.checkpoint(1), Path(storage.uri) / storage.checkpoint(1))
+    shutil.copytree(Path(baseline.uri) / baseline.delta(1), Path(storage.uri) / storage.delta(1))
+    commit = Path(storage.uri) / storage.checkpoint(1) / "COMMIT"
+    manifest = json.loads(commit.read_text())
+    manifest["weights_digest"] = "0" * 64  # what a nondeterministic update would meet: another policy committed
+    commit.write_text(json.dumps(manifest))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    trainer = start_trainer(storage, logs, 1)
+    trainer.join(300)
+    assert trainer.exitcode == 2
+    last = (logs / "trainer-1.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("error: the trainer's replay of iteration 1 made other weights than its committed checkpoint")
+
+
+def test_a_train_step_whose_trainer_is_silent_fails_saying_so(
+    baseline: RunStorage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = chunk_run_of(baseline.uri, tmp_path)
+    monkeypatch.setattr(train_step, "TRAINER_SILENT_SECONDS", 1.0)
+    with pytest.raises(MoeloopError, match="asked the chunk's trainer for its update, but the trainer has not been heard from at all"):
+        ask_trainer(storage, 1)
+    assert storage.exists(storage.train_command(1))
+
+
+def run_chunk_lifetime(tmp_path: Path, name: str, kills: int) -> RunStorage:
+    """`moeloop run` of a small config with lifetime chunk; `kills` times (at most 2) its trainer's process is
+    SIGKILLed, found by the pid in its heartbeat: after checkpoint 1 is committed (between iterations), then after
+    iteration 3's command is written and before checkpoint 3 is (during an update). The runner starts it again."""
+    config = small_config(4, trainer={"lifetime": "chunk", "state_every": 2})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    storage = RunStorage(str(tmp_path / name / config.run_name))
+    # On one core every step runs one thread, whatever overlaps it: the floats of both runs are summed alike.
+    core = {min(os.sched_getaffinity(0))}
+    command = cli_command("run", str(path), "--root", str(tmp_path / name), "--no-progress")
+    run = start_process(command, cwd=tmp_path, preexec_fn=lambda: os.sched_setaffinity(0, core))
+    moments = [
+        lambda: storage.is_committed(storage.checkpoint(1)),
+        lambda: storage.exists(storage.train_command(3)) and not storage.is_committed(storage.checkpoint(3)),
+    ]
+    for moment in moments[:kills]:
+        wait_for(lambda: moment() or run.poll() is not None, "the moment to kill the trainer")
+        assert run.poll() is None and moment(), "the run ended, or the moment passed, before the kill"
+        os.kill(storage.read_json(storage.TRAINER_HEARTBEAT)["pid"], signal.SIGKILL)
+    assert run.wait(600) == 0
+    return storage
+
+
+def test_moeloop_run_starts_a_killed_chunk_trainer_again_and_publishes_what_an_undisturbed_run_did(tmp_path: Path) -> None:
+    undisturbed, killed = run_chunk_lifetime(tmp_path, "undisturbed", 0), run_chunk_lifetime(tmp_path, "killed", 2)
+    for i in range(1, 5):
+        assert files_of(killed, killed.checkpoint(i)) == files_of(undisturbed, undisturbed.checkpoint(i)), i
+    assert [i for i in range(1, 5) if killed.is_committed(killed.trainer_state(i))] == [2, 4]
+    log = (tmp_path / log_folder(killed.uri) / "trainer.log").read_text()
+    assert log.count("moeloop run: trainer exited with") == 2
