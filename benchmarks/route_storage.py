@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import smoke
 from moeloop.steps.engines.engine import Completion
 from moeloop.steps.engines.routes import expert_id_dtype
-from moeloop.steps.rollout import rollout_rows
+from moeloop.steps.engines.shards import rollout_rows
 from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, rollout_schema, table_bytes
 
 

@@ -76,6 +76,10 @@ class RolloutConfig(Strict):
     prompts_per_iteration: int = Field(64, gt=0)
     samples_per_prompt: int = Field(8, gt=0)
     num_shards: int = Field(2, gt=0)
+    # How long a shard's engine lives (steps/rollout_engine.py). iteration: each rollout step builds (or, in a local
+    # runner's worker, keeps) its engine. chunk: one engine process per shard for the chunk (the whole run locally),
+    # which takes each new policy by delta in place and each iteration's shard as a command.
+    lifetime: Literal["iteration", "chunk"] = "iteration"
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(12, gt=0)

@@ -26,19 +26,16 @@ from typing import Any
 import torch.distributed as dist
 
 from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser
-from moeloop.steps.errors import MoeloopError, run_cli
+from moeloop.steps.errors import run_cli
 from moeloop.steps.rl.checkpoint import commit_trainer_state
 from moeloop.steps.rl.memory import refuse_unfit_trainer
 from moeloop.steps.rl.parallel import init_parallel
 from moeloop.steps.rl.router_bias import bias_update_rate
 from moeloop.steps.rl.state import save_trainer_state, trainer_attention, update_policy
 from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
+from moeloop.steps.storage.commands import ask
 from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
-
-ASK_POLL_SECONDS = 0.25
-TRAINER_SILENT_SECONDS = 900.0  # a restarted trainer resumes (state fetch, replay) before it beats: minutes at scale
-
 
 def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
     """The train step on this rank; the report on rank 0, None on the others (they write nothing). With
@@ -73,21 +70,11 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
 
 
 def ask_trainer(storage: RunStorage, iteration: int) -> dict[str, Any]:
-    """Ask the chunk's trainer (steps/trainer.py) for iteration's update, and wait for it: done when checkpoint N is
-    committed and its train report written. Fails when the trainer has not been heard from for TRAINER_SILENT_SECONDS
-    (it died and nothing started it again). Safe to re-run: the command is written once, an update is done once."""
+    """Ask the chunk's trainer (steps/trainer.py) for iteration's update and wait for it: done when checkpoint N is
+    committed and its train report written. Safe to re-run: the command is written once, an update done once."""
     report, checkpoint = storage.report(iteration, "train"), storage.checkpoint(iteration)
-    storage.create_bytes(storage.train_command(iteration), json.dumps({"iteration": iteration}).encode())
-    asked = time.time()
-    while not (storage.is_committed(checkpoint) and storage.exists(report)):
-        heard = storage.read_json(storage.TRAINER_HEARTBEAT)["at"] if storage.exists(storage.TRAINER_HEARTBEAT) else 0
-        if time.time() - max(heard, asked) > TRAINER_SILENT_SECONDS:
-            since = f"since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(heard))} UTC" if heard else "at all"
-            raise MoeloopError(
-                f"iteration {iteration} asked the chunk's trainer for its update, but the trainer has not been heard"
-                f" from {since} ({storage.display(storage.TRAINER_HEARTBEAT)}): is its pod (or local process) running?"
-            )
-        time.sleep(ASK_POLL_SECONDS)
+    done = lambda: storage.is_committed(checkpoint) and storage.exists(report)  # noqa: E731
+    ask(storage, storage.train_command(iteration), done, storage.TRAINER_HEARTBEAT, "the chunk's trainer for its update")
     return storage.read_json(report)
 
 

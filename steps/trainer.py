@@ -1,21 +1,18 @@
 """trainer: the chunk's trainer (`trainer.lifetime: chunk`): one process (torchrun: one per GPU) that holds the
 policy and its optimizer in memory across iterations until it has served iteration --last.
 
-It takes each iteration's update as a command: the train step of iteration N writes commands/iter-N.json and waits
+It takes each iteration's update as a command: the train step of iteration N writes commands/iter-N-train.json and waits
 (steps/train.py); the trainer, holding N-1, runs N's update, commits checkpoint N with its delta and writes the train
 report (steps/rl/held.py), and every `trainer.state_every` iterations, and after --last, commits its trainer state in
 the background. Started, it resumes at once to the newest committed checkpoint (the newest committed trainer state,
 then the updates since replayed and checked), so that work is done while the iteration's rollouts run. While it lives,
-rank 0 writes commands/trainer.json every few seconds: a train step whose trainer has gone silent says so and fails.
+rank 0 writes its heartbeat (`moeloop.steps.storage.commands`): a train step whose trainer has gone silent says so
+and fails.
 Under torchrun rank 0 reads the commands and tells the other ranks which iteration to run.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import threading
 import time
 from typing import Any
 
@@ -27,11 +24,8 @@ from moeloop.steps.rl.held import BackgroundStates, HeldTrainer, advance, newest
 from moeloop.steps.rl.parallel import Parallel, init_parallel
 from moeloop.steps.rl.state import trainer_attention
 from moeloop.steps.storage.cache import local_scratch
+from moeloop.steps.storage.commands import POLL_SECONDS, Heartbeat
 from moeloop.steps.storage.run import RunStorage, open_run
-
-POLL_SECONDS = 0.25  # how often rank 0 looks for the next command
-HEARTBEAT_SECONDS = 5.0
-
 
 def newest_checkpoint(storage: RunStorage) -> int:
     """The newest committed checkpoint: LATEST's, or a later one whose publish has not moved LATEST yet."""
@@ -54,26 +48,6 @@ def next_command(storage: RunStorage, iteration: int, parallel: Parallel) -> Non
         time.sleep(POLL_SECONDS)
 
 
-class Heartbeat:
-    """Rank 0's thread writing commands/trainer.json (when, who, which iteration it holds) every few seconds."""
-
-    def __init__(self, storage: RunStorage) -> None:
-        self.storage, self.iteration, self.stopped = storage, 0, threading.Event()
-        self.thread = threading.Thread(target=self._beat, name="trainer-heartbeat", daemon=True)
-        self.thread.start()
-
-    def _beat(self) -> None:
-        while True:
-            beat = {"at": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "iteration": self.iteration}
-            self.storage.write_bytes(RunStorage.TRAINER_HEARTBEAT, json.dumps(beat).encode())
-            if self.stopped.wait(HEARTBEAT_SECONDS):
-                return
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join()
-
-
 def serve(run_uri: str, last: int) -> dict[str, Any] | None:
     """Serve the run's train commands up to iteration `last`; the trainer's report on rank 0 (None on the others)."""
     storage, config = open_run(run_uri)
@@ -81,7 +55,7 @@ def serve(run_uri: str, last: int) -> dict[str, Any] | None:
         raise MoeloopError("trainer.lifetime is iteration: each iteration's train step trains, with no trainer to ask")
     every = config.trainer.state_every
     parallel = init_parallel(config.trainer)
-    heartbeat = Heartbeat(storage) if parallel.rank == 0 else None
+    heartbeat = Heartbeat(storage, RunStorage.TRAINER_HEARTBEAT) if parallel.rank == 0 else None
     served, start, replayed = [], 0, 0
     try:
         trainer_attention(config.trainer, parallel)
@@ -97,7 +71,7 @@ def serve(run_uri: str, last: int) -> dict[str, Any] | None:
                 held: HeldTrainer = resume(storage, config, start, scratch, parallel)
                 while held.iteration < last:
                     if heartbeat:
-                        heartbeat.iteration = held.iteration
+                        heartbeat.holds = held.iteration
                     next_command(storage, held.iteration + 1, parallel)
                     held = advance(storage, config, held, held.iteration + 1, scratch, parallel)
                     served.append(held.iteration)

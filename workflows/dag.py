@@ -82,6 +82,11 @@ TRAIN = Step(
 # trainer.lifetime chunk: the chunk's trainer, which holds the policy in memory across the chunk's iterations up to
 # `last` (steps/trainer.py); each iteration's train step then asks it for the update, from a CPU pod.
 TRAINER = Step("trainer", "train", ("last",), run_params=("run",), torchrun=True, daemon=True)
+# rollout.lifetime chunk: shard k's rollout engine, which keeps its engine across the chunk's iterations up to `last`
+# (steps/rollout_engine.py); each iteration's rollout step of shard k then asks it for the shard, from a CPU pod.
+ROLLOUT_ENGINE = Step(
+    "rollout-engine", "rollout", ("shard", "num_shards", "last"), run_params=("run",), daemon=True, program="rollout_engine"
+)
 # A trainer of several nodes runs in a JobSet's pods, which Argo does not see: this pod after the JobSet reads the
 # iteration's committed train report, so that the train template has its figures as outputs and gauges
 # (workflows/render/jobset.py). Not a task of the loop: the local runner and a single-node train have no need of it.
@@ -104,12 +109,18 @@ def asks_trainer(step: Step, config: MoeloopConfig) -> bool:
     return step is TRAIN and config.trainer.lifetime == "chunk"
 
 
+def asks(step: Step, config: MoeloopConfig) -> bool:
+    """Whether the step asks a long-lived process for its work: a train step the chunk's trainer, a rollout step
+    its shard's rollout engine (`lifetime: chunk`)."""
+    return asks_trainer(step, config) or (step is ROLLOUT and config.rollout.lifetime == "chunk")
+
+
 def step_role(step: Step, config: MoeloopConfig) -> str:
     """The placement role of the step's pods: the reward step scores with reward models on GPUs when it has any;
-    a train step that asks the chunk's trainer waits on a CPU node."""
+    a step that asks a long-lived process waits on a CPU node."""
     if step is REWARD and config.reward.models:
         return "reward"
-    if asks_trainer(step, config):
+    if asks(step, config):
         return "cpu"
     return step.role
 
@@ -137,8 +148,21 @@ def loop_tasks(config: MoeloopConfig, iterations: int | None = None) -> list[Tas
     """Every task of the run in a topological order, for iterations 1..N after the start (iteration 0)."""
     last = config.iterations if iterations is None else iterations
     start = _task(config, START, "start", 0, [])
-    trainer = [_task(config, TRAINER, TRAINER.name, 1, [start.name], last=last)] if config.trainer.lifetime == "chunk" else []
-    return [start, _task(config, EVALUATE, "eval-0", 0, [start.name]), *trainer, *iteration_tasks(config, last, start.name)]
+    return [start, _task(config, EVALUATE, "eval-0", 0, [start.name]), *daemons(config, last, start.name), *iteration_tasks(config, last, start.name)]
+
+
+def daemons(config: MoeloopConfig, last: int, root: str) -> list[Task]:
+    """The long-lived processes of `lifetime: chunk`, serving iterations up to `last`, started after root."""
+    found = []
+    if config.trainer.lifetime == "chunk":
+        found.append(_task(config, TRAINER, TRAINER.name, 1, [root], last=last))
+    if config.rollout.lifetime == "chunk":
+        shards = config.rollout.num_shards
+        found += [
+            _task(config, ROLLOUT_ENGINE, f"{ROLLOUT_ENGINE.name}-{k}", 1, [root], shard=k, num_shards=shards, last=last)
+            for k in range(shards)
+        ]
+    return found
 
 
 def iteration_tasks(config: MoeloopConfig, last: int, root: str, prefix: str = "it") -> list[Task]:

@@ -105,7 +105,15 @@ class RunStorage:
 
     @staticmethod
     def train_command(iteration: int) -> str:
-        return f"commands/{iteration_dir(iteration)}.json"
+        return f"commands/{iteration_dir(iteration)}-train.json"
+
+    @staticmethod
+    def rollout_command(iteration: int, shard: int) -> str:
+        return f"commands/{iteration_dir(iteration)}-rollout-{shard:05d}.json"
+
+    @staticmethod
+    def engine_heartbeat(shard: int) -> str:
+        return f"commands/rollout-engine-{shard:05d}.json"
 
     @staticmethod
     def reward_model(index: int) -> str:

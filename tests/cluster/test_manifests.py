@@ -393,7 +393,9 @@ def rules_of(objects: list[tuple[str, Doc]], account: str) -> dict[tuple[str, st
 ORCHESTRATOR_NEEDS = {
     ("argoproj.io", "workflows"): {"create", "get"},
     ("argoproj.io", "workflowtemplates"): {"get"},
-    ("jobset.x-k8s.io", "jobsets"): {"create", "get", "watch"},
+    # create and watch a multi-node train's; apply (get, create, patch) and delete by label (list, delete) the
+    # long-lived processes' of `lifetime: chunk`
+    ("jobset.x-k8s.io", "jobsets"): {"create", "get", "watch", "patch", "list", "delete"},
 }
 
 
@@ -805,7 +807,10 @@ def test_every_rendered_pod_lands_on_its_roles_nodes_as_its_roles_service_accoun
 
     objects, errors, placed = cluster_objects(), [], 0
     priority_classes = set(of_kind(objects, "PriorityClass"))
-    for name, document in render(small_config(), "s3://acme-rl/runs/tiny").items():
+    held = small_config(trainer={"lifetime": "chunk"}, rollout={"lifetime": "chunk"})  # their JobSets too
+    rendered = [(f"{lifetime} {name}", document) for lifetime, config in (("", small_config()), ("chunk", held))
+                for name, document in render(config, "s3://acme-rl/runs/tiny").items()]  # fmt: skip
+    for name, document in rendered:
         for template in document["spec"].get("templates", []):
             text = (template.get("resource") or {}).get("manifest") or ""
             # Argo's own kinds (the next chunk's Workflow, YAML only once Argo substituted its {{...}}) are

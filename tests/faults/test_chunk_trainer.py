@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from moeloop.steps import train as train_step
+from moeloop.steps.storage import commands
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.publish import publish
@@ -141,17 +141,19 @@ def test_a_train_step_whose_trainer_is_silent_fails_saying_so(
     baseline: RunStorage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     storage = chunk_run_of(baseline.uri, tmp_path)
-    monkeypatch.setattr(train_step, "TRAINER_SILENT_SECONDS", 1.0)
-    with pytest.raises(MoeloopError, match="asked the chunk's trainer for its update, but the trainer has not been heard from at all"):
+    monkeypatch.setattr(commands, "SILENT_SECONDS", 1.0)
+    with pytest.raises(MoeloopError, match="asked the chunk's trainer for its update, which has not been heard from at all"):
         ask_trainer(storage, 1)
     assert storage.exists(storage.train_command(1))
 
 
-def run_chunk_lifetime(tmp_path: Path, name: str, kills: int) -> RunStorage:
-    """`moeloop run` of a small config with lifetime chunk; `kills` times (at most 2) its trainer's process is
-    SIGKILLed, found by the pid in its heartbeat: after checkpoint 1 is committed (between iterations), then after
-    iteration 3's command is written and before checkpoint 3 is (during an update). The runner starts it again."""
-    config = small_config(4, trainer={"lifetime": "chunk", "state_every": 2})
+def run_chunk_lifetime(tmp_path: Path, name: str, kills: bool) -> RunStorage:
+    """`moeloop run` of a small config whose trainer and rollout engines live for the run; with kills, three
+    processes are SIGKILLed, each found by the pid in its heartbeat: the trainer after checkpoint 1 is committed
+    (between iterations); shard 0's engine once iteration 2's shard 0 is asked for and before it is committed; the
+    trainer once iteration 3's update is asked for and before its checkpoint is committed. The runner starts each
+    again."""
+    config = small_config(4, trainer={"lifetime": "chunk", "state_every": 2}, rollout={"lifetime": "chunk"})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     storage = RunStorage(str(tmp_path / name / config.run_name))
@@ -159,22 +161,28 @@ def run_chunk_lifetime(tmp_path: Path, name: str, kills: int) -> RunStorage:
     core = {min(os.sched_getaffinity(0))}
     command = cli_command("run", str(path), "--root", str(tmp_path / name), "--no-progress")
     run = start_process(command, cwd=tmp_path, preexec_fn=lambda: os.sched_setaffinity(0, core))
-    moments = [
-        lambda: storage.is_committed(storage.checkpoint(1)),
-        lambda: storage.exists(storage.train_command(3)) and not storage.is_committed(storage.checkpoint(3)),
-    ]
-    for moment in moments[:kills]:
-        wait_for(lambda: moment() or run.poll() is not None, "the moment to kill the trainer")
+    shard = storage.rollout_shard(2, 0, config.rollout.num_shards)
+    kills = [
+        (lambda: storage.is_committed(storage.checkpoint(1)), storage.TRAINER_HEARTBEAT),
+        (lambda: storage.exists(storage.rollout_command(2, 0)) and not storage.exists(shard), storage.engine_heartbeat(0)),
+        (lambda: storage.exists(storage.train_command(3)) and not storage.is_committed(storage.checkpoint(3)), storage.TRAINER_HEARTBEAT),
+    ] if kills else []  # fmt: skip
+    for moment, heartbeat in kills:
+        wait_for(lambda: moment() or run.poll() is not None, "the moment to kill")
         assert run.poll() is None and moment(), "the run ended, or the moment passed, before the kill"
-        os.kill(storage.read_json(storage.TRAINER_HEARTBEAT)["pid"], signal.SIGKILL)
+        os.kill(storage.read_json(heartbeat)["pid"], signal.SIGKILL)
     assert run.wait(600) == 0
     return storage
 
 
-def test_moeloop_run_starts_a_killed_chunk_trainer_again_and_publishes_what_an_undisturbed_run_did(tmp_path: Path) -> None:
-    undisturbed, killed = run_chunk_lifetime(tmp_path, "undisturbed", 0), run_chunk_lifetime(tmp_path, "killed", 2)
+def test_moeloop_run_starts_its_killed_trainer_and_engine_again_and_publishes_what_an_undisturbed_run_did(
+    tmp_path: Path,
+) -> None:
+    undisturbed, killed = run_chunk_lifetime(tmp_path, "undisturbed", False), run_chunk_lifetime(tmp_path, "killed", True)
     for i in range(1, 5):
+        assert files_of(killed, killed.experience(i)) == files_of(undisturbed, undisturbed.experience(i)), i
         assert files_of(killed, killed.checkpoint(i)) == files_of(undisturbed, undisturbed.checkpoint(i)), i
     assert [i for i in range(1, 5) if killed.is_committed(killed.trainer_state(i))] == [2, 4]
-    log = (tmp_path / log_folder(killed.uri) / "trainer.log").read_text()
-    assert log.count("moeloop run: trainer exited with") == 2
+    logs = tmp_path / log_folder(killed.uri)
+    assert (logs / "trainer.log").read_text().count("moeloop run: trainer exited with") == 2
+    assert (logs / "rollout-engine-0.log").read_text().count("moeloop run: rollout-engine-0 exited with") == 1

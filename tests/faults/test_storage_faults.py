@@ -30,7 +30,8 @@ from moeloop.steps.model.policy import load_policy
 from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, WEIGHTS_DIR
 from moeloop.steps.publish import publish
 from moeloop.steps.reward import reward
-from moeloop.steps.rollout import iteration_prompt_ids, rollout, shard_prompt_ids
+from moeloop.steps.engines.shards import iteration_prompt_ids, shard_prompt_ids
+from moeloop.steps.rollout import rollout
 from moeloop.steps.start import start
 from moeloop.steps.storage.backends import CRASH_AFTER_WRITES, CRASH_RANK
 from moeloop.steps.storage.cache import fetch_checkpoint

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moeloop.steps.rollout import iteration_prompt_ids, shard_prompt_ids
+from moeloop.steps.engines.shards import iteration_prompt_ids, shard_prompt_ids
 from tests.conftest import small_config
 
 

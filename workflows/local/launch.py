@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections import Counter
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from moeloop.steps.config import MoeloopConfig
-from moeloop.workflows.dag import EVALUATE, ROLLOUT, START, Task
+from moeloop.workflows.dag import EVALUATE, ROLLOUT, ROLLOUT_ENGINE, START, Task
 from moeloop.workflows.local.cores import available_cores
 from moeloop.workflows.local.pinning import CoreShares, pin_process_tree
 from moeloop.workflows.local.ready import worker_slot
@@ -45,6 +46,7 @@ class Launcher:
         self.values, self.log_dir, self.use_workers = values, log_dir, config.local.workers
         pinned = config.local.pin_cores and hasattr(os, "sched_setaffinity")  # Linux only
         self.cores = CoreShares(available_cores(), pinned)
+        self.daemons = Counter(task.step.name for task in tasks if task.step.daemon)
         self.workers: dict[str, StepWorker] = {}
         if config.local.workers:
             environment = step_environment(len(self.cores.cores), self.cores.pinned)
@@ -57,6 +59,8 @@ class Launcher:
         shares = dict(zip([t.name for t in steps], self.cores.start([t.name for t in steps]), strict=True))
         for task in tasks:
             share = shares.get(task.name, set(self.cores.cores))
+            if task.step.daemon:  # the shards' engines generate side by side: each its part of the cores' threads
+                share = set(sorted(share)[: max(1, len(share) // self.daemons[task.step.name])])
             argv = local_argv(task, self.values)
             log_path = self.log_dir / f"{task.name}.log"
             if not task.step.daemon or not log_path.exists():  # a daemon started again keeps what its last one said
@@ -114,9 +118,10 @@ def warm_modules(config: MoeloopConfig, task: Task, values: dict[str, str]) -> l
     (transformers), and for a rollout that runs on vLLM, vLLM (the largest import). All but vLLM are the fork
     server's already (workers.STEP_MODULES): the worker's log says so, in 0.0 s."""
     modules = ["torch", local_argv(task, values)[2]]  # the worker itself sizes torch's threads for each command
-    if task.step in (ROLLOUT, EVALUATE):
+    generates = task.step == ROLLOUT_ENGINE or (task.step == ROLLOUT and config.rollout.lifetime == "iteration")
+    if generates or task.step == EVALUATE:
         modules.append("moeloop.steps.model.policy")
     vllm = config.rollout.engine == "vllm" or (config.rollout.engine == "auto" and importlib.util.find_spec("vllm"))
-    if task.step == ROLLOUT and vllm:
+    if generates and vllm:
         modules.append("vllm")
     return modules

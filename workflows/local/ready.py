@@ -12,6 +12,8 @@ def worker_slot(task: Task) -> str | None:
     several processes, which starts its own."""
     if task.processes > 1:
         return None
+    if task.step.daemon:  # one each: the trainer, each shard's rollout engine
+        return task.name
     if task.step == ROLLOUT:
         return f"rollout-{dict(task.arguments)['shard']}"
     return task.step.name

@@ -25,14 +25,14 @@ from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.storage.lease import RunLease
 from moeloop.steps.storage.prompts import check_prompts, set_name, task_prompt_sets
 from moeloop.steps.storage.run import RunStorage
-from moeloop.workflows.dag import EVALUATE, START, TRAINER, Task, loop_tasks, run_values
+from moeloop.workflows.dag import EVALUATE, START, Task, loop_tasks, run_values
 from moeloop.workflows.local.launch import Launcher
 from moeloop.workflows.local.progress import ProgressDisplay
 from moeloop.workflows.local.ready import ready_tasks
 from moeloop.workflows.local.workers import StepWorker
 
 POLL_SECONDS = 0.05
-DAEMON_RESTARTS = 3  # the chunk's trainer's Job's backoffLimit on Argo (workflows/render/trainer.py)
+DAEMON_RESTARTS = 3  # a long-lived process's JobSet's maxRestarts on Argo (workflows/render/daemons.py)
 EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt): ")
 
 
@@ -78,7 +78,7 @@ def pending_tasks(tasks: list[Task], latest_iteration: int | None) -> list[Task]
     kept = [
         t
         for t in tasks
-        if t.step in (START, TRAINER)  # the chunk's trainer finds where the run stands itself
+        if t.step == START or t.step.daemon  # a long-lived process finds where the run stands itself
         or t.iteration > latest_iteration
         or (t.iteration == latest_iteration and t.step == EVALUATE)
     ]

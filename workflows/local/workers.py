@@ -15,12 +15,12 @@ import time
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
-from moeloop.workflows.dag import STEPS, TRAINER
+from moeloop.workflows.dag import ROLLOUT_ENGINE, STEPS, TRAINER
 from moeloop.workflows.local.pinning import pin_process_tree
 
 # What the fork server imports once: each step's module and what they import lazily to build a model. Not vLLM:
 # a rollout worker on it imports it itself (warm_modules), where it runs.
-STEP_MODULES = [*(step.module for step in (*STEPS, TRAINER)), "moeloop.steps.model.policy", "moeloop.workflows.local.worker"]
+STEP_MODULES = [*(step.module for step in (*STEPS, TRAINER, ROLLOUT_ENGINE)), "moeloop.steps.model.policy", "moeloop.workflows.local.worker"]
 
 
 @functools.cache

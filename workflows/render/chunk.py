@@ -10,7 +10,8 @@ from hera.workflows import models as m
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
-from moeloop.workflows.dag import EVALUATE, PLAN, START, TRAIN, TRAINER, Task, iteration_tasks
+from moeloop.workflows.dag import EVALUATE, PLAN, ROLLOUT_ENGINE, START, TRAINER, Step, Task, iteration_tasks
+from moeloop.workflows.render.daemons import ASKED, daemon_name, held
 from moeloop.workflows.render.parameters import PARAMETERS, manifest_text, run_labels
 from moeloop.workflows.render.placement import LABEL, orchestrator_pod
 
@@ -22,7 +23,8 @@ MAX_CHUNK_TASKS = 200
 DEFAULT_CHUNK_ITERATIONS = 20  # a Workflow per ~day of a large run: short enough to find, resubmit, archive
 PLAN_OUTPUTS = "tasks.plan.outputs.parameters"
 # The chunk's tasks besides its iteration slots.
-FIXED_CHUNK_TASKS = ("start", "plan", "eval-latest", "label", "next-chunk")  # and trainer, with lifetime chunk
+# And with lifetime chunk, the task that starts the trainer and the one (of K items) that starts the rollout engines.
+FIXED_CHUNK_TASKS = ("start", "plan", "eval-latest", "label", "next-chunk")
 # The label task's inputs: the iterations plan chose (a template cannot see the DAG's tasks).
 LABEL_INPUTS = {
     "first": f"{{{{{PLAN_OUTPUTS}.first}}}}",
@@ -38,7 +40,7 @@ def chunk_size(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> int:
     """Iterations per chunk: cluster.chunk_iterations, by default 20 or as many as MAX_CHUNK_TASKS allows, with room
     for `own_tasks_per_iteration` tasks a user adds to each iteration (workflows.build's argument)."""
     per_iteration = len(iteration_tasks(config, 1, PLAN.name)) + own_tasks_per_iteration
-    fixed = len(FIXED_CHUNK_TASKS) + (config.trainer.lifetime == "chunk")
+    fixed = len(FIXED_CHUNK_TASKS) + (config.trainer.lifetime == "chunk") + (config.rollout.lifetime == "chunk")
     fitting = (MAX_CHUNK_TASKS - fixed) // per_iteration
     if fitting < 1:
         raise MoeloopError(
@@ -89,17 +91,16 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
     start = Task(START.name, START, 0, (("iteration", "0"),), ())
     plan = Task(PLAN.name, PLAN, 0, (("chunk", str(slots[-1].iteration)),), (START.name,))
     latest = Task("eval-latest", EVALUATE, 0, (("iteration", f"{{{{{PLAN_OUTPUTS}.latest}}}}"),), (PLAN.name,))
-    # trainer.lifetime chunk: the chunk's trainer, started as soon as plan knows the chunk's last iteration, so that
-    # it resumes while slot 1's rollouts run; each train task applies it again, then asks it (render/trainer.py).
-    held = config.trainer.lifetime == "chunk"
+    # lifetime chunk: the chunk's long-lived processes, started as soon as plan knows the chunk's last iteration, so
+    # that they start while slot 1 does; each asking task applies its process again, then asks it (render/daemons.py).
     last = LABEL_INPUTS["last"]
-    trainer = [_dag_task(Task(TRAINER.name, TRAINER, 0, (("last", last),), (PLAN.name,)), when=_counted(1))] if held else []
+    daemons = [_daemon_task(step, config, last) for step in (TRAINER, ROLLOUT_ENGINE) if held(step, config)]
 
     def slot_task(task: Task) -> HeraTask:
         hera_task = _dag_task(task, when=_counted(task.iteration), iteration=slot_iteration(task.iteration))
-        if held and task.step is TRAIN:
+        if task.step in ASKED and held(ASKED[task.step], config):
             hera_task.arguments.append(Parameter(name="last", value=last))
-            hera_task.dependencies.append(TRAINER.name)
+            hera_task.dependencies.append(_daemon_task_name(ASKED[task.step]))
         return hera_task
 
     return DAG(
@@ -108,7 +109,7 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
             _dag_task(start),
             _dag_task(plan),
             _dag_task(latest, when=f"{{{{{PLAN_OUTPUTS}.evaluate}}}} == true"),
-            *trainer,
+            *daemons,
             HeraTask(
                 name="label",
                 template="label",
@@ -125,6 +126,26 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
                 when=f"{{{{{PLAN_OUTPUTS}.more}}}} == true && {{{{=workflow.parameters.chain == 'true'}}}}",
             ),
         ],
+    )
+
+
+def _daemon_task_name(step: Step) -> str:
+    return "rollout-engines" if step is ROLLOUT_ENGINE else step.name
+
+
+def _daemon_task(step: Step, config: MoeloopConfig, last: str) -> HeraTask:
+    """The chunk's task that applies the process's JobSet: the trainer's; the rollout engines', one item a shard."""
+    values = {"last": last, "num_shards": str(config.rollout.num_shards), "shard": "{{item}}"}
+    return HeraTask(
+        name=_daemon_task_name(step),
+        template=step.name,
+        arguments=[
+            Parameter(name="name", value=daemon_name(step, "{{item}}")),
+            *(Parameter(name=p, value=values[p]) for p in step.params),
+        ],
+        dependencies=[PLAN.name],
+        when=_counted(1),
+        with_sequence=m.Sequence(count=m.IntOrString(config.rollout.num_shards)) if step is ROLLOUT_ENGINE else None,
     )
 
 

@@ -38,33 +38,39 @@ RENDEZVOUS_PORT = 29500
 
 
 def render_jobset(config: MoeloopConfig, step: Step = TRAIN, name: str | None = None, max_restarts: int = 0) -> dict[str, Any]:
-    """The JobSet of the step's trainer pods (a Kubernetes object, so a plain dict); Argo fills its {{...}}. TRAIN:
-    the one a multi-node train task creates, generated names, none started again; TRAINER: the chunk's trainer,
-    its name given, all its pods started again up to max_restarts times when one fails."""
-    nodes = config.cluster.train_nodes
-    # Pod i of replicated job `node` is <jobset>-node-0-i, reachable as such under the subdomain <jobset>.
-    rendezvous = [
-        f"--nnodes={nodes}",
-        "--node-rank=$(NODE_RANK)",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=$(JOBSET_NAME)-{JOBSET_REPLICATED_JOB}-0-0.$(JOBSET_NAME):{RENDEZVOUS_PORT}",
-        "--rdzv-id=$(JOBSET_NAME)",
-    ]
-    argv = step.argv(step_placeholders(step), train_processes_per_node(config), rendezvous)
-    downward = [
-        ("JOBSET_NAME", "metadata.labels['jobset.sigs.k8s.io/jobset-name']"),
-        ("NODE_RANK", "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
-    ]
-    env = [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in downward]
-    env.append({"name": OUTPUTS_ENV, "value": OUTPUTS_DIR})
-    volumes, _ = pod_volumes("train", placement(config, "train"))
-    labels = {f"{LABEL}/run": config.run_name, f"{LABEL}/step": step.name, ROLE_LABEL: step.role}
+    """The JobSet of the step's pods (a Kubernetes object, so a plain dict); Argo fills its {{...}}. TRAIN: the one a
+    multi-node train task creates, generated names, none started again. TRAINER (the chunk's trainer) and
+    ROLLOUT_ENGINE (a shard's), from workflows/render/daemons.py: named, all pods started again up to max_restarts
+    times when one fails. A torchrun step has `cluster.train_nodes` pods, with torchrun's rendezvous over the
+    JobSet's headless service; any other, one pod of its role."""
+    role = step.role
+    nodes = config.cluster.train_nodes if step.torchrun else 1
+    env = [{"name": OUTPUTS_ENV, "value": OUTPUTS_DIR}]
+    if step.torchrun:
+        # Pod i of replicated job `node` is <jobset>-node-0-i, reachable as such under the subdomain <jobset>.
+        rendezvous = [
+            f"--nnodes={nodes}",
+            "--node-rank=$(NODE_RANK)",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=$(JOBSET_NAME)-{JOBSET_REPLICATED_JOB}-0-0.$(JOBSET_NAME):{RENDEZVOUS_PORT}",
+            "--rdzv-id=$(JOBSET_NAME)",
+        ]
+        argv = step.argv(step_placeholders(step), train_processes_per_node(config), rendezvous)
+        downward = [
+            ("JOBSET_NAME", "metadata.labels['jobset.sigs.k8s.io/jobset-name']"),
+            ("NODE_RANK", "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
+        ]
+        env[:0] = [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in downward]
+    else:
+        argv = step.argv(step_placeholders(step))
+    volumes, _ = pod_volumes(role, placement(config, role))
+    labels = {f"{LABEL}/run": config.run_name, f"{LABEL}/step": step.name, ROLE_LABEL: role}
     if "iteration" in step.params:
         labels[f"{LABEL}/iteration"] = "{{inputs.parameters.iteration}}"
     pod_spec = {
         "restartPolicy": "Never",
-        **pod_placement(config, "train"),
-        "containers": [pod_container(config, "train", argv, env)],
+        **pod_placement(config, role),
+        "containers": [pod_container(config, role, argv, env)],
         **({"volumes": volumes} if volumes else {}),
     }
     job = {
@@ -81,7 +87,7 @@ def render_jobset(config: MoeloopConfig, step: Step = TRAIN, name: str | None = 
         "spec": {
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
             # A failed rank fails the iteration's train task; re-running it (Argo retry, resubmit) starts anew.
-            # The chunk's trainer is started again instead: it resumes from the run's storage.
+            # A long-lived process is started again instead: it resumes from the run's storage.
             "failurePolicy": {"maxRestarts": max_restarts},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [JOBSET_REPLICATED_JOB]},
             "replicatedJobs": [{"name": JOBSET_REPLICATED_JOB, "replicas": 1, "template": {"spec": job}}],

@@ -19,7 +19,7 @@ from moeloop.workflows.render.jobset import jobset_train_templates
 from moeloop.workflows.render.parameters import PARAMETER_DESCRIPTIONS, PARAMETERS, run_arguments, run_labels
 from moeloop.workflows.render.placement import LABEL
 from moeloop.workflows.render.step_templates import container_template
-from moeloop.workflows.render.trainer import DELETE_TEMPLATE, trainer_templates
+from moeloop.workflows.render.daemons import ASKED, EXIT_STEPS, asking_templates, exit_templates, held
 
 
 @dataclass(frozen=True)
@@ -126,23 +126,24 @@ def render(config: MoeloopConfig, run_uri: str, iterations: int | None = None) -
 
 
 def _step_templates(step: Step, config: MoeloopConfig) -> list[Container | Resource | Steps]:
-    """The step's templates. With trainer.lifetime chunk, train's are workflows/render/trainer.py's (the chunk's
-    trainer's with them); else multi-node training is steps that create a JobSet and then report its figures."""
-    if config.trainer.lifetime == "chunk" and step is TRAIN:
-        return trainer_templates(config)
+    """The step's templates. A step that asks a long-lived process (`lifetime: chunk`): workflows/render/daemons.py's
+    (the process's with them); else multi-node training is steps that create a JobSet and then report its figures."""
+    if step in ASKED and held(ASKED[step], config):
+        return asking_templates(step, config)
     if step is TRAIN and config.cluster.train_nodes > 1:
         return jobset_train_templates(config)
     return [container_template(step, config)]
 
 
-def exit_hook(config: MoeloopConfig) -> tuple[list[Steps], dict[str, m.LifecycleHook] | None]:
+def exit_hook(config: MoeloopConfig) -> tuple[list[Steps | Resource], dict[str, m.LifecycleHook] | None]:
     """The chunk's exit handler, however it ended: where observe.trackers has mlflow, `finish` ends the MLflow run
-    FAILED if the chunk did not succeed; with trainer.lifetime chunk, the trainer's JobSet is deleted."""
+    FAILED if the chunk did not succeed; with lifetime chunk, the long-lived processes' JobSets are deleted."""
     finish = "mlflow" in config.observe.trackers
-    if config.trainer.lifetime != "chunk":
+    deletes = exit_templates(config)
+    if not deletes:
         hook = m.LifecycleHook(template=FINISH.name, arguments=m.Arguments(parameters=[FINISHED_STATUS]))
         return [], {"exit": hook} if finish else None
-    parts = [HeraStep(name=DELETE_TEMPLATE, template=DELETE_TEMPLATE)]
+    parts = [HeraStep(name=EXIT_STEPS, template=EXIT_STEPS)]
     if finish:
         parts.append(HeraStep(name=FINISH.name, template=FINISH.name, arguments=[Parameter(name="status", value=FINISHED_STATUS.value)]))
-    return [Steps(name=EXIT_TEMPLATE, sub_steps=[parts])], {"exit": m.LifecycleHook(template=EXIT_TEMPLATE)}
+    return [Steps(name=EXIT_TEMPLATE, sub_steps=[parts]), *deletes], {"exit": m.LifecycleHook(template=EXIT_TEMPLATE)}

@@ -41,14 +41,13 @@ def run_arguments(config: MoeloopConfig, run_uri: str, chain: bool) -> dict[str,
     return {**run_values(shipped, run_uri), "config": config_text, "chain": json.dumps(chain)}
 
 
-# An Argo variable or expression standing alone as a string value of a resource manifest:
-# {{workflow.parameters.run}}, {{=workflow.name + '-trainer'}}.
-PLACEHOLDER = re.compile(r"\{\{(?:=(?P<expression>[^{}]+)|(?P<variable>[A-Za-z0-9_.-]+))\}\}")
+# An Argo variable standing alone as a string value of a resource manifest: {{workflow.parameters.run}}.
+PLACEHOLDER = re.compile(r"\{\{([A-Za-z0-9_.-]+)\}\}")
 
 
 def manifest_text(document: dict[str, Any]) -> str:
-    """A resource template's manifest: YAML whose every Argo variable or expression, a whole string value, is
-    written as {{=toJson(variable)}}. Argo pastes values into a manifest's text before parsing it, so a value with a quote and
+    """A resource template's manifest: YAML whose every Argo variable, a whole string value, is written as
+    {{=toJson(variable)}}. Argo pastes values into a manifest's text before parsing it, so a value with a quote and
     a newline would be YAML of its own (a pod's securityContext, an init container); toJson's JSON string is read
     back as the very value, whatever it holds."""
     expressions: dict[str, str] = {}
@@ -64,7 +63,7 @@ def manifest_text(document: dict[str, Any]) -> str:
             if variable is None:
                 raise ValueError(f"an Argo variable in a manifest must be a whole value, not part of {value!r}")
             token = f"argo-{stamp}-{len(expressions)}-end"
-            expressions[token] = f"{{{{=toJson({variable['expression'] or variable['variable']})}}}}"
+            expressions[token] = f"{{{{=toJson({variable[1]})}}}}"
             return token
         return value
 
