@@ -74,6 +74,8 @@ def ask_trainer(storage: RunStorage, iteration: int) -> dict[str, Any]:
     committed and its train report written. Safe to re-run: the command is written once, an update done once."""
     report, checkpoint = storage.report(iteration, "train"), storage.checkpoint(iteration)
     done = lambda: storage.is_committed(checkpoint) and storage.exists(report)  # noqa: E731
+    if done():
+        return already_committed(storage, checkpoint)
     ask(storage, storage.train_command(iteration), done, storage.TRAINER_HEARTBEAT, "the chunk's trainer for its update")
     return storage.read_json(report)
 

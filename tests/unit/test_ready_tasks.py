@@ -66,3 +66,17 @@ def test_a_worker_per_shard_and_per_step_and_none_for_a_torchrun_job() -> None:
     # Without a worker, one torchrun job does not keep another from starting.
     ready = ready_tasks([torchrun["it2-train"]], {"it2-reward"}, [torchrun["it1-train"]], 2, workers=True)
     assert names(ready) == ["it2-train"]
+
+
+def test_long_lived_processes_start_after_start_beside_the_rest_each_on_a_worker_of_its_own() -> None:
+    """lifetime chunk: the trainer and each shard's engine start as soon as start has finished, whatever
+    `parallelism` says (they work while a task that asks them waits), and never hold a slot of it."""
+    config = small_config(2, trainer={"lifetime": "chunk"}, rollout={"lifetime": "chunk"})
+    tasks = {task.name: task for task in loop_tasks(config)}
+    waiting = [t for name, t in tasks.items() if name != "start"]
+    ready = names(ready_tasks(waiting, {"start"}, [], 1, workers=True))
+    assert ready == ["eval-0", "trainer", "rollout-engine-0", "rollout-engine-1"]
+    daemons = [tasks[name] for name in ("trainer", "rollout-engine-0", "rollout-engine-1")]
+    waiting = [t for t in waiting if t not in daemons and t.name != "eval-0"]
+    assert names(ready_tasks(waiting, {"start"}, daemons, 1, workers=True)) == ["it1-rollout-0"]
+    assert [worker_slot(t) for t in daemons] == ["trainer", "rollout-engine-0", "rollout-engine-1"]
