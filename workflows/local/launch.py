@@ -47,6 +47,7 @@ class Launcher:
         pinned = config.local.pin_cores and hasattr(os, "sched_setaffinity")  # Linux only
         self.cores = CoreShares(available_cores(), pinned)
         self.daemons = Counter(task.step.name for task in tasks if task.step.daemon)
+        self.started: set[str] = set()
         self.workers: dict[str, StepWorker] = {}
         if config.local.workers:
             environment = step_environment(len(self.cores.cores), self.cores.pinned)
@@ -56,15 +57,16 @@ class Launcher:
         """Start the tasks together (their shares are taken at once), yielding each as it has started. A daemon
         (the chunk's trainer) takes no share: it works while a train task waits on it, on every core, unpinned."""
         steps = [t for t in tasks if not t.step.daemon]
-        shares = dict(zip([t.name for t in steps], self.cores.start([t.name for t in steps]), strict=True))
+        shares = dict(zip([t.name for t in steps], self.cores.start([t.name for t in steps]) if steps else [], strict=True))
         for task in tasks:
             share = shares.get(task.name, set(self.cores.cores))
             if task.step.daemon:  # the shards' engines generate side by side: each its part of the cores' threads
                 share = set(sorted(share)[: max(1, len(share) // self.daemons[task.step.name])])
             argv = local_argv(task, self.values)
             log_path = self.log_dir / f"{task.name}.log"
-            if not task.step.daemon or not log_path.exists():  # a daemon started again keeps what its last one said
+            if task.name not in self.started:  # a daemon started again keeps what its last one said
                 log_path.write_bytes(b"")
+            self.started.add(task.name)
             threads = max(1, len(share) // task.processes)  # a torchrun job's ranks split the share
             pinned = self.cores.pinned and not task.step.daemon
             environment = step_environment(threads, pinned)
