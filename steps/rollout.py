@@ -2,8 +2,9 @@
 
 The batch is drawn deterministically from (run, iteration); shard k of K takes every K-th prompt, and its
 sampling seed comes from (run, iteration, shard): re-running a shard gives the same samples
-(`moeloop.steps.engines.shards`). A shard that is already committed is left as it is. With `rollout.lifetime: chunk` the step generates nothing itself: it asks the
-shard's rollout engine, which keeps its engine and its policy across the chunk, and waits for the shard.
+(`moeloop.steps.engines.shards`). A shard that is already committed is left as it is. With `rollout.lifetime: chunk`
+the step generates nothing itself: it asks the shard's rollout engine, which keeps its engine and its policy across
+the chunk, and waits for the shard.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from typing import Any
 
 from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser
-from moeloop.steps.engines.shards import check_shard, exit_on_sigterm, generate_shard
+from moeloop.steps.engines.shards import add_shard_arguments, check_shard, exit_on_sigterm, generate_shard
 from moeloop.steps.errors import run_cli
 from moeloop.steps.storage.commands import ask
 from moeloop.steps.storage.experience import read_rollout_shard
@@ -39,8 +40,7 @@ def rollout(run_uri: str, iteration: int, shard: int, num_shards: int) -> dict[s
 def main() -> None:
     exit_on_sigterm()
     parser = step_parser(__doc__)
-    parser.add_argument("--shard", type=int, required=True, help="this shard's index, 0..K-1")
-    parser.add_argument("--num-shards", type=int, required=True, help="K, the run's rollout.num_shards")
+    add_shard_arguments(parser)
     args = parser.parse_args()
     quiet_libraries()
     print_json(rollout(args.run, args.iteration, args.shard, args.num_shards))

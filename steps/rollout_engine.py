@@ -16,7 +16,7 @@ from typing import Any
 import time
 
 from moeloop.steps.common import print_json, quiet_libraries
-from moeloop.steps.engines.shards import check_shard, exit_on_sigterm, generate_shard
+from moeloop.steps.engines.shards import add_shard_arguments, check_shard, exit_on_sigterm, generate_shard
 from moeloop.steps.errors import ArgumentParser, MoeloopError, run_cli
 from moeloop.steps.storage.commands import Heartbeat, wait_for_command
 from moeloop.steps.storage.run import RunStorage, open_run
@@ -57,8 +57,7 @@ def main() -> None:
     exit_on_sigterm()
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--run", required=True, help="the run's folder URI (local path or s3://...)")
-    parser.add_argument("--shard", type=int, required=True, help="this shard's index, 0..K-1")
-    parser.add_argument("--num-shards", type=int, required=True, help="K, the run's rollout.num_shards")
+    add_shard_arguments(parser)
     parser.add_argument("--last", required=True, type=int, help="the last iteration this engine serves")
     args = parser.parse_args()
     quiet_libraries()

@@ -3,15 +3,16 @@ with PPO the critic's too, in critic/).
 
 Starts from the trainer state of the previous iteration (checkpoint 0 for the first, and for PPO a critic made
 from it), so the optimizer's moments carry across iterations. The reference policy for the KL is checkpoint 0,
-the SFT start: its logprobs are computed once, before the policy is loaded (`moeloop.steps.rl.state.update_policy`). The update
-is in steps/rl/update.py,
-its losses and advantages in steps/rl/grpo.py and steps/rl/ppo.py (steps/rl/README.md).
+the SFT start: its logprobs are computed once, before the policy is loaded (`moeloop.steps.rl.state.update_policy`).
+The update is in steps/rl/update.py, its losses and advantages in steps/rl/grpo.py and steps/rl/ppo.py
+(steps/rl/README.md).
 
 One process per GPU where there is CUDA: under torchrun when `trainer.world_size` > 1, over a (dp, ep) device
 mesh; each rank holds its models under FSDP2 (steps/model/sharding.py) at `trainer.precision`, and takes its
 packed microbatches of every minibatch. The update equals one process's on the whole minibatch
-(tests/distributed/test_train_ep.py, tests/distributed/test_fsdp.py). Every rank writes its shards of the trainer state and uploads them
-(`moeloop.steps.rl.checkpoint`); rank 0 writes the report, and the state's COMMIT once every rank's files are up.
+(tests/distributed/test_train_ep.py, tests/distributed/test_fsdp.py). Every rank writes its shards of the trainer
+state and uploads them (`moeloop.steps.rl.checkpoint`); rank 0 writes the report, and the state's COMMIT once every
+rank's files are up.
 
 With `trainer.lifetime: chunk` the step trains nothing itself: one process, it asks the chunk's trainer
 (steps/trainer.py), which holds the policy in memory, for the iteration's update, and waits for its checkpoint.
@@ -76,7 +77,8 @@ def ask_trainer(storage: RunStorage, iteration: int) -> dict[str, Any]:
     done = lambda: storage.is_committed(checkpoint) and storage.exists(report)  # noqa: E731
     if done():
         return already_committed(storage, checkpoint)
-    ask(storage, storage.train_command(iteration), done, storage.TRAINER_HEARTBEAT, "the chunk's trainer for its update")
+    what = "the chunk's trainer for its update"
+    ask(storage, storage.train_command(iteration), done, storage.TRAINER_HEARTBEAT, what)
     return storage.read_json(report)
 
 

@@ -1,14 +1,13 @@
 """trainer: the chunk's trainer (`trainer.lifetime: chunk`): one process (torchrun: one per GPU) that holds the
 policy and its optimizer in memory across iterations until it has served iteration --last.
 
-It takes each iteration's update as a command: the train step of iteration N writes commands/iter-N-train.json and waits
-(steps/train.py); the trainer, holding N-1, runs N's update, commits checkpoint N with its delta and writes the train
-report (steps/rl/held.py), and every `trainer.state_every` iterations, and after --last, commits its trainer state in
-the background. Started, it resumes at once to the newest committed checkpoint (the newest committed trainer state,
-then the updates since replayed and checked), so that work is done while the iteration's rollouts run. While it lives,
-rank 0 writes its heartbeat (`moeloop.steps.storage.commands`): a train step whose trainer has gone silent says so
-and fails.
-Under torchrun rank 0 reads the commands and tells the other ranks which iteration to run.
+It takes each iteration's update as a command: the train step of iteration N writes commands/iter-N-train.json and
+waits (steps/train.py); the trainer, holding N-1, runs N's update, commits checkpoint N with its delta and writes the
+train report (steps/rl/held.py), and every `trainer.state_every` iterations, and after --last, commits its trainer
+state in the background. Started, it resumes at once to the newest committed checkpoint (the newest committed
+trainer state, then the updates since replayed and checked), so that work is done while the iteration's rollouts
+run. While it lives, rank 0 writes its heartbeat (`moeloop.steps.storage.commands`): a train step whose trainer has
+gone silent says so and fails. Under torchrun rank 0 reads the commands and tells the other ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from moeloop.steps.rl.state import trainer_attention
 from moeloop.steps.storage.cache import local_scratch
 from moeloop.steps.storage.commands import POLL_SECONDS, Heartbeat
 from moeloop.steps.storage.run import RunStorage, open_run
+
 
 def newest_checkpoint(storage: RunStorage) -> int:
     """The newest committed checkpoint: LATEST's, or a later one whose publish has not moved LATEST yet."""
@@ -53,6 +53,8 @@ def serve(run_uri: str, last: int) -> dict[str, Any] | None:
     storage, config = open_run(run_uri)
     if config.trainer.lifetime != "chunk":
         raise MoeloopError("trainer.lifetime is iteration: each iteration's train step trains, with no trainer to ask")
+    if not 1 <= last <= config.iterations:
+        raise MoeloopError(f"--last {last} is outside this run's iterations 1..{config.iterations}")
     every = config.trainer.state_every
     parallel = init_parallel(config.trainer)
     heartbeat = Heartbeat(storage, RunStorage.TRAINER_HEARTBEAT) if parallel.rank == 0 else None
@@ -77,8 +79,12 @@ def serve(run_uri: str, last: int) -> dict[str, Any] | None:
                     served.append(held.iteration)
                     if held.iteration % every == 0 or held.iteration == last:
                         states.submit(held, scratch / f"state-{held.iteration}")
-                if held.iteration == last and not storage.is_committed(storage.trainer_state(last)):
-                    states.submit(held, scratch / f"state-{last}")  # restarted after serving last, before its state
+                if (
+                    held.iteration == last
+                    and last not in served
+                    and not storage.is_committed(storage.trainer_state(last))
+                ):
+                    states.submit(held, scratch / f"state-{last}")  # started again after serving last, before its state
                 states.wait()
             finally:
                 states.close()

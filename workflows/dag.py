@@ -81,11 +81,11 @@ TRAIN = Step(
 )
 # trainer.lifetime chunk: the chunk's trainer, which holds the policy in memory across the chunk's iterations up to
 # `last` (steps/trainer.py); each iteration's train step then asks it for the update, from a CPU pod.
-TRAINER = Step("trainer", "train", ("last",), run_params=("run",), torchrun=True, daemon=True)
+TRAINER = Step("trainer", "train", ("last",), torchrun=True, daemon=True)
 # rollout.lifetime chunk: shard k's rollout engine, which keeps its engine across the chunk's iterations up to `last`
 # (steps/rollout_engine.py); each iteration's rollout step of shard k then asks it for the shard, from a CPU pod.
 ROLLOUT_ENGINE = Step(
-    "rollout-engine", "rollout", ("shard", "num_shards", "last"), run_params=("run",), daemon=True, program="rollout_engine"
+    "rollout-engine", "rollout", ("shard", "num_shards", "last"), daemon=True, program="rollout_engine"
 )
 # A trainer of several nodes runs in a JobSet's pods, which Argo does not see: this pod after the JobSet reads the
 # iteration's committed train report, so that the train template has its figures as outputs and gauges
@@ -148,7 +148,8 @@ def loop_tasks(config: MoeloopConfig, iterations: int | None = None) -> list[Tas
     """Every task of the run in a topological order, for iterations 1..N after the start (iteration 0)."""
     last = config.iterations if iterations is None else iterations
     start = _task(config, START, "start", 0, [])
-    return [start, _task(config, EVALUATE, "eval-0", 0, [start.name]), *daemons(config, last, start.name), *iteration_tasks(config, last, start.name)]
+    evaluate = _task(config, EVALUATE, "eval-0", 0, [start.name])
+    return [start, evaluate, *daemons(config, last, start.name), *iteration_tasks(config, last, start.name)]
 
 
 def daemons(config: MoeloopConfig, last: int, root: str) -> list[Task]:
@@ -158,8 +159,9 @@ def daemons(config: MoeloopConfig, last: int, root: str) -> list[Task]:
         found.append(_task(config, TRAINER, TRAINER.name, 1, [root], last=last))
     if config.rollout.lifetime == "chunk":
         shards = config.rollout.num_shards
+        name = ROLLOUT_ENGINE.name
         found += [
-            _task(config, ROLLOUT_ENGINE, f"{ROLLOUT_ENGINE.name}-{k}", 1, [root], shard=k, num_shards=shards, last=last)
+            _task(config, ROLLOUT_ENGINE, f"{name}-{k}", 1, [root], shard=k, num_shards=shards, last=last)
             for k in range(shards)
         ]
     return found

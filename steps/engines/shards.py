@@ -8,6 +8,7 @@ seed comes from (run, iteration, shard): generating a shard again gives the same
 
 from __future__ import annotations
 
+import argparse
 import random
 import signal
 import sys
@@ -27,6 +28,12 @@ from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, rollout_schema, tab
 from moeloop.steps.storage.prompt_set import prompt_count, read_prompts
 from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import RunStorage
+
+
+def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rollout step's and a shard's engine's --shard and --num-shards."""
+    parser.add_argument("--shard", type=int, required=True, help="this shard's index, 0..K-1")
+    parser.add_argument("--num-shards", type=int, required=True, help="K, the run's rollout.num_shards")
 
 
 def check_shard(config: MoeloopConfig, shard: int, num_shards: int) -> None:

@@ -2,9 +2,10 @@
 
 It holds the policy (PPO: and the critic) and their optimizers in memory from one iteration's update to the next, so
 an iteration neither fetches nor commits a trainer state: after each update it writes the iteration's HF checkpoint
-from memory and commits it with its delta (`moeloop.steps.storage.deltas.commit_policy`, the bytes publish writes from a trainer
-state of the same weights), and every `trainer.state_every` iterations, and after the last it serves, it commits its
-trainer state in the background (`BackgroundStates`): the state is copied to host memory, the update goes on.
+from memory and commits it with its delta (`moeloop.steps.storage.deltas.commit_policy`: the bytes publish writes
+from a trainer state of the same weights), and every `trainer.state_every` iterations, and after the last it serves,
+it commits its trainer state in the background (`BackgroundStates`): the state is copied to host memory, the update
+goes on.
 
 Started, or started again after a failure, it resumes from the newest committed trainer state and replays the updates
 since from their committed experience. The update is deterministic, so every replayed policy must be the one already
@@ -62,7 +63,9 @@ def newest_state(storage: RunStorage, iteration: int) -> int:
     return next((i for i in range(iteration, 0, -1) if storage.is_committed(storage.trainer_state(i))), 0)
 
 
-def resume(storage: RunStorage, config: MoeloopConfig, iteration: int, scratch: Path, parallel: Parallel) -> HeldTrainer:
+def resume(
+    storage: RunStorage, config: MoeloopConfig, iteration: int, scratch: Path, parallel: Parallel
+) -> HeldTrainer:
     """The trainer as it stood after `iteration`: the newest committed trainer state at or before it, and the updates
     since replayed from their committed experience, each checked against its committed checkpoint."""
     state = newest_state(storage, iteration)
@@ -80,14 +83,21 @@ def advance(
     """The held trainer updated by `iteration`'s experience, its checkpoint committed (a replay: checked against the
     committed one), and its train report written (rank 0; a replay keeps the report there is)."""
     if iteration != held.iteration + 1:
-        raise MoeloopError(f"the trainer holds iteration {held.iteration}: it cannot take iteration {iteration}'s update")
+        raise MoeloopError(
+            f"the trainer holds iteration {held.iteration}: it cannot take iteration {iteration}'s update"
+        )
     started = time.perf_counter()
     start = (held.trainer.model, held.trainer.tokenizer, held.trainer.optimizer, held.trainer.critic)
     updated = update_policy(storage, config, iteration, scratch, parallel, start)
+    # Held until the next update, the gradients would sit beside the next reference pass (steps/rl/memory.py).
+    for optimizer in (updated.optimizer, *([updated.critic.optimizer] if updated.critic else [])):
+        optimizer.zero_grad(set_to_none=True)
     policy = commit_from_memory(storage, config, iteration, updated, held.policy, scratch, parallel, started)
     report_path = storage.report(iteration, "train")
     if parallel.rank == 0 and not storage.exists(report_path):
-        write_report(storage, iteration, "train", {**updated.report, "seconds": round(time.perf_counter() - started, 3)})
+        write_report(
+            storage, iteration, "train", {**updated.report, "seconds": round(time.perf_counter() - started, 3)}
+        )
     return HeldTrainer(iteration, updated, policy)
 
 
@@ -110,7 +120,9 @@ def commit_from_memory(
         return None
     shard_bytes = config.trainer.checkpoint_shard_bytes
     policy = scratch / f"policy-{iteration}"
-    write_hf_from_memory(model_files(updated.model, updated.tokenizer, scratch / "policy-config"), policy_tensors, policy, shard_bytes)
+    write_hf_from_memory(
+        model_files(updated.model, updated.tokenizer, scratch / "policy-config"), policy_tensors, policy, shard_bytes
+    )
     committed = storage.manifest(storage.checkpoint(iteration))
     if committed is not None:
         digest = weights_digest(checkpoint_digests(CheckpointTensors(policy)))

@@ -145,7 +145,9 @@ def predict_train_peak_bytes(
 def refuse_unfit_trainer(settings: TrainerConfig, hf_config: dict, source: str) -> None:
     """A one-line error where the train step's predicted peak per GPU exceeds `trainer.gpu_memory_bytes`; nothing
     to check where that is not set. The start and train steps call it before any weight is loaded. The reference
-    policy's logprobs are computed once, before the policy loads (steps/train.py): it adds nothing to the peak."""
+    policy's logprobs are computed once, before the policy loads (steps/train.py): it adds nothing to the peak. A
+    trainer that lives for a chunk (steps/rl/held.py) runs that pass beside its policy and moments, its gradients
+    freed after each update: the reference's fp32 shard takes their room, and the peak is the backward's still."""
     if settings.gpu_memory_bytes is None:
         return
     memory = predict_train_peak_bytes(

@@ -63,7 +63,12 @@ def test_the_chunk_starts_its_trainer_and_engines_after_plan_and_every_asking_ta
     assert trainer["when"] == engines["when"] == "{{tasks.plan.outputs.parameters.count}} >= 1"
     assert arguments(trainer) == {"name": "{{workflow.name}}-trainer", "last": last}
     assert engines["withSequence"] == {"count": 3}
-    assert arguments(engines) == {"name": "{{workflow.name}}-rollout-{{item}}", "shard": "{{item}}", "num_shards": "3", "last": last}
+    assert arguments(engines) == {
+        "name": "{{workflow.name}}-rollout-{{item}}",
+        "shard": "{{item}}",
+        "num_shards": "3",
+        "last": last,
+    }
     for slot in (1, 2):
         train, rollout = tasks[f"slot{slot}-train"], tasks[f"slot{slot}-rollout-2"]
         assert "trainer" in train["dependencies"] and "rollout-engines" in rollout["dependencies"]
@@ -133,10 +138,29 @@ def test_the_local_runner_runs_the_same_long_lived_processes_with_the_same_comma
     assert sorted(daemons) == ["rollout-engine-0", "rollout-engine-1", "rollout-engine-2", "trainer"]
     assert all(t.dependencies == ("start",) for t in daemons.values())
     values = run_values(config, RUN_URI)
-    assert daemons["trainer"].argv(values)[:6] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert daemons["trainer"].argv(values)[:6] == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+    ]
     assert daemons["trainer"].argv(values)[-4:] == ["--run", RUN_URI, "--last", "3"]
     engine = daemons["rollout-engine-1"].argv(values)
-    assert engine == ["python", "-m", ROLLOUT_ENGINE.module, "--run", RUN_URI, "--shard", "1", "--num-shards", "3", "--last", "3"]
+    assert engine == [
+        "python",
+        "-m",
+        ROLLOUT_ENGINE.module,
+        "--run",
+        RUN_URI,
+        "--shard",
+        "1",
+        "--num-shards",
+        "3",
+        "--last",
+        "3",
+    ]
     asking = [t for t in tasks if t.step.name in ("train", "rollout")]
     assert asking and all(t.processes == 1 and "torch.distributed.run" not in t.argv(values) for t in asking)
     assert TRAINER.module == "moeloop.steps.trainer"

@@ -60,7 +60,9 @@ def files_of(storage: RunStorage, folder: str) -> dict[str, dict]:
 
 
 def start_trainer(storage: RunStorage, logs: Path, attempt: int):
-    return start_forked_step(step_command("trainer", storage.uri, None, "--last", str(ITERATIONS)), logs / f"trainer-{attempt}.log")
+    return start_forked_step(
+        step_command("trainer", storage.uri, None, "--last", str(ITERATIONS)), logs / f"trainer-{attempt}.log"
+    )
 
 
 def wait_for(condition, what: str, timeout: float = 300.0) -> None:
@@ -134,7 +136,9 @@ def test_a_replay_that_makes_other_weights_is_refused(baseline: RunStorage, tmp_
     trainer.join(300)
     assert trainer.exitcode == 2
     last = (logs / "trainer-1.log").read_text().strip().splitlines()[-1]
-    assert last.startswith("error: the trainer's replay of iteration 1 made other weights than its committed checkpoint")
+    assert last.startswith(
+        "error: the trainer's replay of iteration 1 made other weights than its committed checkpoint"
+    )
 
 
 def test_a_train_step_whose_trainer_is_silent_fails_saying_so(
@@ -142,7 +146,9 @@ def test_a_train_step_whose_trainer_is_silent_fails_saying_so(
 ) -> None:
     storage = chunk_run_of(baseline.uri, tmp_path)
     monkeypatch.setattr(commands, "SILENT_SECONDS", 1.0)
-    with pytest.raises(MoeloopError, match="asked the chunk's trainer for its update, which has not been heard from at all"):
+    with pytest.raises(
+        MoeloopError, match="asked the chunk's trainer for its update, which has not been heard from at all"
+    ):
         ask_trainer(storage, 1)
     assert storage.exists(storage.train_command(1))
 
@@ -161,11 +167,12 @@ def run_chunk_lifetime(tmp_path: Path, name: str, kills: bool) -> RunStorage:
     core = {min(os.sched_getaffinity(0))}
     command = cli_command("run", str(path), "--root", str(tmp_path / name), "--no-progress")
     run = start_process(command, cwd=tmp_path, preexec_fn=lambda: os.sched_setaffinity(0, core))
-    shard = storage.rollout_shard(2, 0, config.rollout.num_shards)
+    shard, checkpoint = storage.rollout_shard(2, 0, config.rollout.num_shards), storage.checkpoint(3)
+    trainer, engine = storage.TRAINER_HEARTBEAT, storage.engine_heartbeat(0)
     kills = [
-        (lambda: storage.is_committed(storage.checkpoint(1)), storage.TRAINER_HEARTBEAT),
-        (lambda: storage.exists(storage.rollout_command(2, 0)) and not storage.exists(shard), storage.engine_heartbeat(0)),
-        (lambda: storage.exists(storage.train_command(3)) and not storage.is_committed(storage.checkpoint(3)), storage.TRAINER_HEARTBEAT),
+        (lambda: storage.is_committed(storage.checkpoint(1)), trainer),
+        (lambda: storage.exists(storage.rollout_command(2, 0)) and not storage.exists(shard), engine),
+        (lambda: storage.exists(storage.train_command(3)) and not storage.is_committed(checkpoint), trainer),
     ] if kills else []  # fmt: skip
     for moment, heartbeat in kills:
         wait_for(lambda: moment() or run.poll() is not None, "the moment to kill")
@@ -178,7 +185,10 @@ def run_chunk_lifetime(tmp_path: Path, name: str, kills: bool) -> RunStorage:
 def test_moeloop_run_starts_its_killed_trainer_and_engine_again_and_publishes_what_an_undisturbed_run_did(
     tmp_path: Path,
 ) -> None:
-    undisturbed, killed = run_chunk_lifetime(tmp_path, "undisturbed", False), run_chunk_lifetime(tmp_path, "killed", True)
+    undisturbed, killed = (
+        run_chunk_lifetime(tmp_path, "undisturbed", False),
+        run_chunk_lifetime(tmp_path, "killed", True),
+    )
     for i in range(1, 4):
         assert files_of(killed, killed.experience(i)) == files_of(undisturbed, undisturbed.experience(i)), i
         assert files_of(killed, killed.checkpoint(i)) == files_of(undisturbed, undisturbed.checkpoint(i)), i
@@ -193,7 +203,12 @@ def test_a_chunk_trainer_of_two_ranks_publishes_and_commits_what_trainers_of_one
     committed in the background over its own gloo group equal what per-iteration train steps and publish commit."""
     runs = {}
     for lifetime in ("iteration", "chunk"):
-        trainer = {"world_size": 2, "expert_parallel": 2, "lifetime": lifetime, "state_every": 2 if lifetime == "chunk" else 1}
+        trainer = {
+            "world_size": 2,
+            "expert_parallel": 2,
+            "lifetime": lifetime,
+            "state_every": 2 if lifetime == "chunk" else 1,
+        }
         config = small_config(2, trainer=trainer)
         path = tmp_path / f"{lifetime}.yaml"
         path.write_text(yaml.safe_dump(config.model_dump(mode="json")))

@@ -57,7 +57,8 @@ class Launcher:
         """Start the tasks together (their shares are taken at once), yielding each as it has started. A daemon
         (the chunk's trainer) takes no share: it works while a train task waits on it, on every core, unpinned."""
         steps = [t for t in tasks if not t.step.daemon]
-        shares = dict(zip([t.name for t in steps], self.cores.start([t.name for t in steps]) if steps else [], strict=True))
+        names = [t.name for t in steps]
+        shares = dict(zip(names, self.cores.start(names) if steps else [], strict=True))
         for task in tasks:
             share = shares.get(task.name, set(self.cores.cores))
             if task.step.daemon:  # the shards' engines generate side by side: each its part of the cores' threads

@@ -64,10 +64,13 @@ def apply_template(step: Step, config: MoeloopConfig) -> Resource:
 
 
 def delete_template(config: MoeloopConfig) -> Resource:
-    """The exit handler's: every JobSet of this Workflow's long-lived processes, by their label (none left: no error)."""
+    """The exit handler's: every JobSet of this Workflow's long-lived processes, by their label (none: no error)."""
     selector = f"{WORKFLOW_LABEL}={{{{workflow.name}}}}"
     return Resource(
-        name=EXIT_STEPS, **orchestrator_pod(config), action="delete", flags=["jobsets.jobset.x-k8s.io", "--selector", selector]
+        name=EXIT_STEPS,
+        **orchestrator_pod(config),
+        action="delete",
+        flags=["jobsets.jobset.x-k8s.io", "--selector", selector],
     )
 
 
@@ -88,7 +91,10 @@ def asking_templates(step: Step, config: MoeloopConfig) -> list[Resource | Steps
             HeraStep(
                 name=daemon.name,
                 template=daemon.name,
-                arguments=[Parameter(name="name", value=daemon_name(daemon, "{{inputs.parameters.shard}}")), *passed(daemon.params)],
+                arguments=[
+                    Parameter(name="name", value=daemon_name(daemon, "{{inputs.parameters.shard}}")),
+                    *passed(daemon.params),
+                ],
             ),
             HeraStep(name="ask", template=ask.name, arguments=passed(step.params)),
         ],

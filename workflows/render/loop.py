@@ -145,5 +145,6 @@ def exit_hook(config: MoeloopConfig) -> tuple[list[Steps | Resource], dict[str, 
         return [], {"exit": hook} if finish else None
     parts = [HeraStep(name=EXIT_STEPS, template=EXIT_STEPS)]
     if finish:
-        parts.append(HeraStep(name=FINISH.name, template=FINISH.name, arguments=[Parameter(name="status", value=FINISHED_STATUS.value)]))
+        status = [Parameter(name="status", value=FINISHED_STATUS.value)]
+        parts.append(HeraStep(name=FINISH.name, template=FINISH.name, arguments=status))
     return [Steps(name=EXIT_TEMPLATE, sub_steps=[parts]), *deletes], {"exit": m.LifecycleHook(template=EXIT_TEMPLATE)}
