@@ -37,9 +37,9 @@ def test_a_chunk_trainer_pays_its_start_up_and_state_once_a_chunk_and_commits_th
         assert best.paid.chunk_iterations == c
         state = STATE_GB * 0.2 / c  # the state's fetch and its commit at the chunk's end, once a chunk
         commit = CHECKPOINT_GB * 0.1  # the checkpoint, from the trainer's memory, every iteration
+        assert best.paid.trainer_overhead == pytest.approx(15 + 32 / c)  # the train step's, not the handoff's
         assert best.paid.parts == pytest.approx(
             {
-                "trainer_overhead": 15 + 32 / c,
                 "trainer_state": state,
                 "checkpoint_write": commit,
                 "engine_start": 15,
@@ -145,7 +145,6 @@ def test_the_handoff_column_is_the_sum_of_its_parts_on_the_critical_path(tmp_pat
     rollout_bound = stated_plan(tmp_path, 1, rates(400, 12, 0.0125, 12500, 16, 0)).best
     assert rollout_bound.critical_path == "rollout ~> rollout"
     assert rollout_bound.handoff == {
-        "trainer_overhead": 0,
         "trainer_state": 0,
         "checkpoint_write": 0,
         "engine_start": 12,
@@ -153,7 +152,24 @@ def test_the_handoff_column_is_the_sum_of_its_parts_on_the_critical_path(tmp_pat
     }
     train_bound = stated_plan(tmp_path, 1, rates(4000, 10, 0.0125, 1250, 60, 0)).best
     assert train_bound.critical_path == "train -> train"
-    assert train_bound.handoff_seconds == pytest.approx(60) and train_bound.handoff["trainer_overhead"] == 60
+    # Its 60 s of overhead are the train step's compute and set-up: on the path, but not handoff (no state rate).
+    assert train_bound.handoff_seconds == 0 and train_bound.paid.trainer_overhead == 60
+
+
+@pytest.mark.parametrize("shape", [None, chunk(4)])
+def test_the_trainers_start_up_and_overhead_are_not_handoff(tmp_path: Path, shape: dict | None) -> None:
+    """Issue 38's handoff is state I/O, engine start and the policy's way: 100 s more of trainer overhead lengthen
+    the train step by 100 s (a chunk trainer: its start-up by 100 / C) and leave every part of the handoff as it was."""
+    target = {"trainer": shape} if shape else {}
+    plans = [stated_plan(tmp_path, 0, SHAPED | {"train_overhead_seconds": o}, **target).best for o in (47, 147)]
+    less, more = plans
+    assert more.paid.parts == pytest.approx(less.paid.parts) and more.handoff == pytest.approx(less.handoff)
+    grown = 100 / (less.paid.chunk_iterations or 1)
+    assert more.paid.trainer_overhead == pytest.approx(less.paid.trainer_overhead + grown)
+    assert more.step_seconds["train"] == pytest.approx(less.step_seconds["train"] + grown)
+    assert "trainer_overhead" not in less.paid.parts and less.handoff_seconds == pytest.approx(
+        sum(less.paid.parts.values())
+    )
 
 
 def test_locally_a_chunk_is_the_whole_run(tmp_path: Path) -> None:
@@ -167,7 +183,7 @@ def test_locally_a_chunk_is_the_whole_run(tmp_path: Path) -> None:
     plan = stated_plan(tmp_path, 0, stated, gpu="local", shards=2, cores=2, trainer=chunk(), iterations=12)
     best = plan.best
     assert best.paid.chunk_iterations == 12 and plan.setup.figures["chunk_iterations"].value == 12
-    assert best.paid.parts["trainer_overhead"] == pytest.approx(5 + 24 / 12)
+    assert best.paid.trainer_overhead == pytest.approx(5 + 24 / 12)
     assert best.handoff_seconds == pytest.approx(sum(best.handoff.values())) and best.handoff_seconds > 0
 
 
@@ -189,4 +205,4 @@ def test_bad_shapes_are_one_line_errors(tmp_path: Path) -> None:
     plain = {k: v for k, v in SHAPED.items() if k != "train_iteration_overhead_seconds"}
     plan = stated_plan(tmp_path, 0, plain, trainer=chunk())
     assert plan.setup.figures["train_iteration_overhead_seconds"].source.startswith("assumed: all of")
-    assert plan.best.paid.parts["trainer_overhead"] == pytest.approx(47)
+    assert plan.best.paid.trainer_overhead == pytest.approx(47)

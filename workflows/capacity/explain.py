@@ -65,8 +65,8 @@ def _table(plan: Plan, shown: list[Evaluated]) -> list[str]:
     lines += [f"path {_path_key(i)}: {path}" for i, path in enumerate(paths)]
     lines.append(f"busy %: the share of the period each pool is busy, {' / '.join(shown[0].utilisation)}")
     lines += [
-        "handoff s: what the trainer's start-up, overhead and state I/O, the rollout engines' start and the",
-        "    checkpoint's publish (or commit) and fetch add to the critical path, per iteration",
+        "handoff s: what the trainer state's I/O, the rollout engines' start and the checkpoint's publish (or",
+        "    commit) and fetch add to the critical path, per iteration (the trainer's start-up: compute, not in it)",
     ]
     if "EP" in headers:
         lines += [
@@ -117,6 +117,7 @@ def _handoff_lines(e: Evaluated) -> list[str]:
     return [
         f"  handoff on the critical path, s an iteration: {e.handoff_seconds:.1f} = {_parts(e, e.handoff)}",
         f"  handoff paid every iteration{where}, s (a rollout shard's): {_parts(e, e.paid.parts)}",
+        f"  not in the handoff: the trainer's start-up and overhead, in train's time, s: {e.paid.trainer_overhead:.1f}",
     ]
 
 
@@ -184,6 +185,7 @@ def _option_json(plan: Plan, e: Evaluated, front: list[Evaluated]) -> dict[str, 
             "paid_by_step": e.paid.steps,
             "chunk_iterations": e.paid.chunk_iterations,
             "background_commit_seconds": e.paid.background_commit,
+            "trainer_overhead_seconds_not_in_handoff": e.paid.trainer_overhead,
         },
         "utilisation": e.utilisation,
         "cost_per_iteration": e.cost_per_iteration,

@@ -23,8 +23,11 @@ critical path while B <= k x the period; beyond that the trainer waits, and the 
 again until the period is B / k. Both shapes: each rollout shard pays its engine's start (rollout_overhead_seconds)
 and the whole checkpoint's fetch every iteration (Argo's rollout pods are new every iteration).
 
-On the critical path: the cycle that sets the period (`schedule.critical_cycle`) holds each step's tasks some number
-of times over the iterations it spans; the handoff on it is the parts its tasks pay, over those iterations.
+The handoff's parts (issue 38's "state I/O, engine start and the policy handoff"): the state's I/O, publish or the
+trainer's checkpoint commit, the engines' start and the checkpoint's fetch. The trainer's start-up and overhead (O,
+or o + (O - o) / C) are the train step's compute and set-up: in its time, not in the handoff. On the critical path:
+the cycle that sets the period (`schedule.critical_cycle`) holds each step's tasks some number of times over the
+iterations it spans; the handoff on it is the parts its tasks pay, over those iterations.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ if TYPE_CHECKING:
 ITERATION, CHUNK = "iteration", "chunk"
 # The parts, in the order they are printed, with what they are called there.
 LABELS = {
-    "trainer_overhead": "trainer overhead",
     "trainer_state": "state I/O",
     "checkpoint_write": "checkpoint publish or commit",
     "engine_start": "engine start",
@@ -62,6 +64,9 @@ class Handoff:
     steps: dict[str, str]  # part -> step
     chunk_iterations: int | None  # C; None: a trainer per iteration
     background_commit: float  # B: one background commit of the state, seconds (0: a trainer per iteration)
+    # The trainer's start-up and overhead an iteration (torchrun, compiling, the reference pass, the experience):
+    # the train step's compute and set-up, not the handoff's; none of the parts.
+    trainer_overhead: float
 
     def label(self, part: str) -> str:
         if part == "checkpoint_write":
@@ -85,28 +90,21 @@ def handoff(setup: Setup, option: Option, excess: float = 0.0) -> Handoff:
         "checkpoint_fetch": v("checkpoint_gb") * v("fetch_seconds_per_gb"),
     }
     steps = {
-        "trainer_overhead": "train",
         "trainer_state": "train",
         "engine_start": "rollout",
         "checkpoint_fetch": "rollout",
     }
     if setup.lifetime == ITERATION:
-        parts = {
-            "trainer_overhead": v("train_overhead_seconds"),
-            "trainer_state": state,
-            "checkpoint_write": v("checkpoint_gb") * v("publish_seconds_per_gb"),
-        }
-        return Handoff(parts | rollout, steps | {"checkpoint_write": "publish"}, None, 0.0)
+        parts = {"trainer_state": state, "checkpoint_write": v("checkpoint_gb") * v("publish_seconds_per_gb")}
+        overhead = v("train_overhead_seconds")
+        return Handoff(parts | rollout, steps | {"checkpoint_write": "publish"}, None, 0.0, overhead)
     chunk = chunk_iterations(setup, option)
     per_iteration = v("train_iteration_overhead_seconds")
     commit = v("trainer_commit_seconds_per_gb")
-    parts = {
-        "trainer_overhead": per_iteration + (v("train_overhead_seconds") - per_iteration) / chunk,
-        "trainer_state": state / chunk + excess,
-        "checkpoint_write": v("checkpoint_gb") * commit,
-    }
+    parts = {"trainer_state": state / chunk + excess, "checkpoint_write": v("checkpoint_gb") * commit}
+    overhead = per_iteration + (v("train_overhead_seconds") - per_iteration) / chunk
     background = v("trainer_state_gb") * commit / nodes
-    return Handoff(parts | rollout, steps | {"checkpoint_write": "train"}, chunk, background)
+    return Handoff(parts | rollout, steps | {"checkpoint_write": "train"}, chunk, background, overhead)
 
 
 def chunk_iterations(setup: Setup, option: Option) -> int:

@@ -167,7 +167,7 @@ def step_seconds(setup: Setup, option: Option, paid: Handoff | None = None) -> t
     reward_gpus = option.reward_nodes * setup.prices.gpus if setup.reward_on_gpu and setup.prices else 1
     train_gpus = 1 if setup.local else option.train_gpus  # locally: per core, the cores played by the schedule
     update = setup.tokens * v("epochs") / (v("train_tokens_per_second_per_gpu") * train_gpus)
-    train = paid.parts["trainer_overhead"] + update + paid.parts["trainer_state"]
+    train = paid.trainer_overhead + update + paid.parts["trainer_state"]
     if paid.steps["checkpoint_write"] == "train":  # a trainer per chunk commits the checkpoint itself
         train += paid.parts["checkpoint_write"]
     seconds = {
