@@ -65,8 +65,8 @@ def _table(plan: Plan, shown: list[Evaluated]) -> list[str]:
     lines += [f"path {_path_key(i)}: {path}" for i, path in enumerate(paths)]
     lines.append(f"busy %: the share of the period each pool is busy, {' / '.join(shown[0].utilisation)}")
     lines += [
-        "handoff s: what the trainer state's I/O, the rollout engines' start and the checkpoint's publish (or",
-        "    commit) and fetch add to the critical path, per iteration (the trainer's start-up: compute, not in it)",
+        "handoff s: what the trainer state's I/O, the rollout engines' start and the policy's way (publish or",
+        "    commit, fetch, delta) add to the critical path, per iteration (the trainer's start-up: compute, not in it)",
     ]
     if "EP" in headers:
         lines += [
@@ -113,7 +113,7 @@ def _parts(e: Evaluated, parts: dict[str, float]) -> str:
 
 def _handoff_lines(e: Evaluated) -> list[str]:
     chunk = e.paid.chunk_iterations
-    where = f", its trainer's chunk {chunk} iterations" if chunk is not None else ""
+    where = f", a chunk of {chunk} iterations" if chunk is not None else ""
     return [
         f"  handoff on the critical path, s an iteration: {e.handoff_seconds:.1f} = {_parts(e, e.handoff)}",
         f"  handoff paid every iteration{where}, s (a rollout shard's): {_parts(e, e.paid.parts)}",
@@ -132,6 +132,16 @@ def _trainer_line(plan: Plan) -> str:
     )
 
 
+def _engines_line(plan: Plan) -> str:
+    setup = plan.setup
+    if setup.rollout_lifetime != CHUNK:
+        return f"rollout engines: lifetime iteration, new ones every iteration ({setup.rollout_lifetime_source})"
+    return (
+        "rollout engines: lifetime chunk, one a shard a chunk, each policy taken by its delta in place"
+        f" ({setup.rollout_lifetime_source})"
+    )
+
+
 def plan_table(plan: Plan) -> str:
     setup = plan.setup
     counts, v = setup.counts, setup.value
@@ -147,6 +157,7 @@ def plan_table(plan: Plan) -> str:
             f" iteration), {v('epochs'):.0f} epoch(s)"
         ),
         _trainer_line(plan),
+        _engines_line(plan),
         "",
     ]
     shown = pareto(plan.evaluated)
@@ -186,6 +197,7 @@ def _option_json(plan: Plan, e: Evaluated, front: list[Evaluated]) -> dict[str, 
             "chunk_iterations": e.paid.chunk_iterations,
             "background_commit_seconds": e.paid.background_commit,
             "trainer_overhead_seconds_not_in_handoff": e.paid.trainer_overhead,
+            "restart_seconds": e.paid.restart,
         },
         "utilisation": e.utilisation,
         "cost_per_iteration": e.cost_per_iteration,
@@ -224,6 +236,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "source": setup.lifetime_source,
             "state_every": int(setup.value("state_every")) if setup.lifetime == CHUNK else 1,
         },
+        "rollout": {"lifetime": setup.rollout_lifetime, "source": setup.rollout_lifetime_source},
         "inputs": {name: vars(figure) for name, figure in setup.figures.items()},
         "best": {"constraint": plan.constraint, **_option_json(plan, plan.best, front)},
         "options": [_option_json(plan, e, front) for e in plan.evaluated],

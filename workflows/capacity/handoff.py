@@ -1,13 +1,13 @@
-"""The trainer's lifetime (`trainer.lifetime`) and the policy's handoff: what each step pays every iteration for the
-trainer's start-up and state, the rollout engines' start and the checkpoint's way from the trainer to the rollouts;
-and how much of it lies on the critical path.
+"""The trainer's and the rollout engines' lifetimes (`trainer.lifetime`, `rollout.lifetime`; `lifetime.py` resolves
+them) and the policy's handoff: what each step pays every iteration for the trainer's state, the rollout engines'
+start and the policy's way from the trainer to the rollouts; and how much of it lies on the critical path.
 
-lifetime iteration (a new trainer, pod or JobSet, every iteration):
+trainer lifetime iteration (a new trainer, pod or JobSet, every iteration):
 
     train   = overhead O + state GB x state s/GB / train nodes  + the update
     publish = checkpoint GB x publish s/GB                        (reads the state's weights, writes the checkpoint)
 
-lifetime chunk (one trainer for a chunk of C iterations, its state committed every k = state_every):
+trainer lifetime chunk (one trainer for a chunk of C iterations, its state committed every k = state_every):
 
     train   = o + (O - o) / C                                     its start-up, once a chunk
             + state GB x state s/GB / train nodes / C             the state's fetch, and its commit at the chunk's end
@@ -20,14 +20,33 @@ with o = train_iteration_overhead_seconds (reading the experience, the reference
 trainer_commit_seconds_per_gb (a train node's commit, the commit half of trainer_state_seconds_per_gb). Every k
 iterations the state, state GB x commit s/GB / train nodes = B seconds, is committed in the background: off the
 critical path while B <= k x the period; beyond that the trainer waits, and the train step carries the excess, played
-again until the period is B / k. Both shapes: each rollout shard pays its engine's start (rollout_overhead_seconds)
-and the whole checkpoint's fetch every iteration (Argo's rollout pods are new every iteration).
+again until the period is B / k.
+
+rollout lifetime iteration (a new engine every iteration; Argo's rollout pods are new every iteration), a shard:
+
+    rollout = E + checkpoint GB x fetch s/GB                      + generating
+
+rollout lifetime chunk (an engine per shard for the chunk, asked by a CPU pod each iteration), a shard:
+
+    rollout = E / C + checkpoint GB x fetch s/GB / C              its engine's start and the whole checkpoint, once
+            + delta GB x fetch s/GB                               the new policy's delta
+            + checkpoint GB x apply s/GB                          written in place, the weights' digest checked
+            + generating
+
+with E = rollout_overhead_seconds, delta GB = checkpoint GB x 2 x delta_changed_fraction (`lifetime.py`) and apply
+s/GB = delta_apply_seconds_per_gb. The chunk's first iteration fetches the whole checkpoint instead of a delta and
+checks its digest after the load: it is charged a delta's fetch and apply too (an upper bound, by one delta's fetch
+and in-place write a chunk). Once-a-chunk costs, the trainer's and the engines', are amortized over the chunk, not
+played on its first iteration: the schedule's steady state is one iteration's pattern repeated. A shard whose Spot
+node is reclaimed starts a new engine: its retry pays E + the whole checkpoint's fetch instead of their chunk's share
+and the delta's fetch (`Handoff.restart`, options.py's Spot retry).
 
 The handoff's parts (issue 38's "state I/O, engine start and the policy handoff"): the state's I/O, publish or the
-trainer's checkpoint commit, the engines' start and the checkpoint's fetch. The trainer's start-up and overhead (O,
-or o + (O - o) / C) are the train step's compute and set-up: in its time, not in the handoff. On the critical path:
-the cycle that sets the period (`schedule.critical_cycle`) holds each step's tasks some number of times over the
-iterations it spans; the handoff on it is the parts its tasks pay, over those iterations.
+trainer's checkpoint commit, the engines' start and the checkpoint's fetch, and with engines per chunk the delta's
+fetch and apply. The trainer's start-up and overhead (O, or o + (O - o) / C) are the train step's compute and
+set-up: in its time, not in the handoff. On the critical path: the cycle that sets the period
+(`schedule.critical_cycle`) holds each step's tasks some number of times over the iterations it spans; the handoff
+on it is the parts its tasks pay, over those iterations.
 """
 
 from __future__ import annotations
@@ -35,11 +54,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moeloop.steps.config import TrainerConfig
 from moeloop.steps.errors import MoeloopError
-from moeloop.workflows.capacity.rates import Figure
 from moeloop.workflows.capacity.schedule import Schedule
-from moeloop.workflows.capacity.target import Trainer
 
 if TYPE_CHECKING:
     from moeloop.workflows.capacity.options import Option, Setup
@@ -51,9 +67,9 @@ LABELS = {
     "checkpoint_write": "checkpoint publish or commit",
     "engine_start": "engine start",
     "checkpoint_fetch": "checkpoint fetch",
+    "delta_fetch": "delta fetch",
+    "delta_apply": "delta apply and digest check",
 }
-# The chunk shape's figures, listed as inputs only when planned: they say nothing to a trainer per iteration.
-CHUNK_RATES = ("trainer_commit_seconds_per_gb", "train_iteration_overhead_seconds")
 
 
 @dataclass(frozen=True)
@@ -62,11 +78,14 @@ class Handoff:
 
     parts: dict[str, float]
     steps: dict[str, str]  # part -> step
-    chunk_iterations: int | None  # C; None: a trainer per iteration
+    chunk_iterations: int | None  # C; None: neither the trainer nor the engines live for a chunk
     background_commit: float  # B: one background commit of the state, seconds (0: a trainer per iteration)
     # The trainer's start-up and overhead an iteration (torchrun, compiling, the reference pass, the experience):
     # the train step's compute and set-up, not the handoff's; none of the parts.
     trainer_overhead: float
+    # What a shard restarted from scratch pays beyond its parts: a new engine's start and the whole checkpoint, less
+    # their chunk's share and the delta's fetch (0: engines per iteration, whose parts are those already).
+    restart: float = 0.0
 
     def label(self, part: str) -> str:
         if part == "checkpoint_write":
@@ -79,46 +98,62 @@ class Handoff:
 
 def handoff(setup: Setup, option: Option, excess: float = 0.0) -> Handoff:
     """The option's handoff; `excess`: what the train step waits, per iteration, for the state's background
-    commit (lifetime chunk)."""
+    commit (trainer lifetime chunk)."""
     v = setup.value
     nodes = max(1, option.train_nodes)
     state = 0.0  # a run's measured overhead and start-ups already hold the state's I/O where no rate splits it
     if "trainer_state_seconds_per_gb" in setup.figures:
         state = v("trainer_state_gb") * v("trainer_state_seconds_per_gb") / nodes
-    rollout = {
-        "engine_start": v("rollout_overhead_seconds"),
-        "checkpoint_fetch": v("checkpoint_gb") * v("fetch_seconds_per_gb"),
-    }
-    steps = {
-        "trainer_state": "train",
-        "engine_start": "rollout",
-        "checkpoint_fetch": "rollout",
-    }
+    chunk = chunk_iterations(setup, option) if CHUNK in (setup.lifetime, setup.rollout_lifetime) else None
+    parts, restart = _rollout_parts(setup, chunk)
+    steps = dict.fromkeys(parts, "rollout") | {"trainer_state": "train"}
     if setup.lifetime == ITERATION:
-        parts = {"trainer_state": state, "checkpoint_write": v("checkpoint_gb") * v("publish_seconds_per_gb")}
-        overhead = v("train_overhead_seconds")
-        return Handoff(parts | rollout, steps | {"checkpoint_write": "publish"}, None, 0.0, overhead)
-    chunk = chunk_iterations(setup, option)
+        trainer = {"trainer_state": state, "checkpoint_write": v("checkpoint_gb") * v("publish_seconds_per_gb")}
+        steps["checkpoint_write"] = "publish"
+        return Handoff(trainer | parts, steps, chunk, 0.0, v("train_overhead_seconds"), restart)
     per_iteration = v("train_iteration_overhead_seconds")
     commit = v("trainer_commit_seconds_per_gb")
-    parts = {"trainer_state": state / chunk + excess, "checkpoint_write": v("checkpoint_gb") * commit}
+    trainer = {"trainer_state": state / chunk + excess, "checkpoint_write": v("checkpoint_gb") * commit}
     overhead = per_iteration + (v("train_overhead_seconds") - per_iteration) / chunk
     background = v("trainer_state_gb") * commit / nodes
-    return Handoff(parts | rollout, steps | {"checkpoint_write": "train"}, chunk, background, overhead)
+    steps["checkpoint_write"] = "train"
+    return Handoff(trainer | parts, steps, chunk, background, overhead, restart)
+
+
+def _rollout_parts(setup: Setup, chunk: int | None) -> tuple[dict[str, float], float]:
+    """A rollout shard's parts of the handoff an iteration, and what its restart from scratch pays beyond them."""
+    v = setup.value
+    start, whole = v("rollout_overhead_seconds"), v("checkpoint_gb") * v("fetch_seconds_per_gb")
+    if setup.rollout_lifetime == ITERATION:
+        return {"engine_start": start, "checkpoint_fetch": whole}, 0.0
+    parts = {
+        "engine_start": start / chunk,
+        "checkpoint_fetch": whole / chunk,
+        "delta_fetch": v("delta_gb") * v("fetch_seconds_per_gb"),
+        "delta_apply": v("checkpoint_gb") * v("delta_apply_seconds_per_gb"),
+    }
+    restart = start + whole - parts["engine_start"] - parts["checkpoint_fetch"] - parts["delta_fetch"]
+    return parts, max(0.0, restart)
 
 
 def chunk_iterations(setup: Setup, option: Option) -> int:
-    """C: the whole run locally (its trainer lives for it); on Argo the chunk Workflow's iterations at this option's
-    shards (`workflows/render/chunk.py`: cluster.chunk_iterations, by default 20 or as many as fit a Workflow's
-    200 tasks). An explicit cluster.chunk_iterations this option's iterations cannot fit: as many as do."""
+    """C: the whole run locally (what lives for a chunk lives for it); on Argo the chunk Workflow's iterations at this
+    option's shards and the planned lifetimes (`workflows/render/chunk.py`: cluster.chunk_iterations, by default 20
+    or as many as fit a Workflow's 200 tasks). An explicit cluster.chunk_iterations this option's iterations cannot
+    fit: as many as do."""
     if setup.local:
         return setup.iterations
     from moeloop.workflows.render.chunk import chunk_size  # hera: only for a chunk plan on a cluster
 
     rollout = setup.config.rollout.model_copy(
-        update={"num_shards": option.rollout_shards, "max_staleness": option.staleness}
+        update={
+            "num_shards": option.rollout_shards,
+            "max_staleness": option.staleness,
+            "lifetime": setup.rollout_lifetime,
+        }
     )
-    config = setup.config.model_copy(update={"rollout": rollout})
+    trainer = setup.config.trainer.model_copy(update={"lifetime": setup.lifetime})
+    config = setup.config.model_copy(update={"rollout": rollout, "trainer": trainer})
     try:
         return chunk_size(config)
     except MoeloopError:
@@ -139,66 +174,3 @@ def on_path(schedule: Schedule, cycle: list[str], span: int, h: Handoff, local: 
             if step == job.task.step:
                 found[part] += h.parts[part] * pace / span
     return found
-
-
-def trainer_lifetime(target: Trainer, config: TrainerConfig, where: str, source: str) -> tuple[str, str, Figure]:
-    """The planned trainer's lifetime with where it comes from, and its state_every: the target's trainer section's,
-    else the run's or config's (`source`: which)."""
-    lifetime, said = target.lifetime, f"stated: {where} trainer.lifetime"
-    if lifetime is None:
-        lifetime, said = config.lifetime, f"config: {source}'s trainer.lifetime"
-    every, every_said = target.state_every, f"stated: {where} trainer.state_every"
-    if every is None:
-        every = config.state_every if lifetime == CHUNK else 1
-        every_said = f"config: {source}'s trainer.state_every" if lifetime == CHUNK else "a trainer per iteration"
-    if every > 1 and lifetime != CHUNK:
-        raise MoeloopError(
-            f"trainer.state_every {every} needs trainer.lifetime chunk: a trainer per iteration commits every one"
-        )
-    return lifetime, said, Figure(every, "iterations", every_said)
-
-
-def chunk_figures(
-    figures: dict[str, Figure], every: Figure, local: bool, iterations: int, configured: int | None
-) -> dict[str, Figure]:
-    """The chunk shape's figures: its state_every, its chunk, and the per-iteration overhead (stated, else assumed
-    all of train_overhead_seconds: the planner cannot tell start-up from per-iteration work); refused where the
-    state's I/O is not stated apart from the overhead."""
-    missing = [
-        name for name in ("trainer_state_seconds_per_gb", "trainer_commit_seconds_per_gb") if name not in figures
-    ]
-    if missing:
-        raise MoeloopError(
-            f"trainer.lifetime chunk needs the trainer state's I/O apart from its overhead: state {', '.join(missing)}"
-            " in the target's rates:"
-        )
-    if figures["trainer_commit_seconds_per_gb"].value > figures["trainer_state_seconds_per_gb"].value:
-        raise MoeloopError(
-            "rates.trainer_commit_seconds_per_gb is the commit half of trainer_state_seconds_per_gb: not more"
-        )
-    overhead = figures["train_overhead_seconds"]
-    found = {"state_every": every}
-    if local:
-        found["chunk_iterations"] = Figure(iterations, "iterations", "the run: locally one trainer lives for it all")
-    elif configured is not None:
-        found["chunk_iterations"] = Figure(
-            configured, "iterations", "config: cluster.chunk_iterations (fewer where an option's tasks do not fit)"
-        )
-    else:
-        found["chunk_iterations"] = Figure(
-            20, "iterations", "at most: workflows/render/chunk.py's 20, fewer where an option's tasks fill 200 first"
-        )
-    stated = figures.get("train_iteration_overhead_seconds")
-    if stated is None:
-        stated = Figure(
-            overhead.value,
-            "s",
-            "assumed: all of train_overhead_seconds (the planner cannot tell start-up from per-iteration work:"
-            " state rates.train_iteration_overhead_seconds)",
-        )
-    if stated.value > overhead.value:
-        raise MoeloopError(
-            f"rates.train_iteration_overhead_seconds {stated.value:g} is more than train_overhead_seconds"
-            f" {overhead.value:g}: it is the part of it that recurs every iteration"
-        )
-    return found | {"train_iteration_overhead_seconds": stated}

@@ -11,15 +11,17 @@ A step's time is its fixed overhead plus its work over its rate:
                     + prompts x G x (prompt + response tokens) x epochs / (tokens/s per GPU x train GPUs)
     publish       = checkpoint GB x publish s/GB
 
-for a trainer per iteration (trainer.lifetime iteration); a trainer per chunk pays its start-up and its state's I/O
-once a chunk and commits the checkpoint itself (`handoff.py`, where the overhead, the state's I/O, the engines' start,
-publish and fetch are the handoff's parts). Every step also pays its start-up before it. Locally the rates are per
+for a trainer and engines per iteration (trainer.lifetime, rollout.lifetime iteration); a trainer per chunk pays its
+start-up and its state's I/O once a chunk and commits the checkpoint itself, engines per chunk pay their start and
+the whole checkpoint once a chunk and take each policy by its delta (`handoff.py`, where the state's I/O, the
+engines' start, publish, the fetch and the delta are the handoff's parts). Every step also pays its start-up before it. Locally the rates are per
 core and these are seconds on one core, which the schedule plays at c ** a times that speed on the c cores' worth a
 step holds (`core_scaling`).
 
 Spot: with r reclaims per instance-hour on n rollout nodes, an iteration's shards (R seconds each) lose one with
 probability 1 - exp(-r n R / 3600); that shard restarts from scratch, so it ends (interrupted on average halfway)
-R / 2 + the restart later. The rollout time carries that expected value.
+R / 2 + the restart later (with engines per chunk, + the new engine's start and whole checkpoint beyond R's share of
+them: `Handoff.restart`). The rollout time carries that expected value.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class Setup:
     search: Search
     lifetime: str = ITERATION  # trainer.lifetime: iteration or chunk
     lifetime_source: str = "the default"
+    rollout_lifetime: str = ITERATION  # rollout.lifetime: iteration or chunk
+    rollout_lifetime_source: str = "the default"
 
     def value(self, name: str) -> float:
         return self.figures[name].value
@@ -163,7 +167,7 @@ def step_seconds(setup: Setup, option: Option, paid: Handoff | None = None) -> t
     if setup.prices is not None:
         shard = v("start_seconds.rollout") + rollout
         lost = 1 - math.exp(-v("spot_interruptions_per_hour") * option.rollout_nodes * shard / 3600)
-        spot = lost * (shard / 2 + v("spot_restart_seconds"))
+        spot = lost * (shard / 2 + v("spot_restart_seconds") + paid.restart)
     reward_gpus = option.reward_nodes * setup.prices.gpus if setup.reward_on_gpu and setup.prices else 1
     train_gpus = 1 if setup.local else option.train_gpus  # locally: per core, the cores played by the schedule
     update = setup.tokens * v("epochs") / (v("train_tokens_per_second_per_gpu") * train_gpus)

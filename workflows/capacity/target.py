@@ -51,6 +51,13 @@ class Trainer(Strict):
     state_every: int | None = Field(None, gt=0)
 
 
+class Rollout(Strict):
+    """The rollout engines' shape: how long a shard's engine lives (the run config's rollout.lifetime, same meaning;
+    None takes the planned run's or config's)."""
+
+    lifetime: Literal["iteration", "chunk"] | None = None
+
+
 class StatedRates(Strict):
     """Rates for the target's model on the target's GPU, stated by the user. Each one replaces the run's. For the
     local runner, per core: "per GPU" is per core, and seconds are core-seconds (`moeloop.workflows.capacity.rates`)."""
@@ -70,6 +77,10 @@ class StatedRates(Strict):
     # trainer.lifetime chunk: the overhead that stays every iteration (reading the experience, the reference
     # model's pass); the rest of train_overhead_seconds is start-up, paid once a chunk.
     train_iteration_overhead_seconds: float | None = Field(None, ge=0)
+    # rollout.lifetime chunk: the share of the checkpoint's elements an update changes (its delta is 2 x that share of
+    # the checkpoint's bytes), and an engine's in-place write of a delta and its digest check, per GB of checkpoint.
+    delta_changed_fraction: float | None = Field(None, gt=0, le=1)
+    delta_apply_seconds_per_gb: float | None = Field(None, ge=0)
     publish_seconds_per_gb: float | None = Field(None, ge=0)
     evaluate_seconds: float | None = Field(None, ge=0)
     start_seconds: float | None = Field(None, ge=0)  # every step: pod start and the predecessor's commit
@@ -96,6 +107,7 @@ class Target(Strict):
     cores: int | None = Field(None, gt=0)  # the local runner's cores, where measured and planned; None: this machine's
     batch: Batch = Batch()
     trainer: Trainer = Trainer()
+    rollout: Rollout = Rollout()
     rates: StatedRates = StatedRates()
     search: Search = Search()
 
