@@ -66,7 +66,7 @@ def _table(plan: Plan, shown: list[Evaluated]) -> list[str]:
     lines.append(f"busy %: the share of the period each pool is busy, {' / '.join(shown[0].utilisation)}")
     lines += [
         "handoff s: what the trainer state's I/O, the rollout engines' start and the policy's way (publish or",
-        "    commit, fetch, delta) add to the critical path, per iteration (the trainer's start-up: compute, not in it)",
+        "    commit, fetch, delta) add to the critical path, per iteration (the trainer's start-up is not in it)",
     ]
     if "EP" in headers:
         lines += [

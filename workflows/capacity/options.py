@@ -14,9 +14,9 @@ A step's time is its fixed overhead plus its work over its rate:
 for a trainer and engines per iteration (trainer.lifetime, rollout.lifetime iteration); a trainer per chunk pays its
 start-up and its state's I/O once a chunk and commits the checkpoint itself, engines per chunk pay their start and
 the whole checkpoint once a chunk and take each policy by its delta (`handoff.py`, where the state's I/O, the
-engines' start, publish, the fetch and the delta are the handoff's parts). Every step also pays its start-up before it. Locally the rates are per
-core and these are seconds on one core, which the schedule plays at c ** a times that speed on the c cores' worth a
-step holds (`core_scaling`).
+engines' start, publish, the fetch and the delta are the handoff's parts). Every step also pays its start-up before
+it. Locally the rates are per core and these are seconds on one core, which the schedule plays at c ** a times that
+speed on the c cores' worth a step holds (`core_scaling`).
 
 Spot: with r reclaims per instance-hour on n rollout nodes, an iteration's shards (R seconds each) lose one with
 probability 1 - exp(-r n R / 3600); that shard restarts from scratch, so it ends (interrupted on average halfway)
