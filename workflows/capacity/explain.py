@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from moeloop.steps.rl.memory import GIB
+from moeloop.workflows.capacity.handoff import CHUNK
 from moeloop.workflows.capacity.options import Evaluated, Plan, pareto
 
 
@@ -35,6 +36,7 @@ def _columns(plan: Plan, e: Evaluated, paths: list[str]) -> dict[str, str]:
         **_pools(plan, e),
         "staleness": str(e.option.staleness),
         "period s": f"{e.period:.1f}",
+        "handoff s": f"{e.handoff_seconds:.1f}",
         "path": _path_key(paths.index(e.critical_path)),
         "busy %": " / ".join(f"{share:.0%}".rstrip("%") for share in e.utilisation.values()),
     }
@@ -42,7 +44,6 @@ def _columns(plan: Plan, e: Evaluated, paths: list[str]) -> dict[str, str]:
         row |= {
             "$/iteration": f"{e.cost_per_iteration:.2f}",
             "$/M tokens": f"{e.cost_per_iteration / plan.setup.tokens * 1e6:.3f}",
-            "Spot retry s": f"{e.spot_retry_seconds:.1f}",
             "GiB/GPU": f"{e.train_memory.total / GIB:.0f}/{plan.setup.gpu.memory_bytes / GIB:.0f}",
         }
     return row
@@ -63,6 +64,10 @@ def _table(plan: Plan, shown: list[Evaluated]) -> list[str]:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in cells]
     lines += [f"path {_path_key(i)}: {path}" for i, path in enumerate(paths)]
     lines.append(f"busy %: the share of the period each pool is busy, {' / '.join(shown[0].utilisation)}")
+    lines += [
+        "handoff s: what the trainer state's I/O, the rollout engines' start and the policy's way (publish or",
+        "    commit, fetch, delta) add to the critical path, per iteration (the trainer's start-up is not in it)",
+    ]
     if "EP" in headers:
         lines += [
             "EP: the smallest expert-parallel size whose trainer fits the GPU's memory (GiB/GPU). Memory only: the",
@@ -89,15 +94,52 @@ def _best_lines(plan: Plan) -> list[str]:
     if best.cost_per_iteration is not None:
         run += f", ${best.cost_per_iteration * setup.iterations:,.0f}"
     pools = ", ".join(_described_pools(plan, best))
+    retry = f" (Spot retry {best.spot_retry_seconds:.1f})" if best.cost_per_iteration is not None else ""
     lines = [
         f"best ({plan.constraint}): {pools}, staleness {best.option.staleness}: {best.period:.1f} s/iteration, {run}",
         f"  step seconds{' on one core' if setup.local else ''}: "
-        + ", ".join(f"{step} {s:.1f}" for step, s in best.step_seconds.items()),
+        + ", ".join(f"{step} {s:.1f}{retry if step == 'rollout' else ''}" for step, s in best.step_seconds.items()),
+        *_handoff_lines(best),
     ]
     if best.train_memory is not None:
         terms = ", ".join(f"{name} {size / GIB:.1f}" for name, size in best.train_memory.terms.items())
         lines.append(f"  train memory per GPU, GiB, at the {best.train_memory.moment}: {terms}")
     return lines
+
+
+def _parts(e: Evaluated, parts: dict[str, float]) -> str:
+    return " + ".join(f"{e.paid.label(part)} {seconds:.1f}" for part, seconds in parts.items())
+
+
+def _handoff_lines(e: Evaluated) -> list[str]:
+    chunk = e.paid.chunk_iterations
+    where = f", a chunk of {chunk} iterations" if chunk is not None else ""
+    return [
+        f"  handoff on the critical path, s an iteration: {e.handoff_seconds:.1f} = {_parts(e, e.handoff)}",
+        f"  handoff paid every iteration{where}, s (a rollout shard's): {_parts(e, e.paid.parts)}",
+        f"  not in the handoff: the trainer's start-up and overhead, in train's time, s: {e.paid.trainer_overhead:.1f}",
+    ]
+
+
+def _trainer_line(plan: Plan) -> str:
+    setup = plan.setup
+    if setup.lifetime != CHUNK:
+        return f"trainer: lifetime iteration, a new one every iteration ({setup.lifetime_source})"
+    every = setup.value("state_every")
+    return (
+        f"trainer: lifetime chunk, one a chunk, its state committed every {every:.0f} iteration(s) in the background"
+        f" ({setup.lifetime_source})"
+    )
+
+
+def _engines_line(plan: Plan) -> str:
+    setup = plan.setup
+    if setup.rollout_lifetime != CHUNK:
+        return f"rollout engines: lifetime iteration, new ones every iteration ({setup.rollout_lifetime_source})"
+    return (
+        "rollout engines: lifetime chunk, one a shard a chunk, each policy taken by its delta in place"
+        f" ({setup.rollout_lifetime_source})"
+    )
 
 
 def plan_table(plan: Plan) -> str:
@@ -114,6 +156,8 @@ def plan_table(plan: Plan) -> str:
             f" {v('prompt_tokens'):.0f} + {v('response_tokens'):.0f} tokens ({_count(setup.tokens)} tokens an"
             f" iteration), {v('epochs'):.0f} epoch(s)"
         ),
+        _trainer_line(plan),
+        _engines_line(plan),
         "",
     ]
     shown = pareto(plan.evaluated)
@@ -145,6 +189,16 @@ def _option_json(plan: Plan, e: Evaluated, front: list[Evaluated]) -> dict[str, 
         "critical_path": e.critical_path,
         "step_seconds": e.step_seconds,
         "spot_retry_seconds": e.spot_retry_seconds,
+        "handoff": {
+            "seconds_on_critical_path": e.handoff_seconds,
+            "parts_on_critical_path": e.handoff,
+            "paid_per_iteration": e.paid.parts,
+            "paid_by_step": e.paid.steps,
+            "chunk_iterations": e.paid.chunk_iterations,
+            "background_commit_seconds": e.paid.background_commit,
+            "trainer_overhead_seconds_not_in_handoff": e.paid.trainer_overhead,
+            "restart_seconds": e.paid.restart,
+        },
         "utilisation": e.utilisation,
         "cost_per_iteration": e.cost_per_iteration,
         "cost_per_million_tokens": None
@@ -177,6 +231,12 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "gpus_per_shard": setup.gpus_per_shard,
         "iterations": setup.iterations,
         "tokens_per_iteration": setup.tokens,
+        "trainer": {
+            "lifetime": setup.lifetime,
+            "source": setup.lifetime_source,
+            "state_every": int(setup.value("state_every")) if setup.lifetime == CHUNK else 1,
+        },
+        "rollout": {"lifetime": setup.rollout_lifetime, "source": setup.rollout_lifetime_source},
         "inputs": {name: vars(figure) for name, figure in setup.figures.items()},
         "best": {"constraint": plan.constraint, **_option_json(plan, plan.best, front)},
         "options": [_option_json(plan, e, front) for e in plan.evaluated],

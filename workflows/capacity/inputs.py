@@ -24,6 +24,7 @@ from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.shape import ModelShape, parameter_counts, shape_from_hf_config
 from moeloop.steps.rl.memory import GIB
 from moeloop.workflows.capacity.hardware import GPU, gpu
+from moeloop.workflows.capacity.lifetime import rollout_lifetime, shape_figures, trainer_lifetime
 from moeloop.workflows.capacity.models import model_config, read_hf_config, train_flops_per_token
 from moeloop.workflows.capacity.options import Option, Setup, pick_expert_parallel
 from moeloop.workflows.capacity.rates import STEPS, Figure, Measured, measure_run
@@ -41,7 +42,14 @@ RATES = {
     "publish_seconds_per_gb": "s/GB",
     "evaluate_seconds": "s",
 }
-OPTIONAL_RATES = {"rollout_sequence_tokens_per_second": "tokens/s", "trainer_state_seconds_per_gb": "s/GB"}
+OPTIONAL_RATES = {
+    "rollout_sequence_tokens_per_second": "tokens/s",
+    "trainer_state_seconds_per_gb": "s/GB",
+    "trainer_commit_seconds_per_gb": "s/GB",  # trainer.lifetime chunk
+    "train_iteration_overhead_seconds": "s",  # trainer.lifetime chunk
+    "delta_changed_fraction": "fraction",  # rollout.lifetime chunk
+    "delta_apply_seconds_per_gb": "s/GB",  # rollout.lifetime chunk
+}
 ASSUMED_POD_START_SECONDS = 30.0  # a pod on a warm node, its image cached: scheduling, container start, imports
 ASSUMED_NEW_NODE_SECONDS = 300.0  # a reclaimed Spot node's replacement: provisioning and joining the cluster
 
@@ -107,6 +115,12 @@ def plan_inputs(
             f"neither measured for this target nor stated: {', '.join(missing)} ({origin}; target GPU {target.gpu});"
             " state them in the target's rates:"
         )
+    planned = "the run" if measured else source
+    lifetime, lifetime_source, every = trainer_lifetime(target.trainer, config.trainer, sources.where, planned)
+    engines, engines_source = rollout_lifetime(target.rollout, config.rollout, sources.where, planned)
+    iterations = target.iterations or config.iterations
+    chunk = config.cluster.chunk_iterations
+    figures = shape_figures(figures, lifetime, every, engines, device is None, iterations, chunk)
     setup = Setup(
         config,
         model,
@@ -118,8 +132,12 @@ def plan_inputs(
         prices_source,
         _gpus_per_shard(target, config, parameter_counts(shape).total, device),
         target.trainer,
-        target.iterations or config.iterations,
+        iterations,
         target.search,
+        lifetime,
+        lifetime_source,
+        engines,
+        engines_source,
     )
     untouched = all(value is None for value in target.batch.model_dump().values())
     if not (sources.same_model and sources.same_hardware and untouched):

@@ -11,12 +11,17 @@ A step's time is its fixed overhead plus its work over its rate:
                     + prompts x G x (prompt + response tokens) x epochs / (tokens/s per GPU x train GPUs)
     publish       = checkpoint GB x publish s/GB
 
-and every step also pays its start-up before it. Locally the rates are per core and these are seconds on one core,
-which the schedule plays at c ** a times that speed on the c cores' worth a step holds (`core_scaling`).
+for a trainer and engines per iteration (trainer.lifetime, rollout.lifetime iteration); a trainer per chunk pays its
+start-up and its state's I/O once a chunk and commits the checkpoint itself, engines per chunk pay their start and
+the whole checkpoint once a chunk and take each policy by its delta (`handoff.py`, where the state's I/O, the
+engines' start, publish, the fetch and the delta are the handoff's parts). Every step also pays its start-up before
+it. Locally the rates are per core and these are seconds on one core, which the schedule plays at c ** a times that
+speed on the c cores' worth a step holds (`core_scaling`).
 
 Spot: with r reclaims per instance-hour on n rollout nodes, an iteration's shards (R seconds each) lose one with
 probability 1 - exp(-r n R / 3600); that shard restarts from scratch, so it ends (interrupted on average halfway)
-R / 2 + the restart later. The rollout time carries that expected value.
+R / 2 + the restart later (with engines per chunk, + the new engine's start and whole checkpoint beyond R's share of
+them: `Handoff.restart`). The rollout time carries that expected value.
 """
 
 from __future__ import annotations
@@ -28,9 +33,19 @@ from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.shape import ModelShape, ParameterCounts, parameter_counts
 from moeloop.steps.rl.memory import GIB, TrainMemory, predict_train_peak_bytes
+from moeloop.workflows.capacity.handoff import CHUNK, ITERATION, Handoff, handoff, on_path
 from moeloop.workflows.capacity.hardware import GPU
 from moeloop.workflows.capacity.rates import STEPS, Figure
-from moeloop.workflows.capacity.schedule import GraphTask, Job, busy_share, critical_path, period, play, plan_dag
+from moeloop.workflows.capacity.schedule import (
+    GraphTask,
+    Job,
+    Schedule,
+    busy_share,
+    critical_cycle,
+    period,
+    plan_dag,
+    play,
+)
 from moeloop.workflows.capacity.target import Instance, Search, Trainer
 
 
@@ -50,6 +65,10 @@ class Setup:
     trainer: Trainer
     iterations: int
     search: Search
+    lifetime: str = ITERATION  # trainer.lifetime: iteration or chunk
+    lifetime_source: str = "the default"
+    rollout_lifetime: str = ITERATION  # rollout.lifetime: iteration or chunk
+    rollout_lifetime_source: str = "the default"
 
     def value(self, name: str) -> float:
         return self.figures[name].value
@@ -97,6 +116,12 @@ class Evaluated:
     utilisation: dict[str, float]  # pool -> share of its GPUs (locally: slots) busy
     cost_per_iteration: float | None
     train_memory: TrainMemory | None  # None locally (no GPU to fit)
+    handoff: dict[str, float]  # part -> seconds an iteration on the critical path (handoff.py)
+    paid: Handoff  # what the steps pay for it every iteration, wherever the path goes
+
+    @property
+    def handoff_seconds(self) -> float:
+        return sum(self.handoff.values())
 
 
 def pick_expert_parallel(setup: Setup, world: int) -> tuple[int, TrainMemory] | None:
@@ -128,32 +153,33 @@ def train_memory(setup: Setup, world: int, ep: int) -> TrainMemory:
     )
 
 
-def step_seconds(setup: Setup, option: Option) -> tuple[dict[str, float], float]:
-    """Each step's run (start-up excluded) for this option, and the rollout's expected Spot retry within it."""
+def step_seconds(setup: Setup, option: Option, paid: Handoff | None = None) -> tuple[dict[str, float], float]:
+    """Each step's run (start-up excluded) for this option, and the rollout's expected Spot retry within it.
+    `paid`: its handoff (default: with no wait for the state's background commit)."""
     v = setup.value
+    paid = paid or handoff(setup, option)
     shard_samples = math.ceil(v("prompts_per_iteration") / option.rollout_shards) * v("samples_per_prompt")
     generate = shard_samples * v("response_tokens") / (v("rollout_tokens_per_second_per_gpu") * setup.gpus_per_shard)
     if "rollout_sequence_tokens_per_second" in setup.figures:  # no shard is faster than its longest answer
         generate = max(generate, v("max_response_tokens") / v("rollout_sequence_tokens_per_second"))
-    rollout = v("rollout_overhead_seconds") + v("checkpoint_gb") * v("fetch_seconds_per_gb") + generate
+    rollout = paid.of("rollout") + generate
     spot = 0.0
     if setup.prices is not None:
         shard = v("start_seconds.rollout") + rollout
         lost = 1 - math.exp(-v("spot_interruptions_per_hour") * option.rollout_nodes * shard / 3600)
-        spot = lost * (shard / 2 + v("spot_restart_seconds"))
+        spot = lost * (shard / 2 + v("spot_restart_seconds") + paid.restart)
     reward_gpus = option.reward_nodes * setup.prices.gpus if setup.reward_on_gpu and setup.prices else 1
     train_gpus = 1 if setup.local else option.train_gpus  # locally: per core, the cores played by the schedule
-    train = v("train_overhead_seconds") + setup.tokens * v("epochs") / (
-        v("train_tokens_per_second_per_gpu") * train_gpus
-    )
-    if "trainer_state_seconds_per_gb" in setup.figures:
-        train += v("trainer_state_gb") * v("trainer_state_seconds_per_gb") / max(1, option.train_nodes)
+    update = setup.tokens * v("epochs") / (v("train_tokens_per_second_per_gpu") * train_gpus)
+    train = paid.trainer_overhead + update + paid.parts["trainer_state"]
+    if paid.steps["checkpoint_write"] == "train":  # a trainer per chunk commits the checkpoint itself
+        train += paid.parts["checkpoint_write"]
     seconds = {
         "start": 0.0,
         "rollout": rollout + spot,
         "reward": setup.samples * v("reward_seconds_per_sample") / reward_gpus,
         "train": train,
-        "publish": v("checkpoint_gb") * v("publish_seconds_per_gb"),
+        "publish": paid.of("publish"),
         "evaluate": v("evaluate_seconds"),
     }
     return seconds, spot
@@ -172,12 +198,12 @@ def resources(setup: Setup, task: GraphTask) -> tuple[str, ...]:
     return (task.step,) if task.step in ("rollout", "reward", "train") else ()
 
 
-def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) -> Evaluated:
-    seconds, spot = step_seconds(setup, option)
-    # The steady state: from the middle of the iterations to the last one whose successors (rollouts running
-    # ahead) are played out too.
-    first = max(8, 4 * (option.staleness + 1))
-    last = 2 * first
+# How many times the DAG is played again to find the train step's wait for the state's background commit.
+MAX_REPLAYS = 50
+
+
+def _play(setup: Setup, option: Option, seconds: dict[str, float], last: int) -> tuple[Schedule, dict[str, int]]:
+    """The option's DAG played out with these step times, and its pools (name -> size)."""
     tasks = plan_dag(setup.config, option.rollout_shards, option.staleness, last + option.staleness + 1)
     jobs = [
         Job(
@@ -191,14 +217,33 @@ def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) ->
     if setup.local:
         capacity = {r: 1 for job in jobs for r in job.needs} | {"slots": setup.config.local.parallelism}
         pools = {"slots": setup.config.local.parallelism}
-    else:
-        pools = {"rollout": option.rollout_shards, "train": 1} | ({"reward": 1} if setup.reward_on_gpu else {})
-        capacity = pools
-    if setup.local:
         scaling = {step: setup.value(f"core_scaling.{step}") for step in STEPS}
-        schedule = play(jobs, capacity, int(setup.value("local_cores")), scaling)
-    else:
-        schedule = play(jobs, capacity)
+        return play(jobs, capacity, int(setup.value("local_cores")), scaling), pools
+    pools = {"rollout": option.rollout_shards, "train": 1} | ({"reward": 1} if setup.reward_on_gpu else {})
+    return play(jobs, pools), pools
+
+
+def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) -> Evaluated:
+    # The steady state: from the middle of the iterations to the last one whose successors (rollouts running
+    # ahead) are played out too.
+    first = max(8, 4 * (option.staleness + 1))
+    last = 2 * first
+    paid = handoff(setup, option)
+    seconds, spot = step_seconds(setup, option, paid)
+    schedule, pools = _play(setup, option, seconds, last)
+    if setup.lifetime == CHUNK:
+        # The state's background commit (B seconds every state_every iterations) keeps up while B / state_every <=
+        # the period; beyond that the trainer waits for it: the train step carries the wait, played again until the
+        # period is B / state_every (each replay adds the shortfall, the period grows by a share of it).
+        need, excess = paid.background_commit / setup.value("state_every"), 0.0
+        for _ in range(MAX_REPLAYS):
+            short = need - period(schedule, first, last)
+            if short <= 1e-9 * need:
+                break
+            excess += short
+            paid = handoff(setup, option, excess)
+            seconds, spot = step_seconds(setup, option, paid)
+            schedule, pools = _play(setup, option, seconds, last)
     busy = {pool: busy_share(schedule, pool, size, first, last) for pool, size in pools.items()}
     cost = None
     if setup.prices is not None:
@@ -207,15 +252,18 @@ def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) ->
         hourly = option.rollout_nodes * setup.prices.spot_per_hour
         hourly += (option.train_nodes + option.reward_nodes) * setup.prices.on_demand_per_hour
         cost = hourly * period(schedule, first, last) / 3600
+    path, cycle, span = critical_cycle(schedule, last)
     return Evaluated(
         option,
         {step: value for step, value in seconds.items() if step != "start"},
         spot,
         period(schedule, first, last),
-        critical_path(schedule, last),
+        path,
         busy,
         cost,
         memory,
+        on_path(schedule, cycle, span, paid, setup.local),
+        paid,
     )
 
 

@@ -153,6 +153,13 @@ def period(schedule: Schedule, first: int, last: int) -> float:
 def critical_path(schedule: Schedule, last: int) -> str:
     """The cycle that sets the period, e.g. `train -> train` or `publish -> rollout -> reward -> train ->
     publish`; `~>` marks a wait for room on a resource instead of a dependency."""
+    return critical_cycle(schedule, last)[0]
+
+
+def critical_cycle(schedule: Schedule, last: int) -> tuple[str, list[str], int]:
+    """The critical path as text, its tasks and the iterations it spans: from the last publish back to whatever each
+    task waited for last, until a step repeats; the tasks from after its earlier run to its later one. Where the
+    chain reaches the beginning first: the chain, latest first, its tasks all of it, over the iterations it covers."""
     jobs = schedule.jobs
     chain = [_publish(schedule, last)]  # from the last publish back in time
     links: list[str] = []  # links[i]: how chain[i] waited for chain[i + 1]
@@ -169,9 +176,10 @@ def critical_path(schedule: Schedule, last: int) -> str:
                 f" {arrow} {jobs[name].task.step}" for arrow, name in zip(arrows, names[1:], strict=True)
             )
             spans = jobs[names[-1]].task.iteration - jobs[names[0]].task.iteration
-            return text + (f" (over {spans} iterations)" if spans > 1 else "")
+            return text + (f" (over {spans} iterations)" if spans > 1 else ""), names[1:], spans
         seen[step] = len(chain) - 1  # within one iteration (a shard waiting for another), the earlier one
-    return " <- ".join(jobs[name].task.step for name in chain)
+    iterations = [jobs[name].task.iteration for name in chain]
+    return " <- ".join(jobs[name].task.step for name in chain), chain, max(1, max(iterations) - min(iterations))
 
 
 def busy_share(schedule: Schedule, resource: str, capacity: int, first: int, last: int) -> float:

@@ -45,6 +45,17 @@ class Trainer(Strict):
     reference: Literal["sharded", "precomputed", "none"] = "sharded"
     routing_imbalance: float = Field(1.0, ge=1)
     workspace_gib: float = Field(4.0, ge=0)
+    # How long a trainer process lives, and how often it commits its state (the run config's trainer keys, same
+    # meaning): None takes the planned run's or config's.
+    lifetime: Literal["iteration", "chunk"] | None = None
+    state_every: int | None = Field(None, gt=0)
+
+
+class Rollout(Strict):
+    """The rollout engines' shape: how long a shard's engine lives (the run config's rollout.lifetime, same meaning;
+    None takes the planned run's or config's)."""
+
+    lifetime: Literal["iteration", "chunk"] | None = None
 
 
 class StatedRates(Strict):
@@ -60,6 +71,16 @@ class StatedRates(Strict):
     train_mfu: float | None = Field(None, gt=0, le=1)  # instead of tokens/s: model FLOPs / the GPU's matmul roof
     train_overhead_seconds: float | None = Field(None, ge=0)  # start-up, reading experience, the reference model
     trainer_state_seconds_per_gb: float | None = Field(None, ge=0)  # loading and saving the state, per train node
+    # A train node's commit alone (its ranks' uploads and the COMMIT), per GB: the commit half of the above. With
+    # trainer.lifetime chunk, the trainer commits each iteration's checkpoint and its state in the background at it.
+    trainer_commit_seconds_per_gb: float | None = Field(None, ge=0)
+    # trainer.lifetime chunk: the overhead that stays every iteration (reading the experience, the reference
+    # model's pass); the rest of train_overhead_seconds is start-up, paid once a chunk.
+    train_iteration_overhead_seconds: float | None = Field(None, ge=0)
+    # rollout.lifetime chunk: the share of the checkpoint's elements an update changes (its delta is 2 x that share of
+    # the checkpoint's bytes), and an engine's in-place write of a delta and its digest check, per GB of checkpoint.
+    delta_changed_fraction: float | None = Field(None, gt=0, le=1)
+    delta_apply_seconds_per_gb: float | None = Field(None, ge=0)
     publish_seconds_per_gb: float | None = Field(None, ge=0)
     evaluate_seconds: float | None = Field(None, ge=0)
     start_seconds: float | None = Field(None, ge=0)  # every step: pod start and the predecessor's commit
@@ -86,6 +107,7 @@ class Target(Strict):
     cores: int | None = Field(None, gt=0)  # the local runner's cores, where measured and planned; None: this machine's
     batch: Batch = Batch()
     trainer: Trainer = Trainer()
+    rollout: Rollout = Rollout()
     rates: StatedRates = StatedRates()
     search: Search = Search()
 

@@ -1,0 +1,176 @@
+"""The trainer's and the rollout engines' lifetimes (`trainer.lifetime`, `rollout.lifetime`; `lifetime.py` resolves
+them) and the policy's handoff: what each step pays every iteration for the trainer's state, the rollout engines'
+start and the policy's way from the trainer to the rollouts; and how much of it lies on the critical path.
+
+trainer lifetime iteration (a new trainer, pod or JobSet, every iteration):
+
+    train   = overhead O + state GB x state s/GB / train nodes  + the update
+    publish = checkpoint GB x publish s/GB                        (reads the state's weights, writes the checkpoint)
+
+trainer lifetime chunk (one trainer for a chunk of C iterations, its state committed every k = state_every):
+
+    train   = o + (O - o) / C                                     its start-up, once a chunk
+            + state GB x state s/GB / train nodes / C             the state's fetch, and its commit at the chunk's end
+            + checkpoint GB x commit s/GB                         the checkpoint, written from memory and committed
+            + the update
+            + the background commit's excess (below)
+    publish = 0                                                   a pointer; its pod's start-up stays
+
+with o = train_iteration_overhead_seconds (reading the experience, the reference model's pass) and commit s/GB =
+trainer_commit_seconds_per_gb (a train node's commit, the commit half of trainer_state_seconds_per_gb). Every k
+iterations the state, state GB x commit s/GB / train nodes = B seconds, is committed in the background: off the
+critical path while B <= k x the period; beyond that the trainer waits, and the train step carries the excess, played
+again until the period is B / k.
+
+rollout lifetime iteration (a new engine every iteration; Argo's rollout pods are new every iteration), a shard:
+
+    rollout = E + checkpoint GB x fetch s/GB                      + generating
+
+rollout lifetime chunk (an engine per shard for the chunk, asked by a CPU pod each iteration), a shard:
+
+    rollout = E / C + checkpoint GB x fetch s/GB / C              its engine's start and the whole checkpoint, once
+            + delta GB x fetch s/GB                               the new policy's delta
+            + checkpoint GB x apply s/GB                          written in place, the weights' digest checked
+            + generating
+
+with E = rollout_overhead_seconds, delta GB = checkpoint GB x 2 x delta_changed_fraction (`lifetime.py`) and apply
+s/GB = delta_apply_seconds_per_gb. The chunk's first iteration fetches the whole checkpoint instead of a delta and
+checks its digest after the load: it is charged a delta's fetch and apply too (an upper bound, by one delta's fetch
+and in-place write a chunk). Once-a-chunk costs, the trainer's and the engines', are amortized over the chunk, not
+played on its first iteration: the schedule's steady state is one iteration's pattern repeated. A shard whose Spot
+node is reclaimed starts a new engine: its retry pays E + the whole checkpoint's fetch instead of their chunk's share
+and the delta's fetch (`Handoff.restart`, options.py's Spot retry).
+
+The handoff's parts (issue 38's "state I/O, engine start and the policy handoff"): the state's I/O, publish or the
+trainer's checkpoint commit, the engines' start and the checkpoint's fetch, and with engines per chunk the delta's
+fetch and apply. The trainer's start-up and overhead (O, or o + (O - o) / C) are the train step's compute and
+set-up: in its time, not in the handoff. On the critical path: the cycle that sets the period
+(`schedule.critical_cycle`) holds each step's tasks some number of times over the iterations it spans; the handoff
+on it is the parts its tasks pay, over those iterations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from moeloop.steps.errors import MoeloopError
+from moeloop.workflows.capacity.schedule import Schedule
+
+if TYPE_CHECKING:
+    from moeloop.workflows.capacity.options import Option, Setup
+
+ITERATION, CHUNK = "iteration", "chunk"
+# The parts, in the order they are printed, with what they are called there.
+LABELS = {
+    "trainer_state": "state I/O",
+    "checkpoint_write": "checkpoint publish or commit",
+    "engine_start": "engine start",
+    "checkpoint_fetch": "checkpoint fetch",
+    "delta_fetch": "delta fetch",
+    "delta_apply": "delta apply and digest check",
+}
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """An option's handoff: each part's seconds per iteration (the rollout's per shard) and the step paying it."""
+
+    parts: dict[str, float]
+    steps: dict[str, str]  # part -> step
+    chunk_iterations: int | None  # C; None: neither the trainer nor the engines live for a chunk
+    background_commit: float  # B: one background commit of the state, seconds (0: a trainer per iteration)
+    # The trainer's start-up and overhead an iteration (torchrun, compiling, the reference pass, the experience):
+    # the train step's compute and set-up, not the handoff's; none of the parts.
+    trainer_overhead: float
+    # What a shard restarted from scratch pays beyond its parts: a new engine's start and the whole checkpoint, less
+    # their chunk's share and the delta's fetch (0: engines per iteration, whose parts are those already).
+    restart: float = 0.0
+
+    def label(self, part: str) -> str:
+        if part == "checkpoint_write":
+            return "publish" if self.steps[part] == "publish" else "checkpoint commit"
+        return LABELS[part]
+
+    def of(self, step: str) -> float:
+        return sum(seconds for part, seconds in self.parts.items() if self.steps[part] == step)
+
+
+def handoff(setup: Setup, option: Option, excess: float = 0.0) -> Handoff:
+    """The option's handoff; `excess`: what the train step waits, per iteration, for the state's background
+    commit (trainer lifetime chunk)."""
+    v = setup.value
+    nodes = max(1, option.train_nodes)
+    state = 0.0  # a run's measured overhead and start-ups already hold the state's I/O where no rate splits it
+    if "trainer_state_seconds_per_gb" in setup.figures:
+        state = v("trainer_state_gb") * v("trainer_state_seconds_per_gb") / nodes
+    chunk = chunk_iterations(setup, option) if CHUNK in (setup.lifetime, setup.rollout_lifetime) else None
+    parts, restart = _rollout_parts(setup, chunk)
+    steps = dict.fromkeys(parts, "rollout") | {"trainer_state": "train"}
+    if setup.lifetime == ITERATION:
+        trainer = {"trainer_state": state, "checkpoint_write": v("checkpoint_gb") * v("publish_seconds_per_gb")}
+        steps["checkpoint_write"] = "publish"
+        return Handoff(trainer | parts, steps, chunk, 0.0, v("train_overhead_seconds"), restart)
+    per_iteration = v("train_iteration_overhead_seconds")
+    commit = v("trainer_commit_seconds_per_gb")
+    trainer = {"trainer_state": state / chunk + excess, "checkpoint_write": v("checkpoint_gb") * commit}
+    overhead = per_iteration + (v("train_overhead_seconds") - per_iteration) / chunk
+    background = v("trainer_state_gb") * commit / nodes
+    steps["checkpoint_write"] = "train"
+    return Handoff(trainer | parts, steps, chunk, background, overhead, restart)
+
+
+def _rollout_parts(setup: Setup, chunk: int | None) -> tuple[dict[str, float], float]:
+    """A rollout shard's parts of the handoff an iteration, and what its restart from scratch pays beyond them."""
+    v = setup.value
+    start, whole = v("rollout_overhead_seconds"), v("checkpoint_gb") * v("fetch_seconds_per_gb")
+    if setup.rollout_lifetime == ITERATION:
+        return {"engine_start": start, "checkpoint_fetch": whole}, 0.0
+    parts = {
+        "engine_start": start / chunk,
+        "checkpoint_fetch": whole / chunk,
+        "delta_fetch": v("delta_gb") * v("fetch_seconds_per_gb"),
+        "delta_apply": v("checkpoint_gb") * v("delta_apply_seconds_per_gb"),
+    }
+    restart = start + whole - parts["engine_start"] - parts["checkpoint_fetch"] - parts["delta_fetch"]
+    return parts, max(0.0, restart)
+
+
+def chunk_iterations(setup: Setup, option: Option) -> int:
+    """C: the whole run locally (what lives for a chunk lives for it); on Argo the chunk Workflow's iterations at this
+    option's shards and the planned lifetimes (`workflows/render/chunk.py`: cluster.chunk_iterations, by default 20
+    or as many as fit a Workflow's 200 tasks). An explicit cluster.chunk_iterations this option's iterations cannot
+    fit: as many as do."""
+    if setup.local:
+        return setup.iterations
+    from moeloop.workflows.render.chunk import chunk_size  # hera: only for a chunk plan on a cluster
+
+    rollout = setup.config.rollout.model_copy(
+        update={
+            "num_shards": option.rollout_shards,
+            "max_staleness": option.staleness,
+            "lifetime": setup.rollout_lifetime,
+        }
+    )
+    trainer = setup.config.trainer.model_copy(update={"lifetime": setup.lifetime})
+    config = setup.config.model_copy(update={"rollout": rollout, "trainer": trainer})
+    try:
+        return chunk_size(config)
+    except MoeloopError:
+        cluster = config.cluster.model_copy(update={"chunk_iterations": None})
+        return chunk_size(config.model_copy(update={"cluster": cluster}))
+
+
+def on_path(schedule: Schedule, cycle: list[str], span: int, h: Handoff, local: bool) -> dict[str, float]:
+    """Each part's seconds per iteration on the critical cycle: the parts its tasks pay, over the iterations it
+    spans. Locally a step runs at the pace of the cores it holds, and its parts with it."""
+    found = dict.fromkeys(h.parts, 0.0)
+    for name in cycle:
+        job = schedule.jobs[name]
+        pace = 1.0
+        if local and job.seconds > 0:
+            pace = (schedule.ends[name] - schedule.begins[name] - job.start_seconds) / job.seconds
+        for part, step in h.steps.items():
+            if step == job.task.step:
+                found[part] += h.parts[part] * pace / span
+    return found
