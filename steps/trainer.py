@@ -69,8 +69,9 @@ def serve(run_uri: str, last: int) -> dict[str, Any] | None:
                     start = [start]
                     dist.broadcast_object_list(start, src=0)
                     start = start[0]
-                replayed = start - newest_state(storage, start)
-                held: HeldTrainer = resume(storage, config, start, scratch, parallel)
+                state = newest_state(storage, start)
+                replayed = start - state
+                held: HeldTrainer = resume(storage, config, state, start, scratch, parallel)
                 while held.iteration < last:
                     if heartbeat:
                         heartbeat.holds = held.iteration

@@ -81,6 +81,9 @@ TRAIN = Step(
 )
 # trainer.lifetime chunk: the chunk's trainer, which holds the policy in memory across the chunk's iterations up to
 # `last` (steps/trainer.py); each iteration's train step then asks it for the update, from a CPU pod.
+# How many times a long-lived process that fails is started again: by the local runner, and on Argo by the trainer's
+# JobSet (a rollout engine's: cluster.spot_retry.limit, workflows/render/daemons.py).
+DAEMON_RESTARTS = 3
 TRAINER = Step("trainer", "train", ("last",), torchrun=True, daemon=True)
 # rollout.lifetime chunk: shard k's rollout engine, which keeps its engine across the chunk's iterations up to `last`
 # (steps/rollout_engine.py); each iteration's rollout step of shard k then asks it for the shard, from a CPU pod.

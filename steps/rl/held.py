@@ -64,11 +64,11 @@ def newest_state(storage: RunStorage, iteration: int) -> int:
 
 
 def resume(
-    storage: RunStorage, config: MoeloopConfig, iteration: int, scratch: Path, parallel: Parallel
+    storage: RunStorage, config: MoeloopConfig, state: int, iteration: int, scratch: Path, parallel: Parallel
 ) -> HeldTrainer:
-    """The trainer as it stood after `iteration`: the newest committed trainer state at or before it, and the updates
-    since replayed from their committed experience, each checked against its committed checkpoint."""
-    state = newest_state(storage, iteration)
+    """The trainer as it stood after `iteration`: the committed trainer state of iteration `state` (`newest_state`;
+    0: checkpoint 0), then the updates since replayed from their committed experience, each checked against its
+    committed checkpoint."""
     model, tokenizer, optimizer, critic = load_trainer_start(storage, state + 1, scratch / "resume", config, parallel)
     shutil.rmtree(scratch / "resume", ignore_errors=True)
     held = HeldTrainer(state, UpdatedTrainer(model, tokenizer, optimizer, critic, {}), None)

@@ -13,7 +13,7 @@ import pytest
 from moeloop.steps.errors import MoeloopError
 from moeloop.workflows.capacity.explain import plan_json, plan_table
 from tests.unit.test_capacity import BALANCED, CHECKPOINT_GB, stated_plan
-from tests.unit.test_capacity_lifetime import SHAPED, STATE_GB, chunk
+from tests.unit.test_capacity_lifetime import SHAPED, STATE_GB, assert_same_options, chunk
 
 # Engines start in 15 s (rollout_overhead_seconds), checkpoints and deltas are fetched at 0.5 s/GB; an engine writes
 # a delta in place and checks its digest at 0.4 s/GB of checkpoint; 2% of elements change an update.
@@ -71,13 +71,7 @@ def test_engines_per_iteration_pay_it_all_every_iteration_as_before(tmp_path: Pa
         }
     )
     assert best.step_seconds["rollout"] == pytest.approx(15 + CHECKPOINT_GB * 0.5 + 40)
-    for a, b in zip(plain.evaluated, named.evaluated, strict=True):
-        assert (a.period, a.step_seconds, a.critical_path, a.handoff) == (
-            b.period,
-            b.step_seconds,
-            b.critical_path,
-            b.handoff,
-        )
+    assert_same_options(plain, named)
     assert not {"delta_changed_fraction", "delta_apply_seconds_per_gb", "delta_gb", "chunk_iterations"} & set(
         plain.setup.figures
     )

@@ -24,6 +24,17 @@ SHAPED = rates(1000, 15, 0.00625, 1250, 47, 30) | {
 }
 
 
+def assert_same_options(plain, named) -> None:
+    """Two plans whose every option has the same period, step times, critical path and handoff."""
+    for a, b in zip(plain.evaluated, named.evaluated, strict=True):
+        assert (a.period, a.step_seconds, a.critical_path, a.handoff) == (
+            b.period,
+            b.step_seconds,
+            b.critical_path,
+            b.handoff,
+        )
+
+
 def chunk(every: int = 1) -> dict:
     return {"lifetime": "chunk", "state_every": every}
 
@@ -100,13 +111,7 @@ def test_a_trainer_per_iteration_is_planned_as_before(tmp_path: Path) -> None:
         {"rollout": 55, "reward": 5, "train": 47 + 40 + STATE_GB * 0.2, "publish": 30, "evaluate": 0}
     )
     assert best.paid.chunk_iterations is None and best.paid.background_commit == 0
-    for a, b in zip(plain.evaluated, named.evaluated, strict=True):
-        assert (a.period, a.step_seconds, a.critical_path, a.handoff) == (
-            b.period,
-            b.step_seconds,
-            b.critical_path,
-            b.handoff,
-        )
+    assert_same_options(plain, named)
     assert not {"trainer_commit_seconds_per_gb", "train_iteration_overhead_seconds", "state_every"} & set(
         plain.setup.figures
     )

@@ -55,7 +55,8 @@ class Launcher:
 
     def start(self, tasks: list[Task]) -> Iterator[tuple[Task, subprocess.Popen | StepWorker]]:
         """Start the tasks together (their shares are taken at once), yielding each as it has started. A daemon
-        (the chunk's trainer) takes no share: it works while a train task waits on it, on every core, unpinned."""
+        (the chunk's trainer, a shard's engine) takes no share and is not pinned: it works while a task that asks it
+        waits; the trainer on every core, each of K engines on 1/K of them."""
         steps = [t for t in tasks if not t.step.daemon]
         names = [t.name for t in steps]
         shares = dict(zip(names, self.cores.start(names) if steps else [], strict=True))

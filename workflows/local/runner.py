@@ -25,14 +25,13 @@ from moeloop.steps.rewards.pool import RewardPool
 from moeloop.steps.storage.lease import RunLease
 from moeloop.steps.storage.prompts import check_prompts, set_name, task_prompt_sets
 from moeloop.steps.storage.run import RunStorage
-from moeloop.workflows.dag import EVALUATE, START, Task, loop_tasks, run_values
+from moeloop.workflows.dag import DAEMON_RESTARTS, EVALUATE, START, Task, loop_tasks, run_values
 from moeloop.workflows.local.launch import Launcher
 from moeloop.workflows.local.progress import ProgressDisplay
 from moeloop.workflows.local.ready import ready_tasks
 from moeloop.workflows.local.workers import StepWorker
 
 POLL_SECONDS = 0.05
-DAEMON_RESTARTS = 3  # a long-lived process's JobSet's maxRestarts on Argo (workflows/render/daemons.py)
 EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt): ")
 
 

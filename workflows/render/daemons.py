@@ -20,14 +20,13 @@ from hera.workflows import Container, Parameter, Resource, Steps
 from hera.workflows import Step as HeraStep
 
 from moeloop.steps.config import MoeloopConfig
-from moeloop.workflows.dag import ROLLOUT, ROLLOUT_ENGINE, TRAIN, TRAINER, Step
+from moeloop.workflows.dag import DAEMON_RESTARTS, ROLLOUT, ROLLOUT_ENGINE, TRAIN, TRAINER, Step
 from moeloop.workflows.monitoring import template_metrics
 from moeloop.workflows.render.jobset import render_jobset
 from moeloop.workflows.render.parameters import manifest_text
 from moeloop.workflows.render.placement import LABEL, orchestrator_pod
 from moeloop.workflows.render.step_templates import MISSING_OUTPUT, container_template, template_io
 
-DAEMON_RESTARTS = 3  # the chunk's trainer's; the local runner's too (workflows/local/runner.py)
 ASKED = {TRAIN: TRAINER, ROLLOUT: ROLLOUT_ENGINE}  # the step that asks -> the process it asks
 EXIT_STEPS = "delete-daemons"
 WORKFLOW_LABEL = f"{LABEL}/workflow"
