@@ -20,7 +20,7 @@ from moeloop.steps.config_base import Strict
 from moeloop.steps.config_cluster import ClusterConfig
 from moeloop.steps.config_model import TINY_FAMILIES, TinyModelConfig, TinyQwen3Moe, TinyTokenizerConfig
 from moeloop.steps.config_reward import RewardConfig
-from moeloop.steps.config_task import TaskConfig
+from moeloop.steps.config_task import EnvironmentConfig, TaskConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.inputs import check_location, check_strings, load_yaml, read_limited
 
@@ -100,6 +100,8 @@ class RolloutConfig(Strict):
     # last, the prompt's last position only (the forward that sampled the first response token), the others then
     # routing as the trainer does. Every response position's are recorded either way.
     prompt_routes: Literal["all", "last"] = "all"
+    # Episodes instead of completions: each sample is an episode of this environment (steps/episodes/).
+    environment: EnvironmentConfig | None = None
 
     def policy_version(self, iteration: int) -> int:
         return policy_version(iteration, self.max_staleness)
@@ -249,7 +251,7 @@ class MoeloopConfig(Strict):
     model: ModelConfig = ModelConfig()
     task: TaskConfig
     rollout: RolloutConfig = RolloutConfig()
-    reward: RewardConfig
+    reward: RewardConfig = RewardConfig()  # none with rollout.environment: its rubric rewards alone
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = EvalConfig()
@@ -295,6 +297,12 @@ class MoeloopConfig(Strict):
             raise ValueError("algorithm.overlong mode penalty needs its buffer_tokens")
         if (self.algorithm.overlong.buffer_tokens or 0) > rollout.max_new_tokens:
             raise ValueError("algorithm.overlong.buffer_tokens is more than rollout.max_new_tokens")
+        if not self.reward.any_reward() and rollout.environment is None:
+            raise ValueError("reward: name at least one reward function or reward model")
+        if (self.task.source == "environment") != (rollout.environment is not None):
+            raise ValueError("task.source environment and rollout.environment go together: set both or neither")
+        if rollout.environment is not None and self.records_routing and rollout.prompt_routes != "all":
+            raise ValueError("episodes record every position's routes: rollout.prompt_routes must be all")
         # A model.checkpoint brings its own expert count: start checks it (check_expert_split) when it loads.
         if self.model.checkpoint is None:
             check_expert_split(experts, self.trainer.expert_parallel, "model.tiny.num_experts")

@@ -57,11 +57,9 @@ class RewardConfig(Strict):
     on_error: Literal["fail", "zero"] = "fail"
     workers: int | None = Field(None, gt=0)  # worker processes; None: one per core of the step, at most 8
 
-    @model_validator(mode="after")
-    def _some_reward(self) -> RewardConfig:
-        if not self.functions and not self.by_source and not self.models:
-            raise ValueError("name at least one reward function or reward model")
-        return self
+    def any_reward(self) -> bool:
+        """Whether it names a reward function or model (the config needs one, or an environment's rubric)."""
+        return bool(self.functions or self.by_source or self.models)
 
     def functions_for(self, data_source: str | None) -> list[RewardFunction]:
         """The functions that score a record of this data_source."""

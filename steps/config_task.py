@@ -32,6 +32,31 @@ class ReasoningGymConfig(Strict):
     seed: int = Field(0, ge=0, lt=2**31)  # the sets are a function of it (and of the tasks), whatever the run's seed
 
 
+class EnvironmentConfig(Strict):
+    """A `verifiers` environment (https://github.com/PrimeIntellect-ai/verifiers, the `[environments]` extra) that
+    the rollouts run as episodes against the policy: single-turn, multi-turn or with tools, rewarded by its rubric
+    (steps/episodes/). Its dataset is the task's prompts where task.source is environment."""
+
+    # The pip requirement that provides the environment (`my-env==0.2.0`, a wheel's URL): installed into the rollout
+    # and reward images (images/), nothing installs it locally.
+    package: str = Field(min_length=1)
+    name: str = Field(min_length=1)  # the id `verifiers.load_environment` imports (the package's module, e.g. my_env)
+    args: dict[str, Any] = {}  # its load_environment's arguments
+    max_turns: int | None = Field(None, gt=0)  # the policy's turns per episode; None: the environment's own
+    # Tokens an episode may add after its prompt, the policy's and the environment's together; None: as many as the
+    # engine's context holds. Each turn samples at most rollout.max_new_tokens of them.
+    max_episode_tokens: int | None = Field(None, gt=0)
+    tool_timeout_s: float = Field(30.0, gt=0)  # a tool call past it is killed; its result says it timed out
+    reward_weight: float = 1.0  # the rubric's reward in the sample's reward, beside reward.functions'
+
+    @field_validator("name")
+    @classmethod
+    def _module_name(cls, value: str) -> str:
+        if not all(part.isidentifier() for part in value.replace("-", "_").split(".")):
+            raise ValueError(f"{value!r} is not an environment id (a module name, e.g. my_env)")
+        return value
+
+
 class TaskConfig(Strict):
     """The prompts: prompt sets (steps/storage/prompts.py), or records that start generates from reasoning-gym's
     procedural tasks (steps/rewards/reasoning_gym.py). Each prompt set is JSON Lines, Parquet (a file, a folder of
@@ -39,7 +64,8 @@ class TaskConfig(Strict):
     is) or a list of {role, content} messages (rendered by the checkpoint's chat template); the reward functions read
     the whole record."""
 
-    source: Literal["files", "reasoning_gym"] = "files"
+    # environment: the train and eval prompts are rollout.environment's dataset and eval dataset.
+    source: Literal["files", "reasoning_gym", "environment"] = "files"
     train_prompts: str | None = None
     eval_prompts: str | None = None
     reasoning_gym: ReasoningGymConfig | None = None
@@ -74,6 +100,9 @@ class TaskConfig(Strict):
             raise ValueError("source files needs train_prompts and eval_prompts")
         if self.source == "files" and self.reasoning_gym is not None:
             raise ValueError("reasoning_gym is set but source is files: set source reasoning_gym")
+        if self.source == "environment" and (self.reasoning_gym is not None or files):
+            raise ValueError("source environment reads rollout.environment's datasets: no train_prompts, eval_prompts"
+                             " or reasoning_gym")
         if self.source == "reasoning_gym" and (self.reasoning_gym is None or files or self.columns):
             raise ValueError(
                 "source reasoning_gym needs reasoning_gym.tasks, and no train_prompts, eval_prompts or columns"

@@ -97,5 +97,5 @@ def test_a_folder_that_is_not_a_model_or_has_more_labels_is_refused(tmp_path: Pa
 
 
 def test_config_needs_a_reward_function_or_model() -> None:
-    with pytest.raises(Exception, match="at least one reward function or reward model"):
+    with pytest.raises(Exception, match="reward: name at least one reward function or reward model"):
         small_config(reward={"functions": [], "models": []})
