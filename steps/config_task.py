@@ -40,7 +40,8 @@ class EnvironmentConfig(Strict):
     # The pip requirement that provides the environment (`my-env==0.2.0`, a wheel's URL): installed into the rollout
     # and reward images (images/), nothing installs it locally.
     package: str = Field(min_length=1)
-    name: str = Field(min_length=1)  # the id `verifiers.load_environment` imports (the package's module, e.g. my_env)
+    # The id `verifiers.load_environment` takes: the package's module (`my-env`, `my_env`), or a Hub id (`owner/my-env`).
+    name: str = Field(min_length=1)
     args: dict[str, Any] = {}  # its load_environment's arguments
     max_turns: int | None = Field(None, gt=0)  # the policy's turns per episode; None: the environment's own
     # Tokens an episode may add after its prompt, the policy's and the environment's together; None: as many as the
@@ -52,8 +53,8 @@ class EnvironmentConfig(Strict):
     @field_validator("name")
     @classmethod
     def _module_name(cls, value: str) -> str:
-        if not all(part.isidentifier() for part in value.replace("-", "_").split(".")):
-            raise ValueError(f"{value!r} is not an environment id (a module name, e.g. my_env)")
+        if not all(part.isidentifier() for part in value.replace("-", "_").split("/")[-1].split(".")):
+            raise ValueError(f"{value!r} is not an environment id (a module's name, e.g. my-env or owner/my-env)")
         return value
 
 
