@@ -19,10 +19,12 @@ from moeloop.steps.errors import MoeloopError
 
 @dataclass(frozen=True)
 class ChatSettings:
-    """What the config adds to a messages prompt: task.system_prompt and rollout.chat_template_kwargs."""
+    """What the config adds to a messages prompt: task.system_prompt and rollout.chat_template_kwargs; and an
+    environment's tools (OpenAI's function schemas), which the template shows the model (steps/episodes/)."""
 
     system_prompt: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
     @classmethod
     def of(cls, config: MoeloopConfig) -> ChatSettings:
@@ -56,7 +58,7 @@ def render_text(
         messages.append({"role": "assistant", "content": response})
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=response is None, **chat.template_kwargs
+            messages, tools=chat.tools, tokenize=False, add_generation_prompt=response is None, **chat.template_kwargs
         )
     except (TemplateError, ValueError, TypeError, KeyError) as error:
         raise MoeloopError(f"the chat template fails on it: {type(error).__name__}: {error}") from None

@@ -48,6 +48,13 @@ def reward(run_uri: str, iteration: int) -> dict[str, Any]:
         scores = pool.score(sample_records, responses, [f"sample {s}" for s in sample_ids])
     rewards = scores.rewards
     report: dict[str, Any] = {"reward_failures": scores.failures}
+    if config.rollout.environment is not None:  # episodes: their rubric's reward, scored where they ran
+        found = rollouts["environment_reward"].to_pylist()
+        if (bad := next((i for i, r in enumerate(found) if r is None or not math.isfinite(r)), None)) is not None:
+            raise MoeloopError(f"sample {sample_ids[bad]} has no finite environment reward ({found[bad]})")
+        weight = config.rollout.environment.reward_weight
+        rewards = [reward + weight * found_reward for reward, found_reward in zip(rewards, found, strict=True)]
+        report["environment_reward_mean"] = sum(found) / len(found)
     if config.algorithm.overlong.mode == "penalty":
         lengths = pc.list_value_length(rollouts["response_token_ids"]).to_pylist()
         penalties = [overlong_penalty(n, config.rollout.max_new_tokens, config.algorithm.overlong) for n in lengths]

@@ -27,6 +27,28 @@ QWEN3_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
+# Qwen3's tool calling, small: the tools named in a system turn, each call a <tool_call> JSON block in the assistant's
+# turn, consecutive tool results in one user turn of <tool_response> blocks. Its response template (transformers'
+# parse_response) reads the calls back.
+QWEN3_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for tool in tools %}{{- tool.function.name + ';' }}"
+    "{%- endfor %}{{- '</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>' + message.content + '</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}{{- '<tool_call>' + (call.function | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN3_TOOLS_RESPONSE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {"content": "text"},
+        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True},
+    },
+}
 LLAMA_TEMPLATE = (
     "{{- bos_token }}{%- for message in messages %}"
     "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
@@ -42,11 +64,19 @@ class ChatStyle:
     eos: str  # the tokenizer's EOS, which ends a turn
     end_tokens: tuple[str, ...]  # generation_config.json's eos_token_id
     bos: str | None = None  # added to any text the tokenizer encodes with its special tokens
+    characters: str = ""  # beside CHARACTERS
+    response_template: dict | None = None  # transformers' parse_response's, saved in tokenizer_config.json
 
 
 QWEN3 = ChatStyle(
     "qwen3", QWEN3_TEMPLATE, ("<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"),
     "<|im_end|>", ("<|im_end|>", "<|endoftext|>"),
+)  # fmt: skip
+QWEN3_TOOLS = ChatStyle(
+    "qwen3-tools", QWEN3_TOOLS_TEMPLATE,
+    ("<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>", "<tool_response>",
+     "</tool_response>", "<tools>", "</tools>"),
+    "<|im_end|>", ("<|im_end|>", "<|endoftext|>"), characters=';{}"_', response_template=QWEN3_TOOLS_RESPONSE,
 )  # fmt: skip
 LLAMA = ChatStyle(
     "llama", LLAMA_TEMPLATE,
@@ -58,7 +88,7 @@ CHARACTERS = string.ascii_lowercase + string.digits + " \n=+?.,:"
 
 def chat_tokenizer(style: ChatStyle) -> PreTrainedTokenizerFast:
     """One token per character of CHARACTERS, the style's special tokens whole, its template and EOS."""
-    vocab = {token: index for index, token in enumerate([*style.special, *CHARACTERS])}
+    vocab = {token: index for index, token in enumerate([*style.special, *CHARACTERS, *style.characters])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=style.special[0]))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
@@ -69,7 +99,7 @@ def chat_tokenizer(style: ChatStyle) -> PreTrainedTokenizerFast:
         )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token=style.special[0], eos_token=style.eos, bos_token=style.bos,
-        chat_template=style.template,
+        chat_template=style.template, response_template=style.response_template,
     )  # fmt: skip
 
 

@@ -59,6 +59,7 @@ class Completion:
 class Engine(Protocol):
     name: str
     tokenizer: Any
+    end_tokens: list[int]  # the checkpoint's tokens that end a response (`end_token_ids`)
     checkpoint_dir: Path | None  # the folder its weights were loaded from; None once a delta has changed them
     held: Any  # the policy version it holds, `moeloop.steps.engines.versions.Held`, once known
     delta_refusal: str | None  # why it cannot take deltas, once a full load has shown it

@@ -24,7 +24,7 @@ from moeloop.steps.engines.versions import committed_architecture, engine_at
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.families import num_experts
 from moeloop.steps.prompting import ChatSettings, render_prompt
-from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, rollout_schema, table_bytes
+from moeloop.steps.storage.experience import EPISODE_COLUMNS, ROLLOUT_SCHEMA, rollout_schema, table_bytes
 from moeloop.steps.storage.prompt_set import prompt_count, read_prompts
 from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import RunStorage
@@ -71,12 +71,15 @@ def rollout_rows(
     completions: list[list[Completion]],
     decode: Any,
     routed_layers: tuple[int, ...] = (),
+    episodes: list[list[dict[str, Any]]] | None = None,
 ) -> dict[str, list]:
-    """The shard's columns; routed_layers: the decoder layer of each layer of the samples' routes."""
+    """The shard's columns; routed_layers: the decoder layer of each layer of the samples' routes; episodes: each
+    sample's episode columns where the samples are episodes (`moeloop.steps.episodes.episodes.Episode`)."""
     columns: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
-    for prompt_id, (text, tokens), samples in zip(prompt_ids, rendered, completions, strict=True):
+    for position, (prompt_id, (text, tokens), samples) in enumerate(zip(prompt_ids, rendered, completions, strict=True)):
         for index, sample in enumerate(samples):
-            row = {
+            row = dict.fromkeys(EPISODE_COLUMNS) if episodes is None else episodes[position][index]
+            row |= {
                 "sample_id": f"{iteration}-{prompt_id}-{index}",
                 "iteration": iteration,
                 "shard": shard,
@@ -110,6 +113,12 @@ def generate_shard(
     prompt_ids = shard_prompt_ids(batch, shard, num_shards)
     records = read_prompts(storage, "train", prompt_ids)
     chat = ChatSettings.of(config)
+    if config.rollout.environment is not None:
+        from moeloop.steps.episodes.environment import cached_environment
+        from moeloop.steps.episodes.episodes import environment_chat, generate_episodes  # verifiers: an extra
+
+        environment = cached_environment(config.rollout.environment.model_dump_json())
+        chat = environment_chat(chat, environment)
     rendered = [render_prompt(engine.tokenizer, records[i]["prompt"], chat) for i in prompt_ids]
     sampling = Sampling(
         n=config.rollout.samples_per_prompt,
@@ -122,7 +131,16 @@ def generate_shard(
         stop=tuple(config.rollout.stop),
     )
     started = time.perf_counter()
-    completions = engine.generate([tokens for _, tokens in rendered], sampling)
+    architecture = AutoConfig.for_model(**committed_architecture(storage, policy_version)[1])
+    episodes = None
+    if config.rollout.environment is None:
+        completions = engine.generate([tokens for _, tokens in rendered], sampling)
+    else:
+        positions = min(architecture.max_position_embeddings, config.rollout.vllm.max_model_len or 1 << 62)
+        found = generate_episodes(engine, environment, config.rollout.environment, [records[i] for i in prompt_ids],
+                                  prompt_ids, sampling, chat, positions)  # fmt: skip
+        completions = [[e.completion for e in group] for group in found]
+        episodes = [[e.columns for e in group] for group in found]
     generate_seconds = time.perf_counter() - started
     columns = rollout_rows(
         iteration,
@@ -134,6 +152,7 @@ def generate_shard(
         completions,
         lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
         engine.routed_layers,
+        episodes,
     )
     tokens = sum(len(ids) for ids in columns["response_token_ids"])
     report = {
@@ -155,7 +174,6 @@ def generate_shard(
     }
     # The report goes first: the shard is the commit point, and a re-run after a crash rewrites both.
     write_report(storage, iteration, f"rollout-{shard}", report)
-    architecture = AutoConfig.for_model(**committed_architecture(storage, policy_version)[1])
     schema = rollout_schema(num_experts(architecture))
     storage.write_bytes(output, table_bytes(pa.table(columns, schema=schema)))
     return report

@@ -73,6 +73,10 @@ def experience_batch(
     prompts, responses = rollouts["prompt_token_ids"], rollouts["response_token_ids"]
     reasons = rollouts.get("finish_reason")
     input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, responses, pad_id=0)
+    # An episode's response holds the environment's tokens too: only the policy's are trained on (and compared).
+    for row, (prompt, policy) in enumerate(zip(prompts, rollouts.get("response_mask", []), strict=False)):
+        if policy is not None:
+            response_mask_BT[row, len(prompt) : len(prompt) + len(policy)] = torch.tensor(policy, dtype=torch.bool)
     behavior_BT = torch.zeros(input_ids_BT.shape)
     for row, (prompt, logprobs) in enumerate(zip(prompts, rollouts["behavior_logprobs"], strict=False)):
         behavior_BT[row, len(prompt) : len(prompt) + len(logprobs)] = torch.tensor(logprobs)

@@ -42,10 +42,22 @@ ROLLOUT_SCHEMA = pa.schema(
         ("routed_experts", pa.list_(pa.uint16())),
         # The decoder layer of each layer of routed_experts (the model's MoE layers); null where not recorded.
         ("routed_layers", pa.list_(pa.uint16())),
+        # An episode's (rollout.environment, steps/episodes/); null for a completion. Its response holds the policy's
+        # tokens and the environment's, in order: response_mask is 1 on the policy's (trained on), 0 on the
+        # environment's (behavior_logprobs 0 there).
+        ("response_mask", pa.list_(pa.uint8())),
+        # Each of the policy's turns: the environment's tokens before it, its own, the engine's seconds (its
+        # batch's) and the environment's (from the previous turn's end to this turn's request).
+        ("turns", pa.list_(pa.struct([("environment_tokens", pa.int32()), ("policy_tokens", pa.int32()),
+                                      ("model_seconds", pa.float32()), ("environment_seconds", pa.float32())]))),
+        ("tool_results", pa.list_(pa.string())),  # the tool messages' contents, in order
+        ("environment_reward", pa.float64()),  # the environment's rubric's, added to the reward with its weight
+        ("episode_end", pa.string()),  # verifiers' stop condition (no_tools_called, max_turns_reached, ...)
     ]
 )
+EPISODE_COLUMNS = ("response_mask", "turns", "tool_results", "environment_reward", "episode_end")
 # Columns that shards written before they existed lack: read as nulls.
-LATER_COLUMNS = {"routed_experts", "routed_layers"}
+LATER_COLUMNS = {"routed_experts", "routed_layers", *EPISODE_COLUMNS}
 # The expert ids' types routed_experts comes in: the narrowest that holds the model's (`expert_id_type`).
 ROUTE_TYPES = (pa.list_(pa.uint8()), pa.list_(pa.uint16()))
 
