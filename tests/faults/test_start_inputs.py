@@ -205,6 +205,19 @@ def test_an_environments_bad_record_is_named(calc_env: None, run_root: Path, mon
     )  # fmt: skip
 
 
+def test_an_environment_whose_datasets_fail_is_named(
+    calc_env: None, run_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_dataset(environment: Any, split: str) -> list[dict[str, Any]]:
+        raise ValueError("dataset is not set\n(a second line the error leaves out)")
+
+    monkeypatch.setattr(environment_module, "dataset_records", no_dataset)
+    refused(
+        run_root / "run", environment_config(),
+        "rollout.environment calc-env: its datasets do not load (ValueError: dataset is not set)",
+    )  # fmt: skip
+
+
 def test_the_tiny_model_reads_an_environments_messages_with_the_bpe_tokenizer() -> None:
     data = environment_config().model_dump(mode="json")
     data["model"]["tokenizer"]["kind"] = "characters"
