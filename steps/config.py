@@ -301,6 +301,11 @@ class MoeloopConfig(Strict):
             raise ValueError("reward: name at least one reward function or reward model")
         if (self.task.source == "environment") != (rollout.environment is not None):
             raise ValueError("task.source environment and rollout.environment go together: set both or neither")
+        if rollout.environment is not None and self.model.checkpoint is None and self.model.tokenizer.kind != "bpe":
+            raise ValueError(
+                "rollout.environment's prompts are messages: the tiny model (model.checkpoint null) reads them with"
+                " model.tokenizer.kind bpe (its chat template)"
+            )
         if rollout.environment is not None and self.records_routing and rollout.prompt_routes != "all":
             raise ValueError("episodes record every position's routes: rollout.prompt_routes must be all")
         # A model.checkpoint brings its own expert count: start checks it (check_expert_split) when it loads.

@@ -37,8 +37,8 @@ class EnvironmentConfig(Strict):
     the rollouts run as episodes against the policy: single-turn, multi-turn or with tools, rewarded by its rubric
     (steps/episodes/). Its dataset is the task's prompts where task.source is environment."""
 
-    # The pip requirement that provides the environment (`my-env==0.2.0`, a wheel's URL): installed into the rollout
-    # and reward images (images/), nothing installs it locally.
+    # The pip requirement that provides the environment (`my-env==0.2.0`, a wheel's URL): built into the cpu and
+    # rollout images (`moeloop images`, images/README.md); for a local run, install it beside moeloop.
     package: str = Field(min_length=1)
     # The id `verifiers.load_environment` takes: the package's module (`my-env`, `my_env`), or a Hub id (`owner/my-env`).
     name: str = Field(min_length=1)

@@ -22,7 +22,7 @@ from moeloop.steps.storage.prompts import task_prompt_sets
 def build_tiny_reward_model(config: MoeloopConfig, directory: Path, seed: int = 0) -> None:
     """A random sequence classifier of the config's tiny family and shape, with the character tokenizer the start
     step builds for the same prompts (so it reads the policy's text)."""
-    sources = task_prompt_sets(config.task)
+    sources = task_prompt_sets(config)
     records = [record for split_records, _ in sources.values() for record in split_records]
     tokenizer = tiny_tokenizer(records, config.model.tokenizer)
     model_config = tiny_model_config(config.model.tiny, tokenizer, num_labels=1)

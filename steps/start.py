@@ -85,7 +85,7 @@ def adopt_run(storage: RunStorage, config: MoeloopConfig, prompts: dict[str, lis
         if changed:
             raise MoeloopError(f"run {storage.uri} already holds a different config (differs in: {', '.join(changed)})")
     for split, records in prompts.items():
-        commit_prompt_set(storage, split, records, {"source": set_name(config.task, split)})
+        commit_prompt_set(storage, split, records, {"source": set_name(config, split)})
     storage.write_bytes(RunStorage.CONFIG, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
 
 
@@ -248,9 +248,9 @@ def starting_policy(storage: RunStorage, config: MoeloopConfig, sources: dict[st
     what = f"model.checkpoint {uri}" if uri is not None else "the tiny model"
     positions = model.config.max_position_embeddings
     fitted = {split: fit_prompts(*rows, tokenizer, positions, config, what) for split, rows in sources.items()}
-    check_prompts(config, fitted["train"].records, set_name(config.task, "train"))
+    check_prompts(config, fitted["train"].records, set_name(config, "train"))
     if not fitted["eval"].records:
-        raise MoeloopError(f"{set_name(config.task, 'eval')}: every prompt is longer than rollout.max_prompt_tokens")
+        raise MoeloopError(f"{set_name(config, 'eval')}: every prompt is longer than rollout.max_prompt_tokens")
     report: dict[str, Any] = {"source": uri or "tiny+sft"}
     for split, prompts in fitted.items():
         report.update({f"{split}_prompts": len(prompts.records), f"dropped_{split}_prompts": prompts.dropped})
@@ -336,8 +336,8 @@ def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
         return {"skipped": "checkpoint 0 already committed"}
 
     # Read every input (the starting model too) before writing anything, so bad input leaves nothing behind.
-    sources = task_prompt_sets(config.task)
-    check_prompts(config, sources["train"][0], set_name(config.task, "train"))
+    sources = task_prompt_sets(config)
+    check_prompts(config, sources["train"][0], set_name(config, "train"))
     records = [record for split_records, _ in sources.values() for record in split_records]
     check_reward_routes(config.reward, records, "the train and eval records")
     refuse_unfit_trainer_of(config, sources)

@@ -27,7 +27,7 @@ CHANGED = 0.02  # of the elements, per version
 
 def bf16_start(folder: Path, config: MoeloopConfig) -> Path:
     """The demo's tiny model (its tokenizer, its shape), random, saved in bf16."""
-    tokenizer = demo_tokenizer(task_prompt_sets(config.task), config)
+    tokenizer = demo_tokenizer(task_prompt_sets(config), config)
     model = build_tiny_model(config.model.tiny, tokenizer, seed=config.seed).to(torch.bfloat16)
     save_policy(model, tokenizer, folder)
     return folder

@@ -1,4 +1,5 @@
-"""The `moeloop` command: run the loop locally, render it for Argo, lint manifests, and drive an Argo server."""
+"""The `moeloop` command: run the loop locally, render it for Argo, lint manifests, print the image builds, and drive an
+Argo server."""
 
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ def parser() -> argparse.ArgumentParser:
     lint = subcommands.add_parser("lint", help="validate Argo manifests offline")
     lint.add_argument("paths", nargs="+", metavar="PATH", help="a YAML file, a folder of them, or - (standard input)")
     lint.set_defaults(handler=commands.command_lint)
+
+    images = subcommands.add_parser(
+        "images", help="print the docker build commands of the config's images, rollout.environment's package in them"
+    )
+    images.add_argument("config", type=Path, help="the run's YAML config")
+    images.set_defaults(handler=commands.command_images)
 
     def with_server(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
         command.add_argument(

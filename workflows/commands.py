@@ -84,6 +84,14 @@ def command_render(args: argparse.Namespace) -> None:
         print(path)
 
 
+def command_images(args: argparse.Namespace) -> None:
+    """The images the render names, as `docker build` commands to run from the repository root (images/README.md)."""
+    from moeloop.workflows.render.images import build_commands
+
+    for command in build_commands(config_of(args)):
+        print(command)
+
+
 def command_lint(args: argparse.Namespace) -> None:
     """Lint files and folders; `-` reads the documents from standard input (e.g. `moeloop render ... | moeloop lint -`
     or `kubectl get wf x -o yaml | moeloop lint -`)."""

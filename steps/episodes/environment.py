@@ -22,7 +22,7 @@ def load_environment(settings: EnvironmentConfig) -> Any:
     if importlib.util.find_spec(module) is None:
         raise MoeloopError(
             f"rollout.environment: no environment {settings.name!r} is installed (its module {module} does not"
-            f" import): install {settings.package!r}, which the rollout image installs from rollout.environment.package"
+            f" import): install {settings.package!r}; on Argo, build the images as `moeloop images` prints"
         )
     import verifiers as vf
 

@@ -1,5 +1,6 @@
 """Prompt sets as users have them, read into records: JSON Lines, Parquet (a file, a folder of shards or a glob) and
-`datasets` save_to_disk folders, local or on S3; or generated from reasoning-gym's tasks (task.source: reasoning_gym).
+`datasets` save_to_disk folders, local or on S3; generated from reasoning-gym's tasks (task.source: reasoning_gym); or
+rollout.environment's datasets (task.source: environment).
 A bad file or row is a one-line error naming the file and the row.
 
 A save_to_disk folder is read with pyarrow alone: its data-*.arrow files (listed in its state.json) are Arrow IPC
@@ -18,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moeloop.steps.config import MoeloopConfig
-from moeloop.steps.config_task import TaskConfig
+from moeloop.steps.config_task import EnvironmentConfig, TaskConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.inputs import decode_text, read_limited
 from moeloop.steps.prompting import sft_answer
@@ -31,23 +32,44 @@ MAX_PROMPT_FILE_BYTES = 2 << 30  # one file of a set, read whole: past this, a f
 GLOB = set("*?[")
 
 
-def task_prompt_sets(task: TaskConfig) -> dict[str, PromptRows]:
-    """The task's prompt sets by split ("train", "eval"): read from its files, or generated from its reasoning-gym
-    tasks."""
+def task_prompt_sets(config: MoeloopConfig) -> dict[str, PromptRows]:
+    """The task's prompt sets by split ("train", "eval"): read from its files, generated from its reasoning-gym
+    tasks, or rollout.environment's datasets."""
+    task = config.task
     if task.source == "files":
         return {"train": read_prompt_set(task.train_prompts, task), "eval": read_prompt_set(task.eval_prompts, task)}
-    from moeloop.steps.rewards.reasoning_gym import generate_records  # imports reasoning-gym: only when chosen
+    if task.source == "environment":
+        generated = environment_records(config.rollout.environment)
+    else:
+        from moeloop.steps.rewards.reasoning_gym import generate_records  # imports reasoning-gym: only when chosen
 
+        generated = generate_records(task.reasoning_gym)
     sets = {}
-    for split, records in zip(SPLITS, generate_records(task.reasoning_gym), strict=True):
-        wheres = [f"{set_name(task, split)}, record {index}" for index in range(len(records))]
+    for split, records in zip(SPLITS, generated, strict=True):
+        if not records:
+            raise MoeloopError(f"{set_name(config, split)}: no prompts")
+        wheres = [f"{set_name(config, split)}, record {index}" for index in range(len(records))]
         sets[split] = [check_record(r, where, task) for r, where in zip(records, wheres, strict=True)], wheres
     return sets
 
 
-def set_name(task: TaskConfig, split: str) -> str:
+def environment_records(settings: EnvironmentConfig) -> list[list[dict[str, Any]]]:
+    """The records of rollout.environment's train and eval datasets (steps/episodes/environment.py)."""
+    from moeloop.steps.episodes.environment import dataset_records, load_environment  # imports verifiers
+
+    environment = load_environment(settings)
+    try:
+        return [dataset_records(environment, split) for split in SPLITS]
+    except Exception as error:  # the environment's own code builds its datasets: any failure is its
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        raise MoeloopError(f"rollout.environment {settings.name}: its datasets do not load ({reason})") from error
+
+
+def set_name(config: MoeloopConfig, split: str) -> str:
     """How error lines name a split's prompt set."""
-    return getattr(task, f"{split}_prompts") or f"task.reasoning_gym's {split} set"
+    if config.task.source == "environment":
+        return f"rollout.environment {config.rollout.environment.name}'s {split} set"
+    return getattr(config.task, f"{split}_prompts") or f"task.reasoning_gym's {split} set"
 
 
 def read_prompt_set(location: str, task: TaskConfig) -> PromptRows:

@@ -6,14 +6,26 @@ containers. And hadolint passes on each, with the rules it ignores given their r
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shlex
 import subprocess
+import sys
 import sysconfig
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from moeloop.steps.config import MoeloopConfig, parse_config
+from moeloop.workflows.cli import parser
+from moeloop.workflows.lint.documents import lint_paths
+from moeloop.workflows.render.files import write_rendered
+from moeloop.workflows.render.images import DOCKERFILES, ENVIRONMENT_IMAGES, role_image
+from moeloop.workflows.render.loop import build, render
 from tests.conftest import REPO
 
 IMAGES = ("cpu", "rollout", "trainer")
@@ -154,3 +166,115 @@ def test_hadolint_catches_what_it_checks(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert {"DL3007", "DL3014", "DL3009"} <= set(re.findall(r"DL\d{4}", result.stdout))
     assert "DL3003" not in result.stdout and "DL3008" not in result.stdout  # the two ignored rules
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout.environment's package, built into the images that run it (workflows/render/images.py)
+
+INSTALL_ENVIRONMENT = REPO / "images" / "install-environment.sh"
+# python3 as the script sees it: pip freezes a torch, a vLLM and a numpy, and logs what it is asked to install with
+# the files it is given; anything else is the real interpreter.
+FAKE_PYTHON = """#!/bin/sh
+if [ "$1 $2" = "-m pip" ]; then
+  case "$3" in
+    freeze) printf 'numpy==2.3.4\\ntorch==2.13.0+cpu\\nvllm==0.32.0\\n' ;;
+    install) shift 3; echo "install $*" >> "$LOG"
+      while [ $# -gt 0 ]; do case "$1" in --constraint|--requirement) cat "$2" >> "$LOG"; shift ;; esac; shift; done ;;
+  esac
+else
+  exec {python} "$@"
+fi
+"""
+
+
+def environment_config(package: str = "calc-env==0.1.0", **cluster: Any) -> MoeloopConfig:
+    data = {
+        "run_name": "env-images",
+        "iterations": 2,
+        "task": {"source": "environment"},
+        "model": {"tokenizer": {"kind": "bpe"}},
+        "rollout": {"environment": {"package": package, "name": "calc-env"}},
+        "cluster": {"image_tag": "0.2.0", **cluster},
+    }
+    return parse_config(data, "test")
+
+
+def test_the_images_that_run_an_environment_install_its_package_as_root() -> None:
+    for image, path in DOCKERFILES.items():
+        text = (REPO / path).read_text()
+        steps = instructions(text)
+        runs = [i for i, (ins, rest) in enumerate(steps) if ins == "RUN" and "install-environment.sh" in rest]
+        if image not in ENVIRONMENT_IMAGES:
+            assert "ENVIRONMENT_PACKAGE" not in text and not runs, path
+            continue
+        assert build_args(text)["ENVIRONMENT_PACKAGE"] is None, f"{path}: no package unless a config names one"
+        (run,) = runs
+        assert steps[run][1].startswith('sh /tmp/install-environment.sh "${ENVIRONMENT_PACKAGE}"'), path
+        installed = max(i for i, (_, rest) in enumerate(steps) if "install-package.sh" in rest or "pip install" in rest)
+        assert installed < run < steps.index(("USER", "1000:1000")), f"{path}: after moeloop, before the user"
+
+
+def run_install_environment(tmp_path: Path, package: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    bin_dir, log = tmp_path / "bin", tmp_path / "pip.log"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON.format(python=sys.executable))
+    (bin_dir / "python3").chmod(0o755)
+    environment = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "LOG": str(log)}
+    command = ["sh", str(INSTALL_ENVIRONMENT), package]
+    result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=60)
+    return result, log
+
+
+def test_the_environment_script_installs_the_package_with_verifiers_holding_torch_and_vllm(tmp_path: Path) -> None:
+    result, log = run_install_environment(tmp_path, "calc-env==0.1.0")
+
+    assert result.returncode == 0, result.stderr
+    install, *files = log.read_text().splitlines()
+    assert install.startswith("install --constraint ") and install.endswith(" calc-env==0.1.0")
+    pinned = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["environments"]
+    assert files == ["torch==2.13.0+cpu", "vllm==0.32.0", *pinned] and pinned == ["verifiers==0.3.1"]
+    assert not Path(install.split()[2]).parent.exists(), "its scratch folder is left in the image"
+
+
+def test_the_environment_script_installs_nothing_without_a_package(tmp_path: Path) -> None:
+    result, log = run_install_environment(tmp_path, "")
+    assert result.returncode == 0 and not log.exists(), result.stderr
+
+
+def test_an_environments_images_are_tagged_by_its_package_and_render_and_lint_clean(tmp_path: Path) -> None:
+    config = environment_config()
+    run = "s3://moeloop-runs/runs/env-images"
+    assert lint_paths(write_rendered(build(config, run), tmp_path)) == []
+    templates = render(config, run)["workflow-template.yaml"]["spec"]["templates"]
+    images = {t["name"]: t["container"]["image"] for t in templates if "container" in t}
+    tag = "0.2.0-env-" + hashlib.sha256(b"calc-env==0.1.0").hexdigest()[:12]
+    assert images["rollout"] == f"ghcr.io/moeloop/moeloop-rollout:{tag}"
+    assert {images[step] for step in ("start", "evaluate", "publish")} == {f"ghcr.io/moeloop/moeloop-cpu:{tag}"}
+    assert images["train"] == "ghcr.io/moeloop/moeloop-trainer:0.2.0"  # the trainer never runs the environment
+    assert role_image(environment_config("calc-env==0.2.0"), "rollout") != images["rollout"]
+    data = config.model_dump(mode="json")
+    data["task"] = {"train_prompts": "s3://b/train.jsonl", "eval_prompts": "s3://b/eval.jsonl"}
+    data["rollout"]["environment"] = None
+    data["reward"]["functions"] = [{"path": "moeloop.steps.rewards:reverse_positions"}]
+    assert role_image(parse_config(data, "test"), "rollout") == "ghcr.io/moeloop/moeloop-rollout:0.2.0"
+
+
+def test_moeloop_images_prints_the_builds_of_the_images_the_render_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    package = "my-env @ https://example.com/my_env-1.0-py3-none-any.whl"
+    config = environment_config(package, train={"image": "example.com/own-trainer:1"})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    args = parser().parse_args(["images", str(path)])
+
+    args.handler(args)
+
+    builds = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    assert [argv[argv.index("-f") + 1] for argv in builds] == ["images/cpu/Dockerfile", "images/rollout/Dockerfile"]
+    assert {argv[argv.index("-t") + 1] for argv in builds} == {role_image(config, "cpu"), role_image(config, "rollout")}
+    for argv in builds:
+        assert argv[:2] == ["docker", "build"] and argv[-1] == "."
+        arguments = [argv[i + 1] for i, token in enumerate(argv) if token == "--build-arg"]
+        assert arguments == [f"ENVIRONMENT_PACKAGE={package}"]
+        assert "ENVIRONMENT_PACKAGE" in build_args((REPO / argv[argv.index("-f") + 1]).read_text())

@@ -177,6 +177,40 @@ def test_run_rejects_a_reward_path_without_a_function(tmp_path: Path) -> None:
     assert_nothing_created(root, name)
 
 
+@pytest.mark.parametrize(
+    ("environment", "named"),
+    [
+        pytest.param(
+            {"package": "no-such-env==1.0", "name": "no-such-env"},
+            "rollout.environment: no environment 'no-such-env' is installed",
+            id="not-installed",
+        ),
+        pytest.param(
+            {"package": "calc-env", "name": "calc-env", "args": {"size": 3}},
+            "rollout.environment 'calc-env' does not load: ",
+            id="does-not-load",
+        ),
+    ],
+)
+def test_run_rejects_an_environment_that_does_not_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, environment: dict[str, Any], named: str
+) -> None:
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(REPO / "tests" / "environments"), os.environ.get("PYTHONPATH", "")])
+    )
+    name = unique_run_name()
+    data = tiny_config(run_name=name, **{"model.tokenizer": {"kind": "bpe"}})
+    data["task"] = {"source": "environment"}
+    data["rollout"]["environment"] = environment
+    config = write_config(tmp_path, data)
+    root = tmp_path / "root"
+
+    result = moeloop_cli("run", str(config), "--root", str(root), "--no-progress")
+
+    assert_user_error(result, named)
+    assert_nothing_created(root, name)
+
+
 # ---------------------------------------------------------------------------------------------
 # Steps on a run that does not exist, or on an iteration whose inputs are missing
 

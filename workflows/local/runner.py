@@ -57,8 +57,8 @@ def preflight(config: MoeloopConfig) -> None:
 
         if (refusal := vllm_refusal({"model_type": config.model.tiny.family, **config.model.tiny.model_dump()})):
             raise MoeloopError(refusal)
-    sources = task_prompt_sets(config.task)
-    check_prompts(config, sources["train"][0], set_name(config.task, "train"))
+    sources = task_prompt_sets(config)
+    check_prompts(config, sources["train"][0], set_name(config, "train"))
     records = [record for split_records, _ in sources.values() for record in split_records]
     check_reward_routes(config.reward, records, "the train and eval records")
     with RewardPool(config.reward, "moeloop run's check of the config") as pool:

@@ -13,6 +13,7 @@ from hera.workflows import models as m
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.config_cluster import Resources, RolePlacement, Toleration
+from moeloop.workflows.render.images import role_image
 
 LABEL = "moeloop.dev"
 
@@ -20,13 +21,6 @@ LABEL = "moeloop.dev"
 ROLE_LABEL = f"{LABEL}/role"
 GPU_TAINT = "nvidia.com/gpu"
 GPU_ROLES = frozenset({"rollout", "reward", "train"})
-ROLE_IMAGES = {
-    "rollout": "moeloop-rollout",
-    "reward": "moeloop-rollout",  # reward models run on the rollout image's vLLM/torch
-    "train": "moeloop-trainer",
-    "cpu": "moeloop-cpu",
-    "memory": "moeloop-cpu",
-}
 IMAGE_USER = 1000  # the images' user `moeloop` (uid and gid 1000)
 # Every container's root filesystem is read-only; what the steps and their libraries write goes to these emptyDirs:
 # /tmp (scratch, $MOELOOP_CACHE, the outputs, torch's and DeepEP's JIT caches) and the images' $HOME (the caches of
@@ -49,7 +43,6 @@ HUGEPAGES = "5120Mi"  # libfabric's EFA provider registers its bounce buffers in
 
 def role_defaults(config: MoeloopConfig, role: str) -> RolePlacement:
     """A role's placement when the config leaves it out: the manifests' node labels, taints and service accounts."""
-    cluster = config.cluster
     tolerations = [Toleration(key=ROLE_LABEL, operator="Equal", value=role, effect="NoSchedule")]
     if role in GPU_ROLES:
         tolerations.append(Toleration(key=GPU_TAINT, operator="Exists", effect="NoSchedule"))
@@ -73,7 +66,7 @@ def role_defaults(config: MoeloopConfig, role: str) -> RolePlacement:
         "memory": Resources(requests={"cpu": "16", "memory": "64Gi"}, limits={"memory": "128Gi"}),
     }[role]
     return RolePlacement(
-        image=f"{cluster.image_registry.rstrip('/')}/{ROLE_IMAGES[role]}:{cluster.image_tag}",
+        image=role_image(config, role),
         service_account=f"moeloop-{role}",
         node_selector={ROLE_LABEL: role},
         tolerations=tolerations,
