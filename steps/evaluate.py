@@ -33,25 +33,20 @@ from moeloop.steps.storage.run import RunStorage
 
 def evaluation(engine: Engine, records: list[dict], pool: RewardPool, config: MoeloopConfig) -> dict[str, Any]:
     """The eval figures of one checkpoint (module docstring): greedy, then sampled where eval.samples asks."""
-    chat = ChatSettings.of(config)
-    prompts = [render_prompt(engine.tokenizer, r["prompt"], chat)[1] for r in records]
     rollout = config.rollout
     stop = tuple(rollout.stop)
     greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=rollout.max_new_tokens, seed=0, stop=stop)
     names = [f"eval prompt {number}" for number in range(1, len(records) + 1)]
-    scores = pool.score(records, responses(engine, prompts, greedy), names)
-    greedy_rewards, failures, sampled_rewards = scores.rewards, scores.failures, None
+    greedy_rewards, failures = rewards(engine, records, greedy, pool, names, config)
+    sampled_rewards = None
     if config.eval.samples:
         n = config.eval.samples
         # As the rollouts sample, from a seed of the run's own: the same at every iteration.
         seed = derive_seed(config.seed, "eval")
         sampling = Sampling(n, rollout.temperature, rollout.top_p, rollout.max_new_tokens, seed, stop=stop)
-        texts = responses(engine, prompts, sampling)
-        scores = pool.score(
-            [r for r in records for _ in range(n)], texts, [f"{name} sample {j}" for name in names for j in range(n)]
-        )
-        sampled_rewards = [scores.rewards[i * n : (i + 1) * n] for i in range(len(records))]
-        failures += scores.failures
+        flat, sampled_failures = rewards(engine, records, sampling, pool, names, config)
+        sampled_rewards = [flat[i * n : (i + 1) * n] for i in range(len(records))]
+        failures += sampled_failures
     overall, sources = eval_figures(
         records, greedy_rewards, sampled_rewards, config.eval.pass_threshold, config.eval.pass_ks()
     )
@@ -64,10 +59,32 @@ def evaluation(engine: Engine, records: list[dict], pool: RewardPool, config: Mo
     }
 
 
-def responses(engine: Engine, prompts: list[list[int]], sampling: Sampling) -> list[str]:
-    """The decoded responses, prompt by prompt, sampling.n each."""
-    completions = engine.generate(prompts, sampling)
-    return [engine.tokenizer.decode(c.token_ids, skip_special_tokens=True) for group in completions for c in group]
+def rewards(
+    engine: Engine, records: list[dict], sampling: Sampling, pool: RewardPool, names: list[str], config: MoeloopConfig
+) -> tuple[list[float], int]:
+    """(the rewards of sampling.n responses to each record, record by record, and the reward calls that failed). With
+    rollout.environment the responses are episodes, their rubric's reward added with its weight, as the rollouts'."""
+    chat = ChatSettings.of(config)
+    if config.rollout.environment is None:
+        prompts = [render_prompt(engine.tokenizer, r["prompt"], chat)[1] for r in records]
+        completions = [c for group in engine.generate(prompts, sampling) for c in group]
+        found = [0.0] * len(completions)
+    else:
+        from moeloop.steps.episodes.environment import cached_environment
+        from moeloop.steps.episodes.episodes import generate_episodes  # verifiers: an extra, imported where used
+
+        settings = config.rollout.environment
+        positions = engine.model.config.max_position_embeddings
+        groups = generate_episodes(engine, cached_environment(settings.model_dump_json()), settings, records,
+                                   list(range(len(records))), sampling, chat, positions)  # fmt: skip
+        completions = [e.completion for group in groups for e in group]
+        found = [settings.reward_weight * e.columns["environment_reward"] for group in groups for e in group]
+    texts = [engine.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    greedy = sampling.temperature == 0
+    n = 1 if greedy else sampling.n
+    labels = names if greedy else [f"{name} sample {j}" for name in names for j in range(n)]
+    scores = pool.score([r for r in records for _ in range(n)], texts, labels)
+    return [score + extra for score, extra in zip(scores.rewards, found, strict=True)], scores.failures
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -28,7 +28,12 @@ class ChatSettings:
 
     @classmethod
     def of(cls, config: MoeloopConfig) -> ChatSettings:
-        return cls(config.task.system_prompt, dict(config.rollout.chat_template_kwargs))
+        tools = None
+        if config.rollout.environment is not None:  # every render shows the model the tools, as the rollouts do
+            from moeloop.steps.episodes.environment import cached_environment, tool_schemas
+
+            tools = tool_schemas(cached_environment(config.rollout.environment.model_dump_json()))
+        return cls(config.task.system_prompt, dict(config.rollout.chat_template_kwargs), tools)
 
 
 def render_prompt(
@@ -62,6 +67,15 @@ def render_text(
         )
     except (TemplateError, ValueError, TypeError, KeyError) as error:
         raise MoeloopError(f"the chat template fails on it: {type(error).__name__}: {error}") from None
+
+
+def sft_episode(record: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A record's reference episode after its prompt (`completion`: messages, as conversational SFT sets hold it),
+    which the tiny model's SFT trains on where a record has one (steps/episodes/transcript.py)."""
+    completion = record.get("completion")
+    if isinstance(completion, list) and any(isinstance(m, dict) and m.get("role") == "assistant" for m in completion):
+        return completion
+    return None
 
 
 def sft_answer(record: dict[str, Any]) -> str | None:

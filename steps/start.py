@@ -45,7 +45,8 @@ from moeloop.steps.model.policy import (
     token_logprobs,
 )
 from moeloop.steps.observe.trackers import begin_trackers, check_trackers
-from moeloop.steps.prompting import ChatSettings, fit_prompts, render_prompt, sft_answer
+from moeloop.steps.episodes.transcript import episode_tokens
+from moeloop.steps.prompting import ChatSettings, fit_prompts, render_prompt, sft_answer, sft_episode
 from moeloop.steps.rewards.functions import check_reward_routes
 from moeloop.steps.rewards.models import adopt_reward_models, check_reward_models
 from moeloop.steps.rl.memory import refuse_unfit_trainer
@@ -122,11 +123,21 @@ def differing_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
     return keys
 
 
+def sft_target(tokenizer: Any, record: dict, chat: ChatSettings) -> tuple[list[int], list[int]]:
+    """(the response tokens SFT trains a record on, the mask of those it learns): its reference episode, laid out as
+    the rollouts lay out an episode, the policy's turns learnt; else its answer and the end token, all learnt."""
+    episode = sft_episode(record)
+    if episode is not None:
+        return episode_tokens(tokenizer, chat, episode, tokenizer.eos_token_id)
+    answer = tokenizer(sft_answer(record), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return answer, [1] * len(answer)
+
+
 def sft(
     model: torch.nn.Module, tokenizer: Any, records: list[dict], settings: SFTConfig, seed: int, chat: ChatSettings
 ) -> list[float]:
-    """Teacher-forced training on prompt -> answer+EOS, the prompt rendered as the rollouts render it, loss on the
-    answer tokens only. Every tenth of the way it prints a progress line (`progress: SFT step 8/40, loss 1.234`),
+    """Teacher-forced training on prompt -> answer+EOS (or a reference episode, `sft_target`), the prompt rendered as
+    the rollouts render it, loss on the answer's (the policy's) tokens only. Every tenth of the way it prints a progress line (`progress: SFT step 8/40, loss 1.234`),
     which `moeloop run` shows as it goes."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
@@ -135,9 +146,10 @@ def sft(
     for _ in range(settings.steps):
         batch = rng.sample(records, min(settings.batch_size, len(records)))
         prompts = [render_prompt(tokenizer, r["prompt"], chat)[1] for r in batch]
-        end = [tokenizer.eos_token_id]
-        answers = [tokenizer(sft_answer(r), add_special_tokens=False)["input_ids"] + end for r in batch]
+        answers, masks = zip(*(sft_target(tokenizer, r, chat) for r in batch), strict=True)
         input_ids_BT, attention_mask_BT, response_mask_BT = pack_sequences(prompts, answers, tokenizer.pad_token_id)
+        for row, (prompt, mask) in enumerate(zip(prompts, masks, strict=True)):
+            response_mask_BT[row, len(prompt) : len(prompt) + len(mask)] = torch.tensor(mask, dtype=torch.bool)
         logprobs_BT, _ = token_logprobs(model, input_ids_BT, attention_mask_BT)
         loss = -(logprobs_BT * response_mask_BT).sum() / response_mask_BT.sum()
         optimizer.zero_grad(set_to_none=True)
@@ -339,7 +351,8 @@ def start(run_uri: str, config: MoeloopConfig) -> dict[str, Any]:
     sources = task_prompt_sets(config)
     check_prompts(config, sources["train"][0], set_name(config, "train"))
     records = [record for split_records, _ in sources.values() for record in split_records]
-    check_reward_routes(config.reward, records, "the train and eval records")
+    rubric = config.rollout.environment is not None
+    check_reward_routes(config.reward, records, "the train and eval records", rubric)
     refuse_unfit_trainer_of(config, sources)
     started = time.perf_counter()
     with local_scratch() as scratch:

@@ -113,12 +113,6 @@ def generate_shard(
     prompt_ids = shard_prompt_ids(batch, shard, num_shards)
     records = read_prompts(storage, "train", prompt_ids)
     chat = ChatSettings.of(config)
-    if config.rollout.environment is not None:
-        from moeloop.steps.episodes.environment import cached_environment
-        from moeloop.steps.episodes.episodes import environment_chat, generate_episodes  # verifiers: an extra
-
-        environment = cached_environment(config.rollout.environment.model_dump_json())
-        chat = environment_chat(chat, environment)
     rendered = [render_prompt(engine.tokenizer, records[i]["prompt"], chat) for i in prompt_ids]
     sampling = Sampling(
         n=config.rollout.samples_per_prompt,
@@ -136,6 +130,10 @@ def generate_shard(
     if config.rollout.environment is None:
         completions = engine.generate([tokens for _, tokens in rendered], sampling)
     else:
+        from moeloop.steps.episodes.environment import cached_environment
+        from moeloop.steps.episodes.episodes import generate_episodes  # verifiers: an extra, imported where used
+
+        environment = cached_environment(config.rollout.environment.model_dump_json())
         positions = min(architecture.max_position_embeddings, config.rollout.vllm.max_model_len or 1 << 62)
         found = generate_episodes(engine, environment, config.rollout.environment, [records[i] for i in prompt_ids],
                                   prompt_ids, sampling, chat, positions)  # fmt: skip

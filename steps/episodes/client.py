@@ -3,8 +3,8 @@
 verifiers drives each episode (its environment's turns, tools and stop conditions) and asks its client for each of the
 policy's turns with the conversation so far as messages. This client never re-encodes what was sampled: a turn's
 prompt is the previous turn's prompt and sampled tokens, as the engine gave them, and then the tokens of the messages
-the environment added, rendered by the checkpoint's chat template as a continuation of an assistant turn (the same
-text a whole-conversation render would hold there). So the trainer sees exactly the tokens sampled and inserted.
+the environment added, rendered by the checkpoint's chat template as a continuation of an assistant turn
+(steps/episodes/transcript.py). So the trainer sees exactly the tokens sampled and inserted.
 
 The episodes' requests are batched: the engine generates once every live episode waits for its next turn (or has
 ended), the requests in episode order, so a shard's samples do not depend on how long its tools took.
@@ -23,12 +23,10 @@ import verifiers as vf
 
 from moeloop.steps.engines.engine import Completion, Engine, Sampling
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.prompting import ChatSettings, render_prompt, render_text
+from moeloop.steps.episodes.transcript import environment_tokens
+from moeloop.steps.prompting import ChatSettings, render_prompt
 
 EPISODE = "moeloop_episode"  # the sampling argument that names a request's episode (its index in the shard)
-# A fixed conversation the environment's messages are rendered after: only what the template adds after its
-# assistant turn is taken, whatever the turn said.
-BASE_CONVERSATION = [{"role": "user", "content": "-"}, {"role": "assistant", "content": "-"}]
 
 
 @dataclass(frozen=True)
@@ -128,21 +126,9 @@ class EngineClient(vf.Client):
         seen = len(trajectory[-1]["prompt"]) + len(trajectory[-1]["completion"])
         if previous.completion.token_ids[-1:] and previous.completion.token_ids[-1] not in self.end_token_ids:
             raise vf.OverlongPromptError("the previous turn ended without an end token: the episode cannot go on")
-        environment_ids = self.environment_tokens(messages[seen:], previous.completion.token_ids[-1], tools)
-        return previous.prompt_ids + previous.completion.token_ids + environment_ids, environment_ids
-
-    def environment_tokens(self, added: list[dict[str, Any]], end_token: int, tools: list | None) -> list[int]:
-        """The tokens of the messages the environment added after an assistant turn that ended with end_token: what
-        the chat template renders after that token and up to the next assistant turn's start."""
         chat = replace(self.chat, tools=tools)
-        base = render_text(self.tokenizer, BASE_CONVERSATION[:1], chat, response=BASE_CONVERSATION[1]["content"])
-        whole = render_text(self.tokenizer, BASE_CONVERSATION + added, chat)
-        if not whole.startswith(base):
-            raise MoeloopError("the chat template renders a conversation's start differently once it goes on")
-        end_text = self.tokenizer.decode([end_token])
-        cut = base.rfind(end_text)
-        cut = cut + len(end_text) if cut >= 0 else len(base)
-        return self.tokenizer(whole[cut:], add_special_tokens=False)["input_ids"]
+        environment_ids = environment_tokens(self.tokenizer, chat, messages[seen:], previous.completion.token_ids[-1])
+        return previous.prompt_ids + previous.completion.token_ids + environment_ids, environment_ids
 
     def maybe_generate(self) -> None:
         """Generate once every live episode waits: its requests in episode order, one engine call per length limit."""
@@ -202,7 +188,8 @@ class EngineClient(vf.Client):
     def parse(self, token_ids: list[int], prompt_ids: list[int], tools: list | None) -> dict[str, Any]:
         """The sampled turn as a message: by the checkpoint's response template (its tokenizer's
         `response_template`, transformers' `parse_response`: content, tool calls) where it has one; else its text
-        alone, which an environment with tools cannot use."""
+        alone, which an environment with tools cannot use. A turn the template cannot read (a malformed call) is its
+        text alone."""
         if getattr(self.tokenizer, "response_template", None) is None:
             if tools:
                 raise MoeloopError(
@@ -212,8 +199,11 @@ class EngineClient(vf.Client):
             return {"content": self.tokenizer.decode(token_ids, skip_special_tokens=True)}
         if token_ids and token_ids[-1] in self.end_token_ids:  # the turn's end, not its content
             token_ids = token_ids[:-1]
-        prefix = self.tokenizer.decode(prompt_ids)
-        return self.tokenizer.parse_response(self.tokenizer.decode(token_ids), prefix=prefix, tools=tools)
+        text = self.tokenizer.decode(token_ids)
+        try:
+            return self.tokenizer.parse_response(text, prefix=self.tokenizer.decode(prompt_ids), tools=tools)
+        except ValueError:  # a malformed call: the turn is its text, and calls nothing (as vLLM's tool parsers do)
+            return {"content": self.tokenizer.decode(token_ids, skip_special_tokens=True)}
 
     async def close(self) -> None:
         return None

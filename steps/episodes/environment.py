@@ -54,13 +54,14 @@ def tool_schemas(environment: Any) -> list[dict[str, Any]] | None:
 
 def dataset_records(environment: Any, split: str) -> list[dict[str, Any]]:
     """The records of the environment's train ("train") or eval ("eval") dataset, as moeloop's prompt sets hold them:
-    `prompt` (its messages), and `answer`, `info`, `task` where it has them. Its eval dataset falls back to its train
+    `prompt` (its messages), and `answer`, `info`, `task` and `completion` (a reference episode's messages, which the
+    tiny model's SFT trains on) where it has them. Its eval dataset falls back to its train
     dataset where it has none, as verifiers' own evaluation does."""
     dataset = environment.get_dataset() if split == "train" else environment.get_eval_dataset()
     records = []
     for row in dataset:
         record = {"prompt": [dict(m) for m in row["prompt"]]}
-        for key in ("answer", "info", "task"):
+        for key in ("answer", "info", "task", "completion"):  # completion: a reference episode, for the SFT
             if row.get(key) not in (None, "", {}):
                 record[key] = row[key]
         records.append(record)

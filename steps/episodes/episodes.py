@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,6 @@ import verifiers as vf
 from moeloop.steps.config_task import EnvironmentConfig
 from moeloop.steps.engines.engine import Completion, Engine, Sampling, route_start
 from moeloop.steps.episodes.client import EPISODE, EngineClient, Turn
-from moeloop.steps.episodes.environment import tool_schemas
 from moeloop.steps.episodes.tools import ToolWorkers
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.prompting import ChatSettings
@@ -34,11 +33,6 @@ class Episode:
     columns: dict[str, Any]  # response_mask, turns, tool_results, environment_reward, episode_end
 
 
-def environment_chat(chat: ChatSettings, environment: Any) -> ChatSettings:
-    """The chat settings with the environment's tools, which its prompts are rendered with."""
-    return replace(chat, tools=tool_schemas(environment))
-
-
 def generate_episodes(
     engine: Engine,
     environment: Any,
@@ -50,7 +44,7 @@ def generate_episodes(
     context_tokens: int,
 ) -> list[list[Episode]]:
     """sampling.n episodes of the environment (a `vf.Environment`, loaded from settings) for each record's prompt
-    (prompt_ids: their rows in the prompt set), scored; chat: with its tools (`environment_chat`)."""
+    (prompt_ids: their rows in the prompt set), scored; chat: with its tools (`ChatSettings.of`)."""
     refuse_unserved(environment, settings.name)
     client = EngineClient(engine, sampling, chat, context_tokens, settings.max_episode_tokens)
     workers = None

@@ -35,7 +35,7 @@ from moeloop.steps.model.dispatch import make_dispatcher
 from moeloop.steps.model.families import MoeFamily, family_of_block, family_of_config, num_experts
 from moeloop.steps.model.hf_shards import INDEX, SINGLE, StoredTensor, read_header
 from moeloop.steps.model.moe import ExpertsImpl, MoeBlock, replace_moe_blocks
-from moeloop.steps.prompting import sft_answer
+from moeloop.steps.prompting import sft_answer, sft_episode
 
 PAD, EOS = "<pad>", "<eos>"
 
@@ -58,6 +58,9 @@ def tiny_tokenizer(records: Iterable[dict[str, Any]], settings: TinyTokenizerCon
         prompt = record["prompt"]
         texts += [prompt] if isinstance(prompt, str) else [text for m in prompt for text in (m["role"], m["content"])]
         texts.append(sft_answer(record) or "")
+        for message in sft_episode(record) or []:  # a reference episode's turns, its tool calls as the template writes them
+            texts.append(message.get("content") or "")
+            texts += [json.dumps(call["function"]) for call in message.get("tool_calls") or []]
     return bpe_tokenizer(texts, settings.vocab_size) if settings.kind == "bpe" else build_tokenizer(texts)
 
 

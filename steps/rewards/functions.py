@@ -54,10 +54,11 @@ def by_source(records: list[dict[str, Any]]) -> dict[str, list[int]]:
     return dict(sorted(groups.items()))
 
 
-def check_reward_routes(settings: RewardConfig, records: list[dict[str, Any]], source: str) -> None:
+def check_reward_routes(settings: RewardConfig, records: list[dict[str, Any]], source: str, rubric: bool) -> None:
     """Every record is scored by some function or model: a data_source that reward.by_source does not name, with no
-    default reward.functions and no reward model, would score 0 whatever the response. Checked at start."""
-    if settings.models:
+    default reward.functions and no reward model, would score 0 whatever the response. An environment's rubric
+    (rubric: rollout.environment is set) scores every record. Checked at start."""
+    if settings.models or rubric:
         return
     unscored = Counter(data_source(r) or DEFAULT_SOURCE for r in records if not settings.functions_for(data_source(r)))
     if unscored:

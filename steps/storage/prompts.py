@@ -22,7 +22,7 @@ from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.config_task import EnvironmentConfig, TaskConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.inputs import decode_text, read_limited
-from moeloop.steps.prompting import sft_answer
+from moeloop.steps.prompting import sft_answer, sft_episode
 from moeloop.steps.storage import s3
 from moeloop.steps.storage.prompt_set import SPLITS
 
@@ -220,8 +220,8 @@ def check_prompts(config: MoeloopConfig, train: list[dict[str, Any]], source: st
         raise MoeloopError(f"{source} has {len(train)} prompts, fewer than rollout.prompts_per_iteration {wanted}")
     if config.model.checkpoint is None and config.model.sft.steps:
         for number, record in enumerate(train, start=1):
-            if sft_answer(record) is None:
+            if sft_answer(record) is None and sft_episode(record) is None:
                 raise MoeloopError(
-                    f"{source}: prompt {number} has no string 'answer' (nor reward_model.ground_truth), which"
-                    " model.sft trains the tiny model on"
+                    f"{source}: prompt {number} has no string 'answer' (nor reward_model.ground_truth, nor a reference"
+                    " episode's 'completion' messages), which model.sft trains the tiny model on"
                 )

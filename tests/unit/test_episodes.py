@@ -24,7 +24,7 @@ from moeloop.steps.config import RolloutConfig, VLLMConfig  # noqa: E402
 from moeloop.steps.engines.engine import Completion, Sampling, TransformersEngine, engine_for, release_engine  # noqa: E402
 from moeloop.steps.episodes.client import EngineClient, Turn  # noqa: E402
 from moeloop.steps.episodes.environment import load_environment, tool_schemas  # noqa: E402
-from moeloop.steps.episodes.episodes import environment_chat, generate_episodes  # noqa: E402
+from moeloop.steps.episodes.episodes import generate_episodes  # noqa: E402
 from moeloop.steps.episodes.tools import ToolWorkers  # noqa: E402
 from moeloop.steps.model.policy import load_policy, pack_sequences, save_policy, token_logprobs  # noqa: E402
 from moeloop.steps.prompting import ChatSettings, render_prompt  # noqa: E402
@@ -81,7 +81,7 @@ def test_two_turn_episode_is_the_engines_and_the_environments_tokens(checkpoint:
     environment = two_turns()
     records = [{"prompt": [{"role": "user", "content": "1+2"}], "answer": "3"}]
     sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3)
-    chat = environment_chat(ChatSettings(), environment)
+    chat = ChatSettings(tools=tool_schemas(environment))
     try:
         (episodes,) = generate_episodes(engine, environment, EnvironmentConfig(package="two-turns", name="two_turns"),
                                         records, [0], sampling, chat, 256)  # fmt: skip

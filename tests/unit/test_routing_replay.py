@@ -20,7 +20,14 @@ from moeloop.steps.model.moe import MoeBlock, Routes, replaying
 from moeloop.steps.model.policy import build_tokenizer, load_policy_shard, save_policy, token_logprobs
 from moeloop.steps.rl.batch import ExperienceBatch, experience_batch, recorded_routes
 from moeloop.steps.rl.router_health import RouterHealth
-from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, parse_table, rollout_columns, rollout_schema, table_bytes
+from moeloop.steps.storage.experience import (
+    EPISODE_COLUMNS,
+    ROLLOUT_SCHEMA,
+    parse_table,
+    rollout_columns,
+    rollout_schema,
+    table_bytes,
+)
 from tests.unit.test_moe import FAMILY_NAMES, TOP_K, tiny_config
 from tests.distributed.test_moe_ep import run_ranks
 
@@ -194,8 +201,8 @@ def test_replay_under_ep2_routes_every_rank_to_the_recorded_experts(tmp_path: Pa
 
 def old_shard_bytes(routes: list[int] | None = None) -> bytes:
     """A shard as written before the routed_experts column existed; or, given routes (the response's only, uint16),
-    before the routed_layers column did."""
-    names = {"routed_layers"} | ({"routed_experts"} if routes is None else set())
+    before the routed_layers column did (and the episodes' columns, which came after both)."""
+    names = {"routed_layers", *EPISODE_COLUMNS} | ({"routed_experts"} if routes is None else set())
     old_schema = pa.schema([field for field in ROLLOUT_SCHEMA if field.name not in names])
     row = {
         "sample_id": ["1-0-0"], "iteration": [1], "shard": [0], "prompt_id": [0], "sample_index": [0],

@@ -60,7 +60,8 @@ def preflight(config: MoeloopConfig) -> None:
     sources = task_prompt_sets(config)
     check_prompts(config, sources["train"][0], set_name(config, "train"))
     records = [record for split_records, _ in sources.values() for record in split_records]
-    check_reward_routes(config.reward, records, "the train and eval records")
+    rubric = config.rollout.environment is not None
+    check_reward_routes(config.reward, records, "the train and eval records", rubric)
     with RewardPool(config.reward, "moeloop run's check of the config") as pool:
         pool.check()  # the functions import, each takes its args: in a worker process, as the steps will run them
     check_trackers(config)
