@@ -58,9 +58,11 @@ def tiny_tokenizer(records: Iterable[dict[str, Any]], settings: TinyTokenizerCon
         prompt = record["prompt"]
         texts += [prompt] if isinstance(prompt, str) else [text for m in prompt for text in (m["role"], m["content"])]
         texts.append(sft_answer(record) or "")
-        for message in sft_episode(record) or []:  # a reference episode's turns, its tool calls as the template writes them
-            texts.append(message.get("content") or "")
-            texts += [json.dumps(call["function"]) for call in message.get("tool_calls") or []]
+        for message in sft_episode(record) or []:  # a reference episode's turns, as the template writes them
+            texts += [message["role"], message.get("content") or ""]
+            texts += [f"<tool_call>{json.dumps(call['function'])}</tool_call>" for call in message.get("tool_calls") or []]
+            if message["role"] == "tool":
+                texts.append(f"<tool_response>{message.get('content')}</tool_response>")
     return bpe_tokenizer(texts, settings.vocab_size) if settings.kind == "bpe" else build_tokenizer(texts)
 
 
