@@ -176,7 +176,9 @@ class TrainerConfig(Strict):
         if self.precision == "fp32" and self.attention in ("flash4", "flash2"):
             raise ValueError(f"attention {self.attention} computes in bf16: it needs precision bf16 or auto, not fp32")
         if self.state_every > 1 and self.lifetime != "chunk":
-            raise ValueError(f"state_every {self.state_every} needs lifetime chunk: a trainer per iteration commits every one")
+            raise ValueError(
+                f"state_every {self.state_every} needs lifetime chunk: a trainer per iteration commits every one"
+            )
         if self.world_size % self.expert_parallel:
             raise ValueError(
                 f"world_size {self.world_size} is not a multiple of expert_parallel {self.expert_parallel}"
@@ -305,6 +307,11 @@ class MoeloopConfig(Strict):
             raise ValueError(
                 "rollout.environment's prompts are messages: the tiny model (model.checkpoint null) reads them with"
                 " model.tokenizer.kind bpe (its chat template)"
+            )
+        if rollout.environment is not None and self.algorithm.overlong.mode == "penalty":
+            raise ValueError(
+                "algorithm.overlong mode penalty measures a completion against rollout.max_new_tokens;"
+                " an episode's turns each have their own: use mode mask or off"
             )
         if rollout.environment is not None and self.records_routing and rollout.prompt_routes != "all":
             raise ValueError("episodes record every position's routes: rollout.prompt_routes must be all")

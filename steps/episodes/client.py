@@ -21,9 +21,11 @@ from typing import Any
 
 import verifiers as vf
 
+from moeloop.steps.config import derive_seed
 from moeloop.steps.engines.engine import Completion, Engine, Sampling
-from moeloop.steps.errors import MoeloopError
+from moeloop.steps.episodes.environment import tool_schema
 from moeloop.steps.episodes.transcript import environment_tokens
+from moeloop.steps.errors import MoeloopError
 from moeloop.steps.prompting import ChatSettings, render_prompt
 
 EPISODE = "moeloop_episode"  # the sampling argument that names a request's episode (its index in the shard)
@@ -89,8 +91,7 @@ class EngineClient(vf.Client):
         raise MoeloopError("the engine client wraps an engine; it is not configured from a ClientConfig")
 
     async def to_native_tool(self, tool: vf.Tool) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                                 "parameters": tool.parameters}}  # fmt: skip
+        return tool_schema(tool)
 
     async def to_native_prompt(self, messages: vf.Messages) -> tuple[list[dict[str, Any]], dict]:
         return [template_message(m) for m in messages], {}
@@ -108,8 +109,9 @@ class EngineClient(vf.Client):
             room = min(room, self.episode_tokens - (len(prompt_ids) - self.first_prompt[episode]))
         if room <= 0:
             raise vf.OverlongPromptError(f"episode {episode}: no tokens left for another turn")
-        request = Request(episode, prompt_ids, min(room, self.sampling.max_new_tokens),
-                          asyncio.get_running_loop().create_future())  # fmt: skip
+        request = Request(
+            episode, prompt_ids, min(room, self.sampling.max_new_tokens), asyncio.get_running_loop().create_future()
+        )
         self.pending.append(request)
         self.maybe_generate()
         completion, model_seconds = await request.future
@@ -138,8 +140,8 @@ class EngineClient(vf.Client):
         self.flushes += 1
         for limit in sorted({r.max_new_tokens for r in requests}):
             batch = [r for r in requests if r.max_new_tokens == limit]
-            sampling = replace(self.sampling, n=1, max_new_tokens=limit, seed=self.sampling.seed + 1000 * self.flushes
-                               + limit)  # fmt: skip
+            seed = derive_seed(self.sampling.seed, "turns", self.flushes, limit)
+            sampling = replace(self.sampling, n=1, max_new_tokens=limit, seed=seed)
             started = time.perf_counter()
             try:
                 completions = self.engine.generate([r.prompt_ids for r in batch], sampling)
@@ -166,9 +168,12 @@ class EngineClient(vf.Client):
             id=response_id,
             created=int(time.time()),
             model=self.engine.name,
-            usage=vf.Usage(prompt_tokens=len(turn.prompt_ids), reasoning_tokens=0,
-                           completion_tokens=len(completion.token_ids),
-                           total_tokens=len(turn.prompt_ids) + len(completion.token_ids)),  # fmt: skip
+            usage=vf.Usage(
+                prompt_tokens=len(turn.prompt_ids),
+                reasoning_tokens=0,
+                completion_tokens=len(completion.token_ids),
+                total_tokens=len(turn.prompt_ids) + len(completion.token_ids),
+            ),
             message=vf.ResponseMessage(
                 content=message.get("content"),
                 reasoning_content=message.get("thinking") or message.get("reasoning_content"),

@@ -45,11 +45,15 @@ def cached_environment(settings_json: str) -> Any:
 
 def tool_schemas(environment: Any) -> list[dict[str, Any]] | None:
     """The environment's tools as the chat template takes them (OpenAI's function schemas); None: it has none."""
-    tools = getattr(environment, "tool_defs", None) or []
-    return [
-        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-        for t in tools
-    ] or None
+    return [tool_schema(tool) for tool in getattr(environment, "tool_defs", None) or []] or None
+
+
+def tool_schema(tool: Any) -> dict[str, Any]:
+    """A verifiers `Tool` as chat templates take it."""
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+    }
 
 
 def dataset_records(environment: Any, split: str) -> list[dict[str, Any]]:

@@ -79,10 +79,15 @@ async def run_groups(
 ) -> list[list[Any]]:
     """Every episode at once (the client batches their turns), then each prompt's group scored by the rubric."""
     inputs = [
-        {"prompt": record["prompt"], "answer": record.get("answer", ""), "info": record.get("info", {}),
-         "example_id": prompt_id, **({"task": record["task"]} if "task" in record else {})}
+        {
+            "prompt": record["prompt"],
+            "answer": record.get("answer", ""),
+            "info": record.get("info", {}),
+            "example_id": prompt_id,
+            **({"task": record["task"]} if "task" in record else {}),
+        }
         for record, prompt_id in zip(records, prompt_ids, strict=True)
-    ]  # fmt: skip
+    ]
     for _ in range(len(inputs) * samples):
         client.episode_started()  # all of them before any asks: the first batch holds every first turn
 
@@ -125,10 +130,14 @@ def episode(client: EngineClient, state: Any, sampling: Sampling) -> Episode:
         {
             "response_mask": mask,
             "turns": [
-                {"environment_tokens": len(t.environment_ids), "policy_tokens": len(t.completion.token_ids),
-                 "model_seconds": t.model_seconds, "environment_seconds": t.environment_seconds}
+                {
+                    "environment_tokens": len(t.environment_ids),
+                    "policy_tokens": len(t.completion.token_ids),
+                    "model_seconds": t.model_seconds,
+                    "environment_seconds": t.environment_seconds,
+                }
                 for t in turns
-            ],  # fmt: skip
+            ],
             "tool_results": tool_results,
             "environment_reward": None if reward is None else float(reward),
             "episode_end": f"error: {type(error).__name__}: {error}" if error else state.get("stop_condition"),
@@ -148,7 +157,9 @@ def stitched_routes(turns: list[Turn], sampling: Sampling) -> np.ndarray | None:
         end = len(turn.prompt_ids) + len(turn.completion.token_ids) - 1
         first = start if covered is None else covered
         if first < start:
-            raise MoeloopError("an episode's later turn did not record its prompt's routes: set rollout.prompt_routes all")
+            raise MoeloopError(
+                "an episode's later turn did not record its prompt's routes: set rollout.prompt_routes all"
+            )
         pieces.append(turn.completion.routed_experts[first - start : end - start])
         covered = end
     return np.concatenate(pieces)

