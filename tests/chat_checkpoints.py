@@ -4,6 +4,8 @@ template, and a tiny random Qwen3-MoE over its vocabulary, saved as an HF folder
 - Qwen3-style: ChatML turns (<|im_start|>role ... <|im_end|>), a thinking switch (`enable_thinking: false` puts an
   empty <think></think> block after the generation prompt), two end tokens in generation_config.json: <|im_end|> (the
   tokenizer's EOS) and <|endoftext|>.
+- Qwen3-style with tool calling: the tiny BPE tokenizer's ChatML (steps/model/bpe.py: tools listed in a system turn,
+  <tool_call> blocks, <tool_response> turns), its tags whole tokens, and its response template (parse_response).
 - Llama-style: a BOS the template writes and the tokenizer adds to any other text, header tokens, <|eot_id|> ending
   a turn (the tokenizer's EOS) and <|end_of_text|> beside it.
 """
@@ -19,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from moeloop.steps.config_model import TinyQwen3Moe
+from moeloop.steps.model.bpe import CHATML_TEMPLATE, RESPONSE_TEMPLATE
 from moeloop.steps.model.policy import build_tiny_model, save_policy
 
 QWEN3_TEMPLATE = (
@@ -27,28 +30,6 @@ QWEN3_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
-# Qwen3's tool calling, small: the tools named in a system turn, each call a <tool_call> JSON block in the assistant's
-# turn, consecutive tool results in one user turn of <tool_response> blocks. Its response template (transformers'
-# parse_response) reads the calls back.
-QWEN3_TOOLS_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for tool in tools %}{{- tool.function.name + ';' }}"
-    "{%- endfor %}{{- '</tools><|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}{%- if message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>' + message.content + '</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
-    "{%- for call in message.tool_calls or [] %}{{- '<tool_call>' + (call.function | tojson) + '</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-QWEN3_TOOLS_RESPONSE = {
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "content": {"content": "text"},
-        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True},
-    },
-}
 LLAMA_TEMPLATE = (
     "{{- bos_token }}{%- for message in messages %}"
     "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
@@ -72,11 +53,12 @@ QWEN3 = ChatStyle(
     "qwen3", QWEN3_TEMPLATE, ("<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"),
     "<|im_end|>", ("<|im_end|>", "<|endoftext|>"),
 )  # fmt: skip
+# Qwen3's tool calling, small: the tiny BPE tokenizer's template (steps/model/bpe.py), its tags whole tokens here.
 QWEN3_TOOLS = ChatStyle(
-    "qwen3-tools", QWEN3_TOOLS_TEMPLATE,
+    "qwen3-tools", CHATML_TEMPLATE,
     ("<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>", "<tool_response>",
      "</tool_response>", "<tools>", "</tools>"),
-    "<|im_end|>", ("<|im_end|>", "<|endoftext|>"), characters=';{}"_', response_template=QWEN3_TOOLS_RESPONSE,
+    "<|im_end|>", ("<|im_end|>", "<|endoftext|>"), characters=';{}"_', response_template=RESPONSE_TEMPLATE,
 )  # fmt: skip
 LLAMA = ChatStyle(
     "llama", LLAMA_TEMPLATE,
