@@ -1,6 +1,6 @@
 """Rollout engines on the demo's tiny Qwen3-MoE: generation throughput, and engine reuse across iterations.
 
-    python benchmarks/rollout_engines.py [--iterations 4] [--prompts 192] [--samples 16] [--smoke]
+    python benchmarks/rollout_engines.py [--iterations 4] [--prompts 192] [--samples 16] [--engine vllm] [--smoke]
 
 (a) tokens/s of vLLM and transformers `generate` on the same prompts and sampling settings, after one
     warm-up batch; (b) an iteration's engine cost with a new engine per checkpoint against one engine that
@@ -57,10 +57,10 @@ def throughput(engine_name: str, checkpoint: Path, prompts: list[list[int]], sam
 
 
 def iteration_seconds(
-    reuse: bool, checkpoints: list[Path], prompts: list[list[int]], sampling: Sampling
+    reuse: bool, checkpoints: list[Path], prompts: list[list[int]], sampling: Sampling, engine_name: str
 ) -> list[float]:
     """Wall time of each iteration: get an engine for that iteration's checkpoint, then generate."""
-    rollout = load_config(REPO / "configs" / "tiny.yaml").rollout.model_copy(update={"engine": "vllm"})
+    rollout = load_config(REPO / "configs" / "tiny.yaml").rollout.model_copy(update={"engine": engine_name})
     times = []
     for checkpoint in checkpoints:
         if not reuse:
@@ -78,7 +78,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=192)
     parser.add_argument("--samples", type=int, default=16)
-    args = smoke.parse_args(parser, iterations=2, prompts=4, samples=2)
+    parser.add_argument("--engine", default="vllm", help="the engine of (b); --smoke: transformers (vLLM starts in (a))")
+    args = smoke.parse_args(parser, iterations=2, prompts=4, samples=2, engine="transformers")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as directory:
         checkpoints = make_checkpoints(Path(directory), args.iterations)
@@ -90,8 +91,8 @@ def main() -> None:
         sampling = Sampling(n=args.samples, temperature=1.0, top_p=1.0, max_new_tokens=10, seed=0)
 
         rates = {name: throughput(name, checkpoints[0], prompts, sampling) for name in ("transformers", "vllm")}
-        fresh = iteration_seconds(False, checkpoints, prompts, sampling)
-        reused = iteration_seconds(True, checkpoints, prompts, sampling)
+        fresh = iteration_seconds(False, checkpoints, prompts, sampling, args.engine)
+        reused = iteration_seconds(True, checkpoints, prompts, sampling, args.engine)
 
     print(f"{args.prompts} prompts x {args.samples} samples, <= 10 new tokens, torch threads {torch.get_num_threads()}")
     print()
@@ -100,7 +101,7 @@ def main() -> None:
     for name, rate in rates.items():
         print(f"| {name} | {rate:,.0f} | {rate / rates['transformers']:.2f}x |")
     print()
-    print("| vLLM engine per iteration | first iteration s | later iterations, mean s |")
+    print(f"| {args.engine} engine per iteration | first iteration s | later iterations, mean s |")
     print("|---|---|---|")
     later_fresh, later_reused = sum(fresh[1:]) / len(fresh[1:]), sum(reused[1:]) / len(reused[1:])
     print(f"| new engine each iteration | {fresh[0]:.1f} | {later_fresh:.2f} |")

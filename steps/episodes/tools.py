@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import queue
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -41,15 +42,29 @@ def serve(settings_json: str, channel: Connection) -> None:
 
 
 class ToolWorkers:
-    """`environment.call_tool` for a ToolEnv, through `processes` workers (`install`); `close()` ends them."""
+    """`environment.call_tool` for a ToolEnv, through up to `processes` workers (`install`), each started when a call
+    finds none idle (a shard whose policy calls no tool starts none); `close()` ends them."""
 
     def __init__(self, settings: EnvironmentConfig, processes: int):
-        self.settings = settings
+        self.settings, self.processes = settings, processes
         self.context = multiprocessing.get_context("spawn")  # no fork of a process holding an engine and threads
         self.idle: queue.Queue = queue.Queue()
         self.workers: list[tuple[Any, Connection]] = []
-        for _ in range(processes):
-            self.idle.put(self.start())
+        self.slots = 0  # workers started, or to be started in a killed one's place
+        self.starting = threading.Lock()
+
+    def take(self) -> tuple[Any, Connection]:
+        """An idle worker; else a new one while fewer than `processes` were started; else the next to be idle. A
+        killed worker leaves None in the queue: whoever takes it starts its replacement."""
+        try:
+            worker = self.idle.get_nowait()
+        except queue.Empty:
+            with self.starting:
+                if self.slots < self.processes:
+                    self.slots += 1
+                    return self.start()
+            worker = self.idle.get()
+        return self.start() if worker is None else worker
 
     def start(self) -> tuple[Any, Connection]:
         ours, theirs = self.context.Pipe()
@@ -76,7 +91,7 @@ class ToolWorkers:
 
     def call(self, name: str, arguments: dict) -> str:
         """The tool's result (or the environment's wording of its error, or why it has none) for the policy."""
-        worker = self.idle.get()
+        worker = self.take()
         process, channel = worker
         try:
             channel.send((name, arguments))
@@ -91,7 +106,7 @@ class ToolWorkers:
         process.join()
         channel.close()
         self.workers.remove(worker)
-        self.idle.put(self.start())
+        self.idle.put(None)  # its place: the next call starts another
         return why
 
     def close(self) -> None:

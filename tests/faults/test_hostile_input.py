@@ -305,8 +305,8 @@ def test_prompts_without_the_answer_that_sft_trains_on(tmp_path: Path) -> None:
 
     one_line_error(
         result,
-        f"{prompts}: prompt 7 has no string 'answer' (nor reward_model.ground_truth), which model.sft trains the"
-        " tiny model on",
+        f"{prompts}: prompt 7 has no string 'answer' (nor reward_model.ground_truth, nor a reference episode's"
+        " 'completion' messages), which model.sft trains the tiny model on",
     )
     refused_before_anything(tmp_path, root)
 

@@ -11,7 +11,7 @@ import pytest
 
 from moeloop.steps.errors import EXIT_USER_ERROR
 from moeloop.steps.start import start
-from moeloop.steps.storage.experience import ROLLOUT_SCHEMA, table_bytes
+from moeloop.steps.storage.experience import EPISODE_COLUMNS, ROLLOUT_SCHEMA, table_bytes
 from moeloop.steps.storage.run import RunStorage
 from tests.conftest import small_config
 from tests.seaweed import SeaweedS3
@@ -117,6 +117,7 @@ def rollout_table(iteration: int, shard: int, rows: int = 2) -> pa.Table:
         "engine": ["transformers"] * rows,
         "routed_experts": [None] * rows,
         "routed_layers": [None] * rows,
+        **{name: [None] * rows for name in EPISODE_COLUMNS},  # completions, not episodes
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
