@@ -78,7 +78,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=192)
     parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--engine", default="vllm", help="the engine of (b); --smoke: transformers (vLLM starts in (a))")
+    parser.add_argument(
+        "--engine", default="vllm", help="the engine of (b); --smoke: transformers (vLLM starts in (a))"
+    )
     args = smoke.parse_args(parser, iterations=2, prompts=4, samples=2, engine="transformers")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as directory:

@@ -40,7 +40,8 @@ class EnvironmentConfig(Strict):
     # The pip requirement that provides the environment (`my-env==0.2.0`, a wheel's URL): built into the cpu and
     # rollout images (`moeloop images`, images/README.md); for a local run, install it beside moeloop.
     package: str = Field(min_length=1)
-    # The id `verifiers.load_environment` takes: the package's module (`my-env`, `my_env`), or a Hub id (`owner/my-env`).
+    # The id `verifiers.load_environment` takes: the package's module (`my-env`, `my_env`), or a Hub id
+    # (`owner/my-env`).
     name: str = Field(min_length=1)
     args: dict[str, Any] = {}  # its load_environment's arguments
     max_turns: int | None = Field(None, gt=0)  # the policy's turns per episode; None: the environment's own

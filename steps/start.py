@@ -137,8 +137,8 @@ def sft(
     model: torch.nn.Module, tokenizer: Any, records: list[dict], settings: SFTConfig, seed: int, chat: ChatSettings
 ) -> list[float]:
     """Teacher-forced training on prompt -> answer+EOS (or a reference episode, `sft_target`), the prompt rendered as
-    the rollouts render it, loss on the answer's (the policy's) tokens only. Every tenth of the way it prints a progress line (`progress: SFT step 8/40, loss 1.234`),
-    which `moeloop run` shows as it goes."""
+    the rollouts render it, loss on the answer's (the policy's) tokens only. Every tenth of the way it prints a progress
+    line (`progress: SFT step 8/40, loss 1.234`), which `moeloop run` shows as it goes."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     model.train()

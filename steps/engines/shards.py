@@ -76,7 +76,8 @@ def rollout_rows(
     """The shard's columns; routed_layers: the decoder layer of each layer of the samples' routes; episodes: each
     sample's episode columns where the samples are episodes (`moeloop.steps.episodes.episodes.Episode`)."""
     columns: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
-    for position, (prompt_id, (text, tokens), samples) in enumerate(zip(prompt_ids, rendered, completions, strict=True)):
+    rows = zip(prompt_ids, rendered, completions, strict=True)
+    for position, (prompt_id, (text, tokens), samples) in enumerate(rows):
         for index, sample in enumerate(samples):
             row = dict.fromkeys(EPISODE_COLUMNS) if episodes is None else episodes[position][index]
             row |= {

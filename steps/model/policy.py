@@ -60,7 +60,8 @@ def tiny_tokenizer(records: Iterable[dict[str, Any]], settings: TinyTokenizerCon
         texts.append(sft_answer(record) or "")
         for message in sft_episode(record) or []:  # a reference episode's turns, as the template writes them
             texts += [message["role"], message.get("content") or ""]
-            texts += [f"<tool_call>{json.dumps(call['function'])}</tool_call>" for call in message.get("tool_calls") or []]
+            calls = message.get("tool_calls") or []
+            texts += [f"<tool_call>{json.dumps(call['function'])}</tool_call>" for call in calls]
             if message["role"] == "tool":
                 texts.append(f"<tool_response>{message.get('content')}</tool_response>")
     return bpe_tokenizer(texts, settings.vocab_size) if settings.kind == "bpe" else build_tokenizer(texts)

@@ -55,9 +55,9 @@ def task_prompt_sets(config: MoeloopConfig) -> dict[str, PromptRows]:
 
 def environment_records(settings: EnvironmentConfig) -> list[list[dict[str, Any]]]:
     """The records of rollout.environment's train and eval datasets (steps/episodes/environment.py)."""
-    from moeloop.steps.episodes.environment import dataset_records, load_environment  # imports verifiers
+    from moeloop.steps.episodes.environment import cached_environment, dataset_records  # imports verifiers
 
-    environment = load_environment(settings)
+    environment = cached_environment(settings.model_dump_json())  # the one ChatSettings.of renders with
     try:
         return [dataset_records(environment, split) for split in SPLITS]
     except Exception as error:  # the environment's own code builds its datasets: any failure is its

@@ -201,7 +201,8 @@ def test_an_environments_bad_record_is_named(calc_env: None, run_root: Path, mon
     monkeypatch.setattr(environment_module, "dataset_records", with_a_bad_fourth_record)
     refused(
         run_root / "run", environment_config(),
-        "rollout.environment calc-env's train set, record 3: 'prompt' is neither a string nor a list of {role, content}",
+        "rollout.environment calc-env's train set, record 3: 'prompt' is neither a string nor a list of "
+        "{role, content}",
     )  # fmt: skip
 
 
