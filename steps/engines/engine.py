@@ -24,7 +24,7 @@ from moeloop.steps.engines.routes import (
     expert_id_dtype,
 )
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.model.delta import CheckpointTensors, read_delta
+from moeloop.steps.model.delta import CheckpointTensors
 from moeloop.steps.prompting import end_token_ids
 
 
@@ -133,7 +133,7 @@ class TransformersEngine:
     @torch.no_grad()
     def apply_delta(self, files: list[Path]) -> None:
         self.checkpoint_dir = None
-        self.weights.apply(read_delta(files))
+        self.weights.apply_delta(files)
 
     def weight_digests(self) -> dict[str, str]:
         return self.weights.digests()

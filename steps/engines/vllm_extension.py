@@ -17,7 +17,7 @@ import torch
 
 from moeloop.steps.engines.vllm_logs import quiet_misleading_lines
 from moeloop.steps.engines.weights import EngineWeights, concatenated
-from moeloop.steps.model.delta import CheckpointTensors, read_delta
+from moeloop.steps.model.delta import CheckpointTensors
 
 # vLLM's fused linear layers and the checkpoint tensors each concatenates, in order (its models' stacked_params_mapping;
 # a model's packed_modules_mapping adds its own).
@@ -92,7 +92,7 @@ class PolicyWeightReload:
         return refusal
 
     def apply_policy_delta(self, files: list[str]) -> None:
-        self.policy_weights.apply(read_delta([Path(file) for file in files]))
+        self.policy_weights.apply_delta([Path(file) for file in files])
 
     def policy_weight_digests(self) -> dict[str, str]:
         return self.policy_weights.digests()

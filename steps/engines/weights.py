@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeloop.steps.model.delta import tensor_digest
+from pathlib import Path
+
+from moeloop.steps.model.delta import Digests, read_delta
 
 WRITE_BATCH = 1 << 24  # changed elements gathered before they are written (their positions: 128 MiB of int64)
 
@@ -61,6 +63,7 @@ class EngineWeights:
         self, tensors: dict[str, torch.Tensor], slots: dict[str, Slot], packing: dict[str, torch.Tensor]
     ) -> None:
         self.tensors, self.slots, self.packing = tensors, slots, packing
+        self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
 
     def refusal(self, checkpoint: Iterable[str]) -> str | None:
         """Why a delta of the checkpoint (its tensor names) cannot be written into these tensors exactly, in one
@@ -108,6 +111,10 @@ class EngineWeights:
                 gathered = 0
         self._write(pending)
 
+    def apply_delta(self, files: list[Path]) -> None:
+        """A delta's files (`moeloop.steps.model.delta`) written in place, read and decoded on these tensors' device."""
+        self.apply(read_delta(files, self.device))
+
     def _write(self, pending: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
         for name, (positions, values) in pending.items():
             # index_copy_, not indexed assignment: 100x faster on the CPU for the same writes
@@ -126,7 +133,10 @@ class EngineWeights:
 
     def digests(self) -> dict[str, str]:
         """Every checkpoint tensor's digest, as the engine holds it."""
-        return {name: tensor_digest(self.read(name)) for name in self.slots}
+        with Digests() as digests:
+            for name in self.slots:
+                digests.add(name, self.read(name))
+            return digests.result()
 
 
 def transformers_weights(

@@ -21,9 +21,13 @@ a state dict in memory, so whichever process holds the two versions writes the d
 from __future__ import annotations
 
 import json
+import os
+from collections import deque
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 import blake3
 import torch
@@ -34,14 +38,86 @@ from moeloop.steps.model.hf_shards import INDEX, SAFETENSORS_DTYPE, SINGLE
 
 BLOCK = 1 << 16  # elements per block of a changed tensor: positions in a block fit in a uint16
 DELTA_FILE = "delta-{:05d}.safetensors"
+DELTA_PARTS = ("counts", "offsets", "values")  # a changed tensor's three tensors in a delta file
 PARALLEL_HASH_BYTES = 64 << 20  # BLAKE3 hashes a tensor this large on several threads
+HASH_THREADS = min(32, os.cpu_count() or 1)  # tensors hashed side by side (BLAKE3 releases the GIL)
+IN_FLIGHT_BYTES = 1 << 30  # host tensors read but not yet hashed, at most (a checkpoint's tensors are read one by one)
+STAGING_BYTES = 256 << 20  # a GPU's tensors come to the host this much at a time, in each of two pinned buffers
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (uint8, on its device): its dtype's, row-major."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def bytes_digest(data: torch.Tensor) -> str:
+    """The BLAKE3 of bytes (a uint8 tensor, on any device)."""
+    array = data.cpu().numpy()
+    threads = blake3.blake3.AUTO if array.nbytes >= PARALLEL_HASH_BYTES else 1
+    return blake3.blake3(memoryview(array), max_threads=threads).hexdigest()
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """The BLAKE3 of a tensor's bytes: its dtype's, row-major."""
-    data = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
-    threads = blake3.blake3.AUTO if data.nbytes >= PARALLEL_HASH_BYTES else 1
-    return blake3.blake3(memoryview(data), max_threads=threads).hexdigest()
+    return bytes_digest(tensor_bytes(tensor))
+
+
+class Digests:
+    """Tensors' digests, hashed on HASH_THREADS threads while the caller reads the next ones. A GPU's tensors come
+    to the host through two pinned buffers in turn, one filling while the threads hash the other: one digest check
+    of a GPU engine's weights is bound by the host link and the cores, not by one thread hashing (issue 38)."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="digest")
+        self.futures: dict[str, Future[str]] = {}
+        self.in_flight: deque[tuple[Future[str], int]] = deque()
+        self.buffers: list[torch.Tensor] = []
+        self.hashing: list[list[Future[str]]] = [[], []]  # the hashes reading each buffer
+        self.turn, self.staged = 0, []  # the buffer filling, and (name, start, size) copied into it
+
+    def __enter__(self) -> Digests:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        data = tensor_bytes(tensor)
+        if data.is_cuda and len(data) <= STAGING_BYTES:
+            self._stage(name, data)
+            return
+        while self.in_flight and sum(size for _, size in self.in_flight) + len(data) > IN_FLIGHT_BYTES:
+            self.in_flight.popleft()[0].result()
+        self.futures[name] = self.pool.submit(bytes_digest, data)
+        self.in_flight.append((self.futures[name], len(data)))
+
+    def _stage(self, name: str, data: torch.Tensor) -> None:
+        if not self.buffers:
+            self.buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        start = self.staged[-1][1] + self.staged[-1][2] if self.staged else 0
+        if start + len(data) > STAGING_BYTES:
+            self._hash_staged()
+            start = 0
+        self.buffers[self.turn][start : start + len(data)].copy_(data, non_blocking=True)
+        self.staged.append((name, start, len(data)))
+
+    def _hash_staged(self) -> None:
+        """Hash what the filling buffer holds once its copies are in, and wait until the other one is free."""
+        torch.cuda.current_stream().synchronize()
+        buffer = self.buffers[self.turn]
+        for name, start, size in self.staged:
+            self.futures[name] = self.pool.submit(bytes_digest, buffer[start : start + size])
+            self.hashing[self.turn].append(self.futures[name])
+        self.staged, self.turn = [], 1 - self.turn
+        for future in self.hashing[self.turn]:
+            future.result()
+        self.hashing[self.turn] = []
+
+    def result(self) -> dict[str, str]:
+        """Every added tensor's digest, by name."""
+        if self.staged:
+            self._hash_staged()
+        return {name: future.result() for name, future in self.futures.items()}
 
 
 def weights_digest(digests: Mapping[str, str]) -> str:
@@ -88,8 +164,11 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
 
 
 def checkpoint_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Every tensor's digest, by name."""
-    return {name: tensor_digest(tensors[name]) for name in tensors}
+    """Every tensor's digest, by name (each tensor read once, in turn)."""
+    with Digests() as digests:
+        for name in tensors:
+            digests.add(name, tensors[name])
+        return digests.result()
 
 
 def changed_positions(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -147,43 +226,54 @@ def write_delta(
         raise ValueError(f"the versions hold different tensors: {sorted(set(base) ^ set(new))[:3]}")
     output.mkdir(parents=True, exist_ok=True)
     pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
     summary = DeltaSummary({}, {}, 0, 0, 0, 0)
 
     def flush() -> None:
+        nonlocal pending_bytes
+        pending_bytes = 0
         if pending:
             path = output / DELTA_FILE.format(len(list(output.glob("delta-*.safetensors"))) + 1)
             save_file(pending, path)
             summary.delta_bytes += path.stat().st_size
             pending.clear()
 
-    for name in sorted(new):
-        now = new[name]
-        summary.digests[name] = tensor_digest(now)
-        summary.elements += now.numel()
-        summary.checkpoint_bytes += now.numel() * now.element_size()
-        if base is None:
-            continue
-        old = base[name]
-        summary.base_digests[name] = tensor_digest(old)
-        positions = changed_positions(old, now)
-        if not len(positions):
-            continue
-        summary.changed += len(positions)
-        counts, offsets = encode(positions, now.numel())
-        entry = {f"{name}:counts": counts, f"{name}:offsets": offsets, f"{name}:values": now.reshape(-1)[positions]}
-        size = sum(t.numel() * t.element_size() for t in entry.values())
-        if pending and sum(t.numel() * t.element_size() for t in pending.values()) + size > max_file_bytes:
-            flush()
-        pending.update(entry)
-    flush()
+    with Digests() as digests, Digests() as base_digests:
+        for name in sorted(new):
+            now = new[name]
+            digests.add(name, now)
+            summary.elements += now.numel()
+            summary.checkpoint_bytes += now.numel() * now.element_size()
+            if base is None:
+                continue
+            old = base[name]
+            base_digests.add(name, old)
+            positions = changed_positions(old, now)
+            if not len(positions):
+                continue
+            summary.changed += len(positions)
+            counts, offsets = encode(positions, now.numel())
+            entry = {f"{name}:counts": counts, f"{name}:offsets": offsets, f"{name}:values": now.reshape(-1)[positions]}
+            size = sum(t.numel() * t.element_size() for t in entry.values())
+            if pending and pending_bytes + size > max_file_bytes:
+                flush()
+            pending.update(entry)
+            pending_bytes += size
+        flush()
+        summary.digests, summary.base_digests = digests.result(), base_digests.result()
     return summary
 
 
-def read_delta(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(tensor name, flat positions, new values) of every changed tensor of a delta's files."""
+def read_delta(
+    files: list[Path], device: torch.device | None = None
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(tensor name, flat positions, new values) of every changed tensor of a delta's files, on device (default: the
+    CPU). A GPU engine's positions are decoded on its GPU: the host link carries 2 bytes an element, not 8, and the
+    host's cores none of the decoding (issue 38's engine apply, benchmarks/engine_delta.py)."""
+    device = device or torch.device("cpu")
     for path in files:
         with safe_open(path, "pt") as delta:
             names = sorted({key.rpartition(":")[0] for key in delta.keys()})
             for name in names:
-                positions = decode(delta.get_tensor(f"{name}:counts"), delta.get_tensor(f"{name}:offsets"))
-                yield name, positions, delta.get_tensor(f"{name}:values")
+                counts, offsets, values = (delta.get_tensor(f"{name}:{part}").to(device) for part in DELTA_PARTS)
+                yield name, decode(counts, offsets), values

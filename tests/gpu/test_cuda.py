@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from moeloop.steps.model import delta
 from moeloop.steps.model.attention import PACKED_ATTENTION, flash4_missing, packed_attention
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.model.logprobs import ChunkedTokenLogprobs
@@ -206,3 +207,23 @@ def test_two_gpu_trainer_state_commits_resumes_and_publishes(tmp_path: Path) -> 
         train = json.loads(next((run / "reports").glob(f"iter-*{iteration}/train.json")).read_text())
         assert train["device"].startswith("cuda") and train["optimizer_steps"] > 0, train
     assert json.loads((run / "LATEST").read_text())["iteration"] == 2
+
+
+def test_gpu_tensors_digests_are_their_bytes_blake3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU engine's digest check (`Digests`: through two pinned buffers in turn, the threads hashing one while the
+    other fills) gives each tensor's BLAKE3 as the CPU does: tensors of several dtypes and sizes, more than two
+    buffers' worth, one larger than a buffer, in an order that leaves each buffer part full."""
+    import blake3
+
+    monkeypatch.setattr(delta, "STAGING_BYTES", 1 << 16)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tensors = {
+        f"t{index}": torch.randn(numel, device="cuda", generator=generator).to(dtype)
+        for index, (numel, dtype) in enumerate(
+            [(7, torch.float32), (20_000, torch.bfloat16), (40_000, torch.bfloat16), (3, torch.int64),
+             (100_000, torch.float32), (33_000, torch.float16), (1, torch.bfloat16)] * 3
+        )
+    }  # fmt: skip
+    raw = {name: t.cpu().view(-1).view(torch.uint8).numpy() for name, t in tensors.items()}
+    expected = {name: blake3.blake3(data).hexdigest() for name, data in raw.items()}
+    assert delta.checkpoint_digests(tensors) == expected

@@ -21,14 +21,15 @@ ENGINE_RATES = ("delta_changed_fraction", "delta_apply_seconds_per_gb")
 ASSUMED_CHANGED_FRACTION = Figure(
     0.015,
     "fraction",
-    "assumed: measured (issue 38): 1.0-1.5% of elements change a step at RL learning rate 1e-6 on one H200 (a ~1B"
+    "assumed: measured (issue 38): 1.0-1.5% of elements change a step at RL learning rate 1e-6 on one H100 (a ~1B"
     " Qwen3-MoE); 3-5% at 3e-6, 9-16% at 1e-5: state rates.delta_changed_fraction for another learning rate",
 )
 ASSUMED_APPLY_SECONDS_PER_GB = Figure(
-    (2.24 + 1.58) / 7.48,
+    (5.14 + 3.74) / 61.06,
     "s/GB",
-    "assumed: benchmarks/handoff.md's delta path at 7.48 GB of checkpoint, the in-place write 2.24 s + the digest"
-    " check 1.58 s (0.41 s/GB at 2.49 GB), measured on CPU: an upper bound for a GPU engine",
+    "assumed: benchmarks/handoff.md's engine on a GPU at Qwen3-30B-A3B's 61.06 GB of bf16, the in-place write of a"
+    " 1.5% delta 5.14 s + the digest check 3.74 s, measured on one H100 with 16 host cores"
+    " (benchmarks/engine_delta.py)",
 )
 
 

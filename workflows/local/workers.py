@@ -28,6 +28,10 @@ def fork_server() -> ForkServerContext:
     """multiprocessing's fork server context, importing STEP_MODULES (started by the first process it forks, which
     waits for those imports; one server per runner process, whose environment it keeps: a forked worker takes the
     environment it is given)."""
+    # The train steps import torch._inductor, which asks torch.cuda.is_available() as it loads. Asked of the CUDA
+    # runtime, that poisons fork: every worker forked after it fails its first CUDA call ("initialization error").
+    # Asked of NVML, it does not (torch.cuda.is_available's documentation).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(STEP_MODULES)
     return context

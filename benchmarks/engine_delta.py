@@ -1,0 +1,150 @@
+"""A rollout engine taking the next policy by its delta, on the device its weights live on, at Qwen3-30B-A3B's full
+shapes (48 decoder layers, 61 GB of bf16): the delta's in-place write and the weights' digest check, which the
+planner charges as delta_apply_seconds_per_gb (workflows/capacity/handoff.md).
+
+    python -m benchmarks.engine_delta [--layers 48] [--changed 0.015] [--device cuda] [--smoke]
+
+The engine's weights are a transformers Qwen3-MoE's on --device, random bf16, mapped as the engine maps them
+(`transformers_weights`: experts fused as transformers fuses them). The delta is the product's: `write_delta` (as
+the trainer writes it, timed too) from those weights to the same with --changed of their elements moved by one bf16
+step (the changed fraction measured at learning rate 1e-6: benchmarks/handoff.md), into safetensors files on local
+disk. Then what `moeloop.steps.engines.versions.advance` runs once the delta is fetched: `EngineWeights.apply_delta`
+(files read, positions decoded on the weights' device, written in place) and `EngineWeights.digests` (the
+weights' digest, checked against the delta's record). The baseline row, in the same run: the digest check one
+tensor after another (`tensor_digest` of each, the engine's check before `Digests`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import smoke  # noqa: E402
+
+from benchmarks.delta_handoff import hf_tensors  # noqa: E402
+from benchmarks.handoff import qwen3_30b_a3b_shapes  # noqa: E402
+from moeloop.steps.engines.weights import EngineWeights, transformers_weights
+from moeloop.steps.model.delta import tensor_digest, weights_digest, write_delta
+
+GB = 1e9
+DELTA_FILE_BYTES = 4 << 30
+
+
+class Held(Mapping[str, torch.Tensor]):
+    """The checkpoint tensors an engine holds, each read out of its weights when asked for."""
+
+    def __init__(self, weights: EngineWeights) -> None:
+        self.weights = weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights.read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights.slots)
+
+    def __len__(self) -> int:
+        return len(self.weights.slots)
+
+
+class Moved(Held):
+    """The next version: changed of each tensor's elements (chosen by a generator seeded with its name, so the same
+    on every read) moved one bf16 step away from zero."""
+
+    def __init__(self, weights: EngineWeights, changed: float) -> None:
+        super().__init__(weights)
+        self.changed = changed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        bits = self.weights.read(name).view(torch.int16)
+        generator = torch.Generator(bits.device).manual_seed(zlib.crc32(name.encode()))
+        moved = (torch.rand(bits.shape, generator=generator, device=bits.device) < self.changed) & ((bits & 0x7FFF) > 1)
+        return torch.where(moved, bits + torch.where(bits > 0, 1, -1).to(torch.int16), bits).view(torch.bfloat16)
+
+
+def engine_weights(layers: int, device: torch.device, tiny: bool) -> EngineWeights:
+    """A transformers Qwen3-MoE of Qwen3-30B-A3B's shapes on device, random bf16, as a rollout engine maps it."""
+    config = qwen3_30b_a3b_shapes(layers, tiny=tiny)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.02, generator=generator)
+    kinds = {tensor.name: (tensor.shape, tensor.dtype) for tensor in hf_tensors(config)}
+    return transformers_weights(model, kinds)
+
+
+def timed(device: torch.device, run: callable) -> tuple[float, object]:  # type: ignore[valid-type]
+    """run()'s seconds, its work on the device included, and its result."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    result = run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started, result
+
+
+def measure(layers: int, changed: float, device: torch.device, tiny: bool) -> list[tuple[str, float, str]]:
+    """(stage, seconds, note) rows."""
+    weights = engine_weights(layers, device, tiny)
+    held = Held(weights)
+    checkpoint_bytes = sum(weights.read(name).numel() * 2 for name in weights.slots)
+    work = Path(tempfile.mkdtemp(prefix="moeloop-engine-delta-"))
+    try:
+        write, summary = timed(device, lambda: write_delta(held, Moved(weights, changed), work, DELTA_FILE_BYTES))
+        files = sorted(work.glob("delta-*.safetensors"))
+        serial, before = timed(device, lambda: {name: tensor_digest(held[name]) for name in weights.slots})
+        check_before, parallel = timed(device, weights.digests)
+        assert before == parallel == summary.base_digests, "the digest checks disagree with write_delta's"
+        apply, _ = timed(device, lambda: weights.apply_delta(files))
+        check, after = timed(device, weights.digests)
+        assert weights_digest(after) == weights_digest(summary.digests) != weights_digest(before), "apply missed"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gb = checkpoint_bytes / GB
+    share = f"{summary.changed / summary.elements:.2%} of {summary.elements:,} elements"
+    return [
+        ("the trainer's side: write_delta (both digests, compare, write)", write,
+         f"{summary.delta_bytes / GB:.3f} GB of delta files, {share}"),
+        ("digest check, one tensor after another (baseline)", serial,
+         f"{gb:.2f} GB checkpoint, {len(before):,} tensors"),
+        ("digest check, Digests (the engine's)", check_before, f"{serial / check_before:.1f}x the baseline"),
+        ("in-place write: EngineWeights.apply_delta (files read, decoded, written)", apply,
+         f"{summary.changed:,} elements written"),
+        ("digest check after the write", check, "equals the delta record's"),
+        ("apply + digest check", apply + check, f"{(apply + check) / gb:.4f} s/GB of checkpoint"),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--changed", type=float, default=0.015, help="the share of elements the next version changes")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = smoke.parse_args(parser, layers=2, device="cpu")  # --smoke: Qwen3-30B-A3B's structure at toy sizes
+    device = torch.device(args.device)
+    rows = measure(args.layers, args.changed, device, tiny=args.smoke)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"engine delta at Qwen3-30B-A3B's shapes, {args.layers} layers, on {name}, {args.changed:.1%} changed")
+    print("| stage | s | notes |")
+    print("|---|---:|---|")
+    for stage, seconds, note in rows:
+        print(f"| {stage} | {seconds:.2f} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
