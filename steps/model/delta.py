@@ -189,7 +189,9 @@ def encode(positions: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Ten
 def decode(counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The flat positions (int64) that (counts, offsets) encode."""
     starts = torch.arange(len(counts), dtype=torch.int64, device=counts.device) * BLOCK
-    return torch.repeat_interleave(starts, counts.to(torch.int64)) + offsets.to(torch.int64)
+    # output_size: on a GPU, without it repeat_interleave waits for the device to learn its length
+    positions = torch.repeat_interleave(starts, counts.to(torch.int64), output_size=len(offsets))
+    return positions + offsets.to(torch.int64)
 
 
 @dataclass

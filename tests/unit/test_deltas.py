@@ -132,6 +132,17 @@ def test_engine_weights_write_a_delta_into_fused_and_packed_tensors_and_read_the
     assert int((experts != before["experts"]).sum()) == 1 and experts.view(2, -1)[1, packing[4]] == -3.0
 
 
+def test_a_delta_writing_past_its_tensor_is_refused_before_anything_is_written() -> None:
+    """Positions beyond a checkpoint tensor (a delta of another model) would land in its neighbour in the fused
+    tensor: refused naming it, and the batch it came in leaves the engine's tensors untouched."""
+    slots = concatenated("qk", [("q", 4, torch.float32), ("k", 4, torch.float32)])
+    weights = EngineWeights({"qk": torch.zeros(8)}, slots, {})
+    changes = [("k", torch.tensor([1]), torch.tensor([2.0])), ("q", torch.tensor([0, 4]), torch.tensor([1.0, 1.0]))]
+    with pytest.raises(ValueError, match="a delta of q writes position 4 of its 4"):
+        weights.apply(changes)
+    assert not weights.tensors["qk"].any()
+
+
 def test_engine_weights_refuse_what_they_cannot_hold_exactly() -> None:
     bf16 = {"w": Slot("w", 0, 4, torch.bfloat16)}
     assert "does not hold" in EngineWeights({"w": torch.zeros(4, dtype=torch.float16)}, bf16, {}).refusal(["w"])
