@@ -74,6 +74,7 @@ class Digests:
         self.buffers: list[torch.Tensor] = []
         self.hashing: list[list[Future[str]]] = [[], []]  # the hashes reading each buffer
         self.turn, self.staged = 0, []  # the buffer filling, and (name, start, size) copied into it
+        self.devices: set[torch.device] = set()  # the GPUs whose copies fill it
 
     def __enter__(self) -> Digests:
         return self
@@ -100,10 +101,13 @@ class Digests:
             start = 0
         self.buffers[self.turn][start : start + len(data)].copy_(data, non_blocking=True)
         self.staged.append((name, start, len(data)))
+        self.devices.add(data.device)
 
     def _hash_staged(self) -> None:
         """Hash what the filling buffer holds once its copies are in, and wait until the other one is free."""
-        torch.cuda.current_stream().synchronize()
+        for device in self.devices:
+            torch.cuda.current_stream(device).synchronize()
+        self.devices.clear()
         buffer = self.buffers[self.turn]
         for name, start, size in self.staged:
             self.futures[name] = self.pool.submit(bytes_digest, buffer[start : start + size])
