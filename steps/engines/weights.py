@@ -18,10 +18,9 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-
-from pathlib import Path
 
 from moeloop.steps.model.delta import Digests, read_delta
 

@@ -70,7 +70,8 @@ class Digests:
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="digest")
         self.futures: dict[str, Future[str]] = {}
-        self.in_flight: deque[tuple[Future[str], int]] = deque()
+        self.in_flight: deque[tuple[Future[str], int]] = deque()  # host tensors' hashes, oldest first, and sizes
+        self.in_flight_bytes = 0
         self.buffers: list[torch.Tensor] = []
         self.hashing: list[list[Future[str]]] = [[], []]  # the hashes reading each buffer
         self.turn, self.staged = 0, []  # the buffer filling, and (name, start, size) copied into it
@@ -87,10 +88,13 @@ class Digests:
         if data.is_cuda and len(data) <= STAGING_BYTES:
             self._stage(name, data)
             return
-        while self.in_flight and sum(size for _, size in self.in_flight) + len(data) > IN_FLIGHT_BYTES:
-            self.in_flight.popleft()[0].result()
+        while self.in_flight and (self.in_flight[0][0].done() or self.in_flight_bytes + len(data) > IN_FLIGHT_BYTES):
+            future, size = self.in_flight.popleft()
+            future.result()
+            self.in_flight_bytes -= size
         self.futures[name] = self.pool.submit(bytes_digest, data)
         self.in_flight.append((self.futures[name], len(data)))
+        self.in_flight_bytes += len(data)
 
     def _stage(self, name: str, data: torch.Tensor) -> None:
         if not self.buffers:

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from moeloop.steps.engines.weights import EngineWeights, Slot, concatenated
+from moeloop.steps.model import delta
 from moeloop.steps.model.delta import (
     BLOCK,
     CheckpointTensors,
@@ -130,6 +131,20 @@ def test_engine_weights_write_a_delta_into_fused_and_packed_tensors_and_read_the
     assert weights.digests() == checkpoint_digests(new)
     assert int((qk != before["qk"]).sum()) == 1 and qk[5, 2] == 7.0
     assert int((experts != before["experts"]).sum()) == 1 and experts.view(2, -1)[1, packing[4]] == -3.0
+
+
+def test_digests_hashed_side_by_side_are_each_tensors_blake3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Digests` on host tensors: hundreds of them, with so little allowed in flight that it waits for the oldest
+    hashes again and again, in the order they were added."""
+    import blake3
+
+    monkeypatch.setattr(delta, "IN_FLIGHT_BYTES", 4096)
+    generator = torch.Generator().manual_seed(3)
+    tensors = {f"t{i}": torch.randn(1 + i * 7, generator=generator).to(torch.bfloat16) for i in range(300)}
+    digests = checkpoint_digests(tensors)
+    assert list(digests) == list(tensors)
+    raw = {name: t.view(torch.int16).numpy().tobytes() for name, t in tensors.items()}
+    assert digests == {name: blake3.blake3(data).hexdigest() for name, data in raw.items()}
 
 
 def test_a_delta_writing_past_its_tensor_is_refused_before_anything_is_written() -> None:
