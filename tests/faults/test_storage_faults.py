@@ -316,9 +316,8 @@ def test_a_trainer_rank_killed_mid_save_leaves_no_partial_state_and_the_rerun_co
     assert rank_files(0) | rank_files(1) <= whole.keys()
     # Each window once: rank 1 killed with part of its shards written (local: a file at a time) and with all of
     # them (S3: one write); rank 0 after its report, its objects and its COMMIT (S3: one write each), and locally
-    # around its COMMIT.
-    last = writes_of(0, "local", set(whole))
-    plan = [("local", 1, 1), ("local", 0, last - 1), ("local", 0, last)]
+    # after its COMMIT.
+    plan = [("local", 1, 1), ("local", 0, writes_of(0, "local", set(whole)))]
     plan += [("s3", 1, 1)] + [("s3", 0, n) for n in range(1, writes_of(0, "s3", set(whole)) + 1)]
     assert writes_of(1, "local", set(whole)) > 1 and writes_of(1, "s3", set(whole)) == 1
     outcomes = []

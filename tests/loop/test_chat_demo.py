@@ -24,15 +24,19 @@ from tests.conftest import REPO
 from tests.processes import moeloop_cli
 
 CONFIG = REPO / "configs" / "tiny-chat.yaml"
+# The config's first 16 of its 20 iterations (`moeloop run --iterations`), for the suite's time. Measured at 16, on
+# one core: pass@1 0.578 -> 0.720 over the last 4 (+0.140), the rollouts' reward 0.750 -> 0.907 (+0.157).
+ITERATIONS = 16
 
 
 @pytest.mark.usefixtures("private_cache")
 def test_the_chat_demo_learns_on_its_own_tokenizer_and_template(tmp_path: Path) -> None:
     """Learning, measured on what a user of the task reads: greedy pass@1 on the 256 held-out words over the last 4
-    evaluations, 0.1 above the SFT checkpoint's (measured: 0.535 -> 0.689), and the rollouts' reward on prompts not
-    seen before over the last 4 iterations, 0.1 above the first iteration's (0.726 -> 0.895)."""
+    evaluations, 0.1 above the SFT checkpoint's, and the rollouts' reward on prompts not seen before over the last 4
+    iterations, 0.1 above the first iteration's (measured: ITERATIONS)."""
     config = load_config(CONFIG)
-    moeloop_cli("run", str(CONFIG), "--root", str(tmp_path / "runs"), "--no-progress", check=True)
+    runs = str(tmp_path / "runs")
+    moeloop_cli("run", str(CONFIG), "--root", runs, "--iterations", str(ITERATIONS), "--no-progress", check=True)
     storage = RunStorage(f"{tmp_path / 'runs'}/{config.run_name}")
 
     checkpoint = fetch_checkpoint(storage, 0)
@@ -56,7 +60,7 @@ def test_the_chat_demo_learns_on_its_own_tokenizer_and_template(tmp_path: Path) 
         expected = score(records[row["prompt_id"]], row["response_text"], answer_tag=None)
         assert rewards[row["sample_id"]] == pytest.approx(expected)
 
-    metrics = [storage.read_json(storage.metrics(i)) for i in range(config.iterations + 1)]
+    metrics = [storage.read_json(storage.metrics(i)) for i in range(ITERATIONS + 1)]
     pass_at_1 = [m["eval_pass_at_1"] for m in metrics]
     rollout_reward = [m["reward_mean"] for m in metrics[1:]]
     print(f"eval_pass_at_1: {' '.join(f'{p:.3f}' for p in pass_at_1)}")
