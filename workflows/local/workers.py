@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import signal
 import time
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
@@ -46,7 +47,13 @@ class StepWorker:
 
         self.requests, worker_end = multiprocessing.Pipe()
         self.process = fork_server().Process(target=serve, args=(worker_end, environment), name="step-worker")
-        self.process.start()
+        # Ctrl-C waits until the fork server's new child has been sent what it runs: interrupted in between, the
+        # runner left a child that printed "EOFError: Ran out of input" under the runner's own last line.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         worker_end.close()
         if hasattr(os, "sched_setaffinity"):  # the runner's cores now: the fork server keeps those it started with
             os.sched_setaffinity(self.pid, os.sched_getaffinity(0))
