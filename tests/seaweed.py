@@ -127,6 +127,11 @@ def start_seaweed(data_dir: Path, bucket: str = BUCKET) -> SeaweedS3:
         "-s3.port.lance=0",
         "-master.telemetry=false",
         "-s3.autoCreateBucket=false",
+        # Left to itself, weed mini sizes and counts its volumes from the disk's free space when it starts, and
+        # refuses every write (InternalError: "no free volumes left") once those few fill: a CI machine whose disk
+        # was busy at that moment failed 27 S3 tests. Volumes are not preallocated, so these cost no disk.
+        "-master.volumeSizeLimitMB=1024",
+        "-volume.max=64",
         f"-bucket={bucket}",
         f"-filer.localSocket={data_dir}/filer.sock",
         f"-s3.localSocket={data_dir}/s3.sock",
