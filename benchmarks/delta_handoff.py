@@ -68,6 +68,14 @@ def hf_tensors(config) -> list[StoredTensor]:  # noqa: ANN001 - a transformers c
     return tensors
 
 
+def moved_one_step(tensor: torch.Tensor, changed: float, generator: torch.Generator) -> torch.Tensor:
+    """A bf16 tensor with `changed` of its elements (drawn from generator) moved one bf16 step away from zero: what
+    an RL update at a small learning rate mostly does. Zeros and the smallest magnitudes stay."""
+    bits = tensor.view(torch.int16)
+    moved = (torch.rand(bits.shape, generator=generator, device=bits.device) < changed) & ((bits & 0x7FFF) > 1)
+    return torch.where(moved, bits + torch.where(bits > 0, 1, -1).to(torch.int16), bits).view(torch.bfloat16)
+
+
 def write_version(folder: Path, config, base: Path | None, changed: float) -> None:  # noqa: ANN001
     """Checkpoint 0 (base None: random) or the next (base's elements, changed of them one bf16 step away), a shard
     at a time in memory."""
@@ -83,10 +91,7 @@ def write_version(folder: Path, config, base: Path | None, changed: float) -> No
             if previous is None:
                 state[key] = (0.02 * torch.randn(tensors[key][0].shape, generator=generator)).to(torch.bfloat16)
                 continue
-            bits = previous[key].view(torch.int16).clone()
-            moved = (torch.rand(bits.shape, generator=generator) < changed) & ((bits & 0x7FFF) > 1)
-            away_from_zero = torch.where(bits > 0, 1, -1).to(torch.int16)
-            state[key] = torch.where(moved, bits + away_from_zero, bits).view(torch.bfloat16)
+            state[key] = moved_one_step(previous[key], changed, generator)
         save_file(state, folder / name, metadata={"format": "pt"})
     write_index(folder, names, [[tensors[key][0] for key in keys] for keys in shards])
     config.save_pretrained(folder)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smoke  # noqa: E402
 
-from benchmarks.delta_handoff import hf_tensors  # noqa: E402
+from benchmarks.delta_handoff import hf_tensors, moved_one_step  # noqa: E402
 from benchmarks.handoff import qwen3_30b_a3b_shapes  # noqa: E402
 from moeloop.steps.engines.weights import EngineWeights, transformers_weights
 from moeloop.steps.model.delta import tensor_digest, weights_digest, write_delta
@@ -67,10 +67,8 @@ class Moved(Held):
         self.changed = changed
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        bits = self.weights.read(name).view(torch.int16)
-        generator = torch.Generator(bits.device).manual_seed(zlib.crc32(name.encode()))
-        moved = (torch.rand(bits.shape, generator=generator, device=bits.device) < self.changed) & ((bits & 0x7FFF) > 1)
-        return torch.where(moved, bits + torch.where(bits > 0, 1, -1).to(torch.int16), bits).view(torch.bfloat16)
+        held = self.weights.read(name)
+        return moved_one_step(held, self.changed, torch.Generator(held.device).manual_seed(zlib.crc32(name.encode())))
 
 
 def engine_weights(layers: int, device: torch.device, tiny: bool) -> EngineWeights:
@@ -102,7 +100,6 @@ def measure(layers: int, changed: float, device: torch.device, tiny: bool) -> li
     """(stage, seconds, note) rows."""
     weights = engine_weights(layers, device, tiny)
     held = Held(weights)
-    checkpoint_bytes = sum(weights.read(name).numel() * 2 for name in weights.slots)
     work = Path(tempfile.mkdtemp(prefix="moeloop-engine-delta-"))
     try:
         write, summary = timed(device, lambda: write_delta(held, Moved(weights, changed), work, DELTA_FILE_BYTES))
@@ -115,7 +112,7 @@ def measure(layers: int, changed: float, device: torch.device, tiny: bool) -> li
         assert weights_digest(after) == weights_digest(summary.digests) != weights_digest(before), "apply missed"
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    gb = checkpoint_bytes / GB
+    gb = summary.checkpoint_bytes / GB
     share = f"{summary.changed / summary.elements:.2%} of {summary.elements:,} elements"
     return [
         ("the trainer's side: write_delta (both digests, compare, write)", write,

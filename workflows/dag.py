@@ -85,6 +85,10 @@ TRAIN = Step(
 # JobSet (a rollout engine's: cluster.spot_retry.limit, workflows/render/daemons.py).
 DAEMON_RESTARTS = 3
 TRAINER = Step("trainer", "train", ("last",), torchrun=True, daemon=True)
+# On Argo, with trainer.lifetime chunk: the chunk ends (its exit handler deletes the trainer's JobSet) and the next is
+# submitted only once the trainer has committed the state of the chunk's last iteration (steps/trainer_state.py).
+# Not a task of the loop: locally the runner waits for the trainer's own exit, which follows that commit.
+TRAINER_STATE = Step("trainer-state", "cpu", ("last",), outputs=("seconds",), program="trainer_state")
 # rollout.lifetime chunk: shard k's rollout engine, which keeps its engine across the chunk's iterations up to `last`
 # (steps/rollout_engine.py); each iteration's rollout step of shard k then asks it for the shard, from a CPU pod.
 ROLLOUT_ENGINE = Step(

@@ -21,7 +21,7 @@ TENSORBOARD_ANNOTATION = "moeloop-tensorboard"
 
 
 def metric_name(step: str, output: str) -> str:
-    return f"moeloop_{step}_{output}"
+    return f"moeloop_{step.replace('-', '_')}_{output}"  # a step's name may have '-', a Prometheus name not
 
 
 def template_metrics(

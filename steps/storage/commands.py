@@ -30,14 +30,20 @@ def ask(storage: RunStorage, command: str, done: Callable[[], bool], heartbeat: 
     """Create the command (once: a re-run finds it) and wait until done(). Fails when the process that serves it has
     not been heard from (heartbeat) for SILENT_SECONDS since the later of its last beat and the ask."""
     storage.create_bytes(command, json.dumps({"asked_at": time.time()}).encode())
-    asked = time.time()
+    wait_while_heard(storage, done, heartbeat, f"{storage.display(command)} asked {what}")
+
+
+def wait_while_heard(storage: RunStorage, done: Callable[[], bool], heartbeat: str, waiter: str) -> None:
+    """Wait until done(), failing once the process that will make it so has not been heard from (heartbeat) for
+    SILENT_SECONDS since the later of its last beat and the wait's start. waiter: who waits, for the error."""
+    began = time.time()
     while not done():
         heard = storage.read_json(heartbeat)["at"] if storage.exists(heartbeat) else 0.0
-        if time.time() - max(heard, asked) > SILENT_SECONDS:
+        if time.time() - max(heard, began) > SILENT_SECONDS:
             since = f"since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(heard))} UTC" if heard else "at all"
             raise MoeloopError(
-                f"{storage.display(command)} asked {what}, which has not been heard from {since}"
-                f" ({storage.display(heartbeat)}): is its pod (or local process) running?"
+                f"{waiter}, which has not been heard from {since} ({storage.display(heartbeat)}): is its pod (or"
+                " local process) running?"
             )
         time.sleep(POLL_SECONDS)
 

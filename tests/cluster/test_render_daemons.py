@@ -85,11 +85,34 @@ def test_the_chunk_starts_its_trainer_and_engines_after_plan_and_every_asking_ta
     [[apply], [ask]] = templates["train"]["steps"]
     assert (apply["template"], ask["template"]) == ("trainer", "train-ask")
     assert arguments(apply) == {"name": "{{workflow.name}}-trainer", "last": "{{inputs.parameters.last}}"}
-    # Its two tasks count against Argo's 200 a DAG: at 65 tasks a slot (61 shards), 5 + 2 fixed tasks leave room for 2.
+    # Its three tasks count against Argo's 200 a DAG: at 65 tasks a slot (61 shards), 5 + 3 fixed tasks leave room
+    # for 2.
     wide, unset = {"num_shards": 61, "prompts_per_iteration": 61}, {"chunk_iterations": None}
     held = small_config(rollout={**wide, "lifetime": "chunk"}, trainer={"lifetime": "chunk"}, cluster=unset)
-    assert chunk_size(held) == (MAX_CHUNK_TASKS - 7) // 65 == 2
+    assert chunk_size(held) == (MAX_CHUNK_TASKS - 8) // 65 == 2
+    assert chunk_size(held.model_copy(update={"trainer": small_config().trainer})) == (MAX_CHUNK_TASKS - 6) // 65 == 2
     assert chunk_size(small_config(rollout=wide, cluster=unset)) == (MAX_CHUNK_TASKS - 5) // 65 == 3
+
+
+def test_the_chunk_ends_and_the_next_is_submitted_only_once_its_trainer_has_committed_its_last_state() -> None:
+    """The exit handler deletes the trainer's JobSet: trainer-state, a CPU pod, waits for the last iteration's trainer
+    state (steps/trainer_state.py), and the DAG's end and next-chunk wait for it."""
+    document = template(config_with("chunk", "iteration"))
+    tasks, templates = chunk_tasks_of(document), templates_of(document)
+    last = "{{=asInt(tasks.plan.outputs.parameters.first) + asInt(tasks.plan.outputs.parameters.count) - 1}}"
+    waits = tasks["trainer-state"]
+    assert (waits["template"], waits["dependencies"]) == ("trainer-state", ["trainer"])
+    assert arguments(waits) == {"last": last}
+    assert waits["when"] == tasks["trainer"]["when"]
+    assert sorted(tasks["next-chunk"]["dependencies"]) == ["slot20-eval", "trainer-state"]
+    pod = templates["trainer-state"]
+    assert pod["nodeSelector"] == {"moeloop.dev/role": "cpu"}
+    argv = pod["container"]["command"] + pod["container"]["args"]
+    assert argv[:3] == ["python", "-m", "moeloop.steps.trainer_state"]
+    assert argv[argv.index("--last") + 1] == "{{inputs.parameters.last}}"
+    without = template(config_with("iteration", "chunk"))
+    assert "trainer-state" not in chunk_tasks_of(without) and "trainer-state" not in templates_of(without)
+    assert chunk_tasks_of(without)["next-chunk"]["dependencies"] == ["slot20-eval"]
 
 
 def test_the_jobsets_are_owned_named_restarted_and_run_the_long_lived_processes() -> None:

@@ -10,7 +10,17 @@ from hera.workflows import models as m
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
-from moeloop.workflows.dag import EVALUATE, PLAN, ROLLOUT_ENGINE, START, TRAINER, Step, Task, iteration_tasks
+from moeloop.workflows.dag import (
+    EVALUATE,
+    PLAN,
+    ROLLOUT_ENGINE,
+    START,
+    TRAINER,
+    TRAINER_STATE,
+    Step,
+    Task,
+    iteration_tasks,
+)
 from moeloop.workflows.render.daemons import ASKED, daemon_name, held
 from moeloop.workflows.render.parameters import PARAMETERS, manifest_text, run_labels
 from moeloop.workflows.render.placement import LABEL, orchestrator_pod
@@ -23,7 +33,8 @@ MAX_CHUNK_TASKS = 200
 DEFAULT_CHUNK_ITERATIONS = 20  # a Workflow per ~day of a large run: short enough to find, resubmit, archive
 PLAN_OUTPUTS = "tasks.plan.outputs.parameters"
 # The chunk's tasks besides its iteration slots.
-# And with lifetime chunk, the task that starts the trainer and the one (of K items) that starts the rollout engines.
+# And with lifetime chunk, the task that starts the trainer and the one (of K items) that starts the rollout engines;
+# with the trainer's, trainer-state.
 FIXED_CHUNK_TASKS = ("start", "plan", "eval-latest", "label", "next-chunk")
 # The label task's inputs: the iterations plan chose (a template cannot see the DAG's tasks).
 LABEL_INPUTS = {
@@ -40,7 +51,7 @@ def chunk_size(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> int:
     """Iterations per chunk: cluster.chunk_iterations, by default 20 or as many as MAX_CHUNK_TASKS allows, with room
     for `own_tasks_per_iteration` tasks a user adds to each iteration (workflows.build's argument)."""
     per_iteration = len(iteration_tasks(config, 1, PLAN.name)) + own_tasks_per_iteration
-    fixed = len(FIXED_CHUNK_TASKS) + (config.trainer.lifetime == "chunk") + (config.rollout.lifetime == "chunk")
+    fixed = len(FIXED_CHUNK_TASKS) + 2 * (config.trainer.lifetime == "chunk") + (config.rollout.lifetime == "chunk")
     fitting = (MAX_CHUNK_TASKS - fixed) // per_iteration
     if fitting < 1:
         raise MoeloopError(
@@ -95,6 +106,18 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
     # that they start while slot 1 does; each asking task applies its process again, then asks it (render/daemons.py).
     last = LABEL_INPUTS["last"]
     daemons = [_daemon_task(step, config, last) for step in (TRAINER, ROLLOUT_ENGINE) if held(step, config)]
+    # The trainer's last state committed before the exit handler deletes its JobSet (steps/trainer_state.py).
+    trainer_state = []
+    if held(TRAINER, config):
+        trainer_state.append(
+            HeraTask(
+                name=TRAINER_STATE.name,
+                template=TRAINER_STATE.name,
+                arguments=[Parameter(name="last", value=last)],
+                dependencies=[_daemon_task_name(TRAINER)],
+                when=_counted(1),
+            )
+        )
 
     def slot_task(task: Task) -> HeraTask:
         hera_task = _dag_task(task, when=_counted(task.iteration), iteration=slot_iteration(task.iteration))
@@ -110,6 +133,7 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
             _dag_task(plan),
             _dag_task(latest, when=f"{{{{{PLAN_OUTPUTS}.evaluate}}}} == true"),
             *daemons,
+            *trainer_state,
             HeraTask(
                 name="label",
                 template="label",
@@ -121,7 +145,7 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
             HeraTask(
                 name="next-chunk",
                 template="next-chunk",
-                dependencies=[f"slot{slots[-1].iteration}-eval"],
+                dependencies=[f"slot{slots[-1].iteration}-eval", *(task.name for task in trainer_state)],
                 # `chain` comes from the submit form: compared inside the expression, as data, not pasted into it.
                 when=f"{{{{{PLAN_OUTPUTS}.more}}}} == true && {{{{=workflow.parameters.chain == 'true'}}}}",
             ),

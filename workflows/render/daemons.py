@@ -11,7 +11,9 @@ for their work through the run's storage (`moeloop.steps.storage.commands`).
 - each iteration's `train` and `rollout`: steps that apply the same JobSet (nothing changes while it exists; a
   chunk retried after its exit deleted it gets it again), then ask it from a CPU pod (`moeloop.steps.train`,
   `moeloop.steps.rollout`), whose figures are the template's outputs and gauges, as the working pod's would be.
-- the chunk's exit handler deletes the JobSets, however the chunk ended: a failed chunk leaves nothing on GPUs.
+- the chunk's exit handler deletes the JobSets, however the chunk ended: a failed chunk leaves nothing on GPUs. So a
+  chunk with a trainer ends, and submits the next, only once `trainer-state` (render/chunk.py) has seen the trainer
+  commit its last trainer state, which it does in the background after the last checkpoint.
 """
 
 from __future__ import annotations

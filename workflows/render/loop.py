@@ -12,14 +12,14 @@ from hera.workflows import Step as HeraStep
 from hera.workflows import models as m
 
 from moeloop.steps.config import MoeloopConfig
-from moeloop.workflows.dag import FINISH, STEPS, TRAIN, Step
+from moeloop.workflows.dag import FINISH, STEPS, TRAIN, TRAINER, TRAINER_STATE, Step
 from moeloop.workflows.monitoring import run_annotations
 from moeloop.workflows.render.chunk import ENTRYPOINT, chunk_dag, label_template, next_chunk_template, template_name
+from moeloop.workflows.render.daemons import ASKED, EXIT_STEPS, asking_templates, exit_templates, held
 from moeloop.workflows.render.jobset import jobset_train_templates
 from moeloop.workflows.render.parameters import PARAMETER_DESCRIPTIONS, PARAMETERS, run_arguments, run_labels
 from moeloop.workflows.render.placement import LABEL
 from moeloop.workflows.render.step_templates import container_template
-from moeloop.workflows.render.daemons import ASKED, EXIT_STEPS, asking_templates, exit_templates, held
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ def build(
             label_template(config),
             next_chunk_template(config),
             *([container_template(FINISH, config)] if ends_tracker_runs else []),
+            *([container_template(TRAINER_STATE, config)] if held(TRAINER, config) else []),
             *exit_templates,
         ],
         hooks=hooks,
