@@ -9,18 +9,24 @@ trainer lifetime iteration (a new trainer, pod or JobSet, every iteration):
 
 trainer lifetime chunk (one trainer for a chunk of C iterations, its state committed every k = state_every):
 
-    train   = o + (O - o) / C                                     its start-up, once a chunk
-            + state GB x state s/GB / train nodes / C             the state's fetch, and its commit at the chunk's end
+    train   = o + late start-up / C                               its start-up, once a chunk
+            + late fetch / C                                      the state's fetch, once a chunk
+            + B / C                                               the state's commit at the chunk's end
             + checkpoint GB x commit s/GB                         the checkpoint, written from memory and committed
             + the update
             + the background commit's excess (below)
     publish = 0                                                   a pointer; its pod's start-up stays
 
-with o = train_iteration_overhead_seconds (reading the experience, the reference model's pass) and commit s/GB =
-trainer_commit_seconds_per_gb (a train node's commit, the commit half of trainer_state_seconds_per_gb). Every k
-iterations the state, state GB x commit s/GB / train nodes = B seconds, is committed in the background: off the
-critical path while B <= k x the period; beyond that the trainer waits, and the train step carries the excess, played
-again until the period is B / k.
+with o = train_iteration_overhead_seconds (reading the experience, the reference model's pass), commit s/GB =
+trainer_commit_seconds_per_gb (a train node's commit, the commit half of trainer_state_seconds_per_gb) and B = state
+GB x commit s/GB / train nodes, one commit of the state. The chunk starts its trainer beside slot 1's rollouts
+(workflows/render/chunk.py; locally beside start's successors), and it resumes at once: its start-up O - o and then
+its state's fetch, state GB x (state s/GB - commit s/GB) / train nodes, hold train 1 up only by what outlasts slot 1's
+generating W (on a cluster; locally they share the cores with it, W = 0): late start-up = max(0, O - o - W), late
+fetch = max(0, O - o + fetch - W) - late start-up. The chunk ends only once the state of its last iteration is
+committed (`trainer-state`), B on the path once a chunk. Every k iterations the state is committed in the background:
+off the critical path while B <= k x the period; beyond that the trainer waits, and the train step carries the
+excess, played again until the period is B / k.
 
 rollout lifetime iteration (a new engine every iteration; Argo's rollout pods are new every iteration), a shard:
 
@@ -96,9 +102,10 @@ class Handoff:
         return sum(seconds for part, seconds in self.parts.items() if self.steps[part] == step)
 
 
-def handoff(setup: Setup, option: Option, excess: float = 0.0) -> Handoff:
+def handoff(setup: Setup, option: Option, excess: float = 0.0, window: float = 0.0) -> Handoff:
     """The option's handoff; `excess`: what the train step waits, per iteration, for the state's background
-    commit (trainer lifetime chunk)."""
+    commit; `window`: how long the chunk's first rollouts take at least, which a trainer per chunk's start-up and
+    state fetch run beside (on a cluster; locally they share the cores: 0)."""
     v = setup.value
     nodes = max(1, option.train_nodes)
     state = 0.0  # a run's measured overhead and start-ups already hold the state's I/O where no rate splits it
@@ -113,9 +120,16 @@ def handoff(setup: Setup, option: Option, excess: float = 0.0) -> Handoff:
         return Handoff(trainer | parts, steps, chunk, 0.0, v("train_overhead_seconds"), restart)
     per_iteration = v("train_iteration_overhead_seconds")
     commit = v("trainer_commit_seconds_per_gb")
-    trainer = {"trainer_state": state / chunk + excess, "checkpoint_write": v("checkpoint_gb") * commit}
-    overhead = per_iteration + (v("train_overhead_seconds") - per_iteration) / chunk
-    background = v("trainer_state_gb") * commit / nodes
+    background = v("trainer_state_gb") * commit / nodes  # a commit of the state, also the one at the chunk's end
+    start_up, fetch = v("train_overhead_seconds") - per_iteration, state - background
+    # The trainer starts beside slot 1's rollouts: its start-up, then its state's fetch, delay train 1 only beyond them.
+    late_start_up = max(0.0, start_up - window)
+    late_fetch = max(0.0, start_up + fetch - window) - late_start_up
+    trainer = {
+        "trainer_state": (late_fetch + background) / chunk + excess,
+        "checkpoint_write": v("checkpoint_gb") * commit,
+    }
+    overhead = per_iteration + late_start_up / chunk
     steps["checkpoint_write"] = "train"
     return Handoff(trainer | parts, steps, chunk, background, overhead, restart)
 

@@ -157,12 +157,8 @@ def step_seconds(setup: Setup, option: Option, paid: Handoff | None = None) -> t
     """Each step's run (start-up excluded) for this option, and the rollout's expected Spot retry within it.
     `paid`: its handoff (default: with no wait for the state's background commit)."""
     v = setup.value
-    paid = paid or handoff(setup, option)
-    shard_samples = math.ceil(v("prompts_per_iteration") / option.rollout_shards) * v("samples_per_prompt")
-    generate = shard_samples * v("response_tokens") / (v("rollout_tokens_per_second_per_gpu") * setup.gpus_per_shard)
-    if "rollout_sequence_tokens_per_second" in setup.figures:  # no shard is faster than its longest answer
-        generate = max(generate, v("max_response_tokens") / v("rollout_sequence_tokens_per_second"))
-    rollout = paid.of("rollout") + generate
+    paid = paid or handoff(setup, option, window=first_rollouts(setup, option))
+    rollout = paid.of("rollout") + generate_seconds(setup, option)
     spot = 0.0
     if setup.prices is not None:
         shard = v("start_seconds.rollout") + rollout
@@ -183,6 +179,22 @@ def step_seconds(setup: Setup, option: Option, paid: Handoff | None = None) -> t
         "evaluate": v("evaluate_seconds"),
     }
     return seconds, spot
+
+
+def generate_seconds(setup: Setup, option: Option) -> float:
+    """A rollout shard's generating, at least its longest answer at one sequence's speed."""
+    v = setup.value
+    shard_samples = math.ceil(v("prompts_per_iteration") / option.rollout_shards) * v("samples_per_prompt")
+    generate = shard_samples * v("response_tokens") / (v("rollout_tokens_per_second_per_gpu") * setup.gpus_per_shard)
+    if "rollout_sequence_tokens_per_second" in setup.figures:  # no shard is faster than its longest answer
+        generate = max(generate, v("max_response_tokens") / v("rollout_sequence_tokens_per_second"))
+    return generate
+
+
+def first_rollouts(setup: Setup, option: Option) -> float:
+    """What a trainer per chunk starts beside at the chunk's start: slot 1's rollouts' generating (on a cluster;
+    locally 0: it shares their cores)."""
+    return 0.0 if setup.local or setup.lifetime != CHUNK else generate_seconds(setup, option)
 
 
 def resources(setup: Setup, task: GraphTask) -> tuple[str, ...]:
@@ -228,7 +240,8 @@ def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) ->
     # ahead) are played out too.
     first = max(8, 4 * (option.staleness + 1))
     last = 2 * first
-    paid = handoff(setup, option)
+    window = first_rollouts(setup, option)
+    paid = handoff(setup, option, window=window)
     seconds, spot = step_seconds(setup, option, paid)
     schedule, pools = _play(setup, option, seconds, last)
     if setup.lifetime == CHUNK:
@@ -241,7 +254,7 @@ def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) ->
             if short <= 1e-9 * need:
                 break
             excess += short
-            paid = handoff(setup, option, excess)
+            paid = handoff(setup, option, excess, window)
             seconds, spot = step_seconds(setup, option, paid)
             schedule, pools = _play(setup, option, seconds, last)
     busy = {pool: busy_share(schedule, pool, size, first, last) for pool, size in pools.items()}
