@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from moeloop.steps.config import MoeloopConfig
+from moeloop.steps.errors import MoeloopError
 from moeloop.workflows.dag import ROLLOUT_ENGINE, TRAINER, loop_tasks, run_values
 from moeloop.workflows.lint.documents import lint_documents
 from moeloop.workflows.render.chunk import MAX_CHUNK_TASKS, chunk_size
@@ -92,6 +93,11 @@ def test_the_chunk_starts_its_trainer_and_engines_after_plan_and_every_asking_ta
     assert chunk_size(held) == (MAX_CHUNK_TASKS - 8) // 65 == 2
     assert chunk_size(held.model_copy(update={"trainer": small_config().trainer})) == (MAX_CHUNK_TASKS - 6) // 65 == 2
     assert chunk_size(small_config(rollout=wide, cluster=unset)) == (MAX_CHUNK_TASKS - 5) // 65 == 3
+    # At 193 tasks a slot (189 shards) a chunk has room beside 7 fixed tasks, not beside 8: trainer-state counts.
+    widest = {"num_shards": 189, "prompts_per_iteration": 189}
+    with pytest.raises(MoeloopError, match="does not fit a Workflow of 200 tasks beside the chunk's 8"):
+        chunk_size(small_config(rollout={**widest, "lifetime": "chunk"}, trainer={"lifetime": "chunk"}, cluster=unset))
+    assert chunk_size(small_config(rollout=widest, trainer={"lifetime": "chunk"}, cluster=unset)) == 1
 
 
 def test_the_chunk_ends_and_the_next_is_submitted_only_once_its_trainer_has_committed_its_last_state() -> None:

@@ -153,11 +153,10 @@ def train_memory(setup: Setup, world: int, ep: int) -> TrainMemory:
     )
 
 
-def step_seconds(setup: Setup, option: Option, paid: Handoff | None = None) -> tuple[dict[str, float], float]:
-    """Each step's run (start-up excluded) for this option, and the rollout's expected Spot retry within it.
-    `paid`: its handoff (default: with no wait for the state's background commit)."""
+def step_seconds(setup: Setup, option: Option, paid: Handoff) -> tuple[dict[str, float], float]:
+    """Each step's run (start-up excluded) for this option with its handoff `paid`, and the rollout's expected Spot
+    retry within it."""
     v = setup.value
-    paid = paid or handoff(setup, option, window=first_rollouts(setup, option))
     rollout = paid.of("rollout") + generate_seconds(setup, option)
     spot = 0.0
     if setup.prices is not None:
