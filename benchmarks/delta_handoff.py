@@ -39,7 +39,7 @@ from benchmarks.handoff import parameter_shapes, qwen3_30b_a3b_shapes, timed  # 
 from moeloop.steps.config import load_config
 from moeloop.steps.engines.engine import release_engine
 from moeloop.steps.engines.versions import engine_at
-from moeloop.steps.model.delta import CheckpointTensors, read_delta
+from moeloop.steps.model.delta import CheckpointTensors, DeltaFile
 from moeloop.steps.model.hf_shards import StoredTensor, plan_shards, shard_names, write_index
 from moeloop.steps.model.policy import build_tokenizer
 from moeloop.steps.storage.cache import fetch_checkpoint
@@ -142,7 +142,7 @@ def measure(
     paths = fetch_delta(storage, 1, files, work / "delta")
     apply = timed(lambda: engine.apply_delta(paths))
     digest = timed(engine.weight_digests)
-    changed_elements = sum(len(positions) for _, positions, _ in read_delta(paths))
+    changed_elements = sum(changed.size for path in paths for changed in DeltaFile(path).changed)
     rows.append(("rollout engine: the in-place write alone / the digest check alone", apply, digest,
                  f"{changed_elements:,} elements written"))  # fmt: skip
     release_engine()

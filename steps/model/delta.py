@@ -28,17 +28,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import blake3
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moeloop.steps.model.hf_shards import INDEX, SAFETENSORS_DTYPE, SINGLE
+from moeloop.steps.model.hf_shards import INDEX, SAFETENSORS_DTYPE, SINGLE, read_layout
 
 BLOCK = 1 << 16  # elements per block of a changed tensor: positions in a block fit in a uint16
 DELTA_FILE = "delta-{:05d}.safetensors"
 DELTA_PARTS = ("counts", "offsets", "values")  # a changed tensor's three tensors in a delta file
+PART_DTYPES = {"counts": torch.int32, "offsets": torch.uint16}  # values: the tensor's stored dtype
+STORED_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPE.items()} | {"I32": torch.int32, "U16": torch.uint16}
 PARALLEL_HASH_BYTES = 64 << 20  # BLAKE3 hashes a tensor this large on several threads
 HASH_THREADS = min(32, os.cpu_count() or 1)  # tensors hashed side by side (BLAKE3 releases the GIL)
 IN_FLIGHT_BYTES = 1 << 30  # host tensors read but not yet hashed, at most (a checkpoint's tensors are read one by one)
@@ -194,11 +197,13 @@ def encode(positions: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Ten
     return counts, (positions & (BLOCK - 1)).to(torch.uint16)
 
 
-def decode(counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The flat positions (int64) that (counts, offsets) encode."""
-    starts = torch.arange(len(counts), dtype=torch.int64, device=counts.device) * BLOCK
+def decode(counts: torch.Tensor, offsets: torch.Tensor, block_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """The flat positions (int64) that (counts, offsets) encode; block_starts: each block's first position (default:
+    its index x BLOCK; an engine gives where it holds the tensor's elements, for blocks of several tensors at once)."""
+    if block_starts is None:
+        block_starts = torch.arange(len(counts), dtype=torch.int64, device=counts.device) * BLOCK
     # output_size: on a GPU, without it repeat_interleave waits for the device to learn its length
-    positions = torch.repeat_interleave(starts, counts.to(torch.int64), output_size=len(offsets))
+    positions = torch.repeat_interleave(block_starts, counts.to(torch.int64), output_size=len(offsets))
     return positions + offsets.to(torch.int64)
 
 
@@ -274,16 +279,69 @@ def write_delta(
     return summary
 
 
-def read_delta(
-    files: list[Path], device: torch.device | None = None
-) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(tensor name, flat positions, new values) of every changed tensor of a delta's files, on device (default: the
-    CPU). A GPU engine's positions are decoded on its GPU: the host link carries 2 bytes an element, not 8, and the
-    host's cores none of the decoding (issue 38's engine apply, benchmarks/engine_delta.py)."""
-    device = device or torch.device("cpu")
-    for path in files:
-        with safe_open(path, "pt") as delta:
-            names = sorted({key.rpartition(":")[0] for key in delta.keys()})
-            for name in names:
-                counts, offsets, values = (delta.get_tensor(f"{name}:{part}").to(device) for part in DELTA_PARTS)
-                yield name, decode(counts, offsets), values
+@dataclass(frozen=True)
+class Changed:
+    """One changed tensor of a delta file: where its parts lie in the file's data, as element ranges [start, stop)
+    of the data seen as their dtypes (counts int32, offsets uint16, values the tensor's stored dtype)."""
+
+    name: str
+    counts: tuple[int, int]
+    offsets: tuple[int, int]
+    values: tuple[int, int]
+    dtype: torch.dtype
+
+    @property
+    def size(self) -> int:
+        """Its changed elements."""
+        return self.offsets[1] - self.offsets[0]
+
+
+class DeltaFile:
+    """One delta file read whole into host memory: its data, and its changed tensors in the order the file holds
+    them (a GPU engine copies their parts by the batch, not by the tensor: `EngineWeights.apply_delta`). A file
+    whose tensors are not a delta's parts is a ValueError naming the first that is not."""
+
+    def __init__(self, path: Path) -> None:
+        start, entries = read_layout(path)
+        found: dict[str, dict[str, dict[str, Any]]] = {}
+        for key, entry in entries.items():
+            name, _, part = key.rpartition(":")
+            found.setdefault(name, {})[part] = entry
+        changed = [self._changed(path.name, name, parts) for name, parts in found.items()]
+        self.changed = sorted(changed, key=lambda c: (str(c.dtype), c.values))
+        self.data = torch.empty(path.stat().st_size - start, dtype=torch.uint8)
+        with open(path, "rb") as file:
+            file.seek(start)
+            if file.readinto(self.data.numpy()) != len(self.data):
+                raise ValueError(f"{path.name} ended while it was read")
+
+    @staticmethod
+    def _changed(file: str, name: str, parts: dict[str, dict[str, Any]]) -> Changed:
+        if sorted(parts) != sorted(DELTA_PARTS):
+            raise ValueError(f"{file}: {name} has the parts {sorted(parts)}, a delta's are {list(DELTA_PARTS)}")
+        spans = {}
+        for part, entry in parts.items():
+            dtype = STORED_DTYPES.get(entry["dtype"])
+            begin, end = entry["data_offsets"]
+            size = dtype.itemsize if dtype else 1
+            if dtype is None or dtype != PART_DTYPES.get(part, dtype) or entry["shape"] != [(end - begin) // size]:
+                raise ValueError(f"{file}: {name}:{part} ({entry['dtype']} {entry['shape']}) is no delta's {part}")
+            if begin % size or (end - begin) % size:
+                raise ValueError(f"{file}: {name}:{part} lies across its dtype's {size}-byte elements")
+            spans[part] = (begin // size, end // size)
+        offsets, values = (spans[part][1] - spans[part][0] for part in ("offsets", "values"))
+        if offsets != values:
+            raise ValueError(f"{file}: {name} has {offsets} offsets and {values} values")
+        dtype = STORED_DTYPES[parts["values"]["dtype"]]
+        return Changed(name, spans["counts"], spans["offsets"], spans["values"], dtype)
+
+    def parts(self, part: str, changed: list[Changed]) -> torch.Tensor:
+        """The part (counts, offsets or values) of changed tensors (at least one; for values, of one dtype), one
+        after another, on the host: a view of the data where the file holds them so (as write_delta lays them out), else
+        a copy."""
+        dtype = PART_DTYPES.get(part, changed[0].dtype)
+        flat = self.data[: len(self.data) // dtype.itemsize * dtype.itemsize].view(dtype)
+        spans = [getattr(c, part) for c in changed]
+        if all(one[1] == following[0] for one, following in zip(spans, spans[1:])):
+            return flat[spans[0][0] : spans[-1][1]]
+        return torch.cat([flat[begin:end] for begin, end in spans])

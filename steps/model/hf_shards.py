@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -109,15 +109,20 @@ class SafetensorsWriter:
             raise RuntimeError(f"{self.path.name} ended {self.left} bytes short")
 
 
-def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """A safetensors file's tensors as its header lists them: {name: (dtype, shape)}, the dtype as the format names
-    it (F32, BF16, I32, ...)."""
+def read_layout(path: Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """A safetensors file's header: where its data starts (bytes from the file's start), and each tensor's entry
+    (dtype as the format names it: F32, BF16, I32, ...; shape; data_offsets: its bytes' [begin, end) in the data)."""
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8).ljust(8, b"\0"))
         if length > path.stat().st_size:
             raise ValueError(f"{path.name} is not a safetensors file (its header would be {length} bytes)")
         entries = json.loads(file.read(length))
-    return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in entries.items() if name != "__metadata__"}
+    return 8 + length, {name: entry for name, entry in entries.items() if name != "__metadata__"}
+
+
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A safetensors file's tensors as its header lists them: {name: (dtype, shape)}."""
+    return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in read_layout(path)[1].items()}
 
 
 def write_index(output: Path, names: list[str], shards: list[list[StoredTensor]]) -> None:

@@ -101,7 +101,7 @@ def test_unstated_delta_rates_are_assumed_as_measured_and_say_so(tmp_path: Path)
     figures = stated_plan(tmp_path, 0, stated, **ROLLOUT_CHUNK).setup.figures
     assert figures["delta_changed_fraction"].value == 0.015
     assert "issue 38" in figures["delta_changed_fraction"].source and "1e-6" in figures["delta_changed_fraction"].source
-    assert figures["delta_apply_seconds_per_gb"].value == pytest.approx((5.14 + 3.74) / 61.06)
+    assert figures["delta_apply_seconds_per_gb"].value == pytest.approx((1.73 + 2.99) / 61.06)
     apply = figures["delta_apply_seconds_per_gb"].source
     assert apply.startswith("assumed: benchmarks/handoff.md") and "measured on one H100" in apply
     with pytest.raises(MoeloopError, match="rates.delta_changed_fraction"):

@@ -14,10 +14,10 @@ from moeloop.steps.model import delta
 from moeloop.steps.model.delta import (
     BLOCK,
     CheckpointTensors,
+    DeltaFile,
     checkpoint_digests,
     decode,
     encode,
-    read_delta,
     tensor_digest,
     weights_digest,
     write_delta,
@@ -38,6 +38,17 @@ def versions() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     new["big"].view(-1)[positions] = (new["big"].view(-1)[positions].float() * 1.5).to(torch.bfloat16)
     new["signed"][2] = -0.0
     return base, new
+
+
+def read_delta(files: list[Path]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, flat positions, new values) of each changed tensor in the files, decoded here."""
+    changes = []
+    for path in files:
+        delta = DeltaFile(path)
+        for c in delta.changed:
+            positions = decode(delta.parts("counts", [c]), delta.parts("offsets", [c]))
+            changes.append((c.name, positions, delta.parts("values", [c])))
+    return changes
 
 
 def apply(base: dict[str, torch.Tensor], files: list[Path]) -> dict[str, torch.Tensor]:
@@ -127,7 +138,7 @@ def test_engine_weights_write_a_delta_into_fused_and_packed_tensors_and_read_the
     assert weights.refusal(base) is None
     assert weights.digests() == checkpoint_digests(base)
     before = {"qk": qk.clone(), "experts": experts.clone()}
-    weights.apply(read_delta(sorted(tmp_path.glob("delta-*"))))
+    weights.apply_delta(sorted(tmp_path.glob("delta-*")))
     assert weights.digests() == checkpoint_digests(new)
     assert int((qk != before["qk"]).sum()) == 1 and qk[5, 2] == 7.0
     assert int((experts != before["experts"]).sum()) == 1 and experts.view(2, -1)[1, packing[4]] == -3.0
@@ -147,15 +158,52 @@ def test_digests_hashed_side_by_side_are_each_tensors_blake3(monkeypatch: pytest
     assert digests == {name: blake3.blake3(data).hexdigest() for name, data in raw.items()}
 
 
-def test_a_delta_writing_past_its_tensor_is_refused_before_anything_is_written() -> None:
+def delta_file(path: Path, changes: dict[str, tuple[list[int], list[float]]], numels: dict[str, int]) -> Path:
+    """A delta file as write_delta lays one out, of changes {name: (positions, values)} to fp32 tensors."""
+    tensors = {}
+    for name, (positions, values) in changes.items():
+        counts, offsets = encode(torch.tensor(positions), numels[name])
+        tensors |= {f"{name}:counts": counts, f"{name}:offsets": offsets, f"{name}:values": torch.tensor(values)}
+    save_file(tensors, path)
+    return path
+
+
+def test_a_delta_writing_past_its_tensor_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     """Positions beyond a checkpoint tensor (a delta of another model) would land in its neighbour in the fused
-    tensor: refused naming it, and the batch it came in leaves the engine's tensors untouched."""
+    tensor: refused naming it, before any of the file is written, in a tensor's last block and beyond its blocks."""
     slots = concatenated("qk", [("q", 4, torch.float32), ("k", 4, torch.float32)])
     weights = EngineWeights({"qk": torch.zeros(8)}, slots, {})
-    changes = [("k", torch.tensor([1]), torch.tensor([2.0])), ("q", torch.tensor([0, 4]), torch.tensor([1.0, 1.0]))]
+    past = delta_file(tmp_path / "past.safetensors", {"k": ([1], [2.0]), "q": ([0, 4], [1.0, 1.0])}, {"k": 4, "q": 4})
     with pytest.raises(ValueError, match="a delta of q writes position 4 of its 4"):
-        weights.apply(changes)
+        weights.apply_delta([past])
+    beyond = delta_file(tmp_path / "beyond.safetensors", {"q": ([BLOCK + 1], [1.0])}, {"q": 4})
+    with pytest.raises(ValueError, match="a delta of q does not encode positions in its 4 elements"):
+        weights.apply_delta([beyond])
     assert not weights.tensors["qk"].any()
+    fits = delta_file(tmp_path / "fits.safetensors", {"k": ([3], [2.0]), "q": ([0], [1.0])}, {"k": 4, "q": 4})
+    weights.apply_delta([fits])
+    assert weights.tensors["qk"].tolist() == [1.0, 0, 0, 0, 0, 0, 0, 2.0]
+
+
+def test_a_file_that_is_not_a_delta_is_refused_naming_what_it_holds(tmp_path: Path) -> None:
+    weights = EngineWeights({"w": torch.zeros(4)}, {"w": Slot("w", 0, 4, torch.float32)}, {})
+    save_file({"w:counts": torch.ones(1, dtype=torch.int32), "w:offsets": torch.zeros(1, dtype=torch.uint16)},
+              tmp_path / "two.safetensors")  # fmt: skip
+    with pytest.raises(ValueError, match="w has the parts"):
+        weights.apply_delta([tmp_path / "two.safetensors"])
+    save_file({"w:counts": torch.ones(1), "w:offsets": torch.zeros(1, dtype=torch.uint16), "w:values": torch.ones(1)},
+              tmp_path / "float_counts.safetensors")  # fmt: skip
+    with pytest.raises(ValueError, match="w:counts .* is no delta's counts"):
+        weights.apply_delta([tmp_path / "float_counts.safetensors"])
+    save_file({"w:counts": torch.tensor([2], dtype=torch.int32), "w:offsets": torch.zeros(1, dtype=torch.uint16),
+               "w:values": torch.ones(1)}, tmp_path / "counts.safetensors")  # fmt: skip
+    with pytest.raises(ValueError, match="a delta of w does not encode positions"):
+        weights.apply_delta([tmp_path / "counts.safetensors"])
+    save_file({"x:counts": torch.ones(1, dtype=torch.int32), "x:offsets": torch.zeros(1, dtype=torch.uint16),
+               "x:values": torch.ones(1)}, tmp_path / "other.safetensors")  # fmt: skip
+    with pytest.raises(ValueError, match="a delta changes x, which the engine does not hold"):
+        weights.apply_delta([tmp_path / "other.safetensors"])
+    assert not weights.tensors["w"].any()
 
 
 def test_engine_weights_refuse_what_they_cannot_hold_exactly() -> None:
@@ -164,3 +212,43 @@ def test_engine_weights_refuse_what_they_cannot_hold_exactly() -> None:
     assert "holds no x" in EngineWeights({"w": torch.zeros(4)}, bf16, {}).refusal(["w", "x"])
     assert "elements do not hold" in EngineWeights({"w": torch.zeros(3)}, bf16, {}).refusal(["w"])
     assert EngineWeights({"w": torch.zeros(6)}, bf16, {}).refusal(["w"]) is None  # the rest: padding
+
+
+def test_a_delta_file_laid_out_tensor_by_tensor_applies_as_one_laid_out_by_part(tmp_path: Path) -> None:
+    """write_delta's files hold each part of every tensor together (safetensors orders by dtype, then name), which
+    the engine copies a batch at a time; a file that holds each tensor's three parts together, as another writer
+    may, gives the same weights."""
+    import json
+    import struct
+
+    base, new = versions()
+    write_delta(base, new, tmp_path / "by_part", max_file_bytes=1 << 30)
+    (by_part,) = sorted((tmp_path / "by_part").glob("delta-*"))
+    delta = DeltaFile(by_part)
+    entries, data = {}, b""
+    for c in sorted(delta.changed, key=lambda c: c.name):
+        for part in ("counts", "offsets", "values"):
+            tensor = delta.parts(part, [c])
+            raw = tensor.view(torch.uint8).numpy().tobytes()
+            data += b"\0" * (-len(data) % 4)  # each part starts aligned to its elements
+            code = {"counts": "I32", "offsets": "U16", "values": "BF16"}[part]
+            where = [len(data), len(data) + len(raw)]
+            entries[f"{c.name}:{part}"] = {"dtype": code, "shape": [len(tensor)], "data_offsets": where}
+            data += raw
+    text = json.dumps(entries).encode()
+    text += b" " * (-len(text) % 8)
+    by_tensor = tmp_path / "by_tensor.safetensors"
+    by_tensor.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    assert [c.name for c in DeltaFile(by_tensor).changed] == [c.name for c in delta.changed]
+    held = {}
+    for layout, path in (("by part", by_part), ("by tensor", by_tensor)):
+        flat = {name: tensor.clone().view(-1) for name, tensor in base.items()}
+        weights = EngineWeights(flat, concatenated_each(base), {})
+        weights.apply_delta([path])
+        held[layout] = weights.digests()
+    assert held["by part"] == held["by tensor"] == checkpoint_digests(new)
+
+
+def concatenated_each(tensors: dict[str, torch.Tensor]) -> dict[str, Slot]:
+    """Each tensor its own engine tensor."""
+    return {name: Slot(name, 0, t.numel(), t.dtype) for name, t in tensors.items()}

@@ -25,10 +25,10 @@ ASSUMED_CHANGED_FRACTION = Figure(
     " Qwen3-MoE); 3-5% at 3e-6, 9-16% at 1e-5: state rates.delta_changed_fraction for another learning rate",
 )
 ASSUMED_APPLY_SECONDS_PER_GB = Figure(
-    (5.14 + 3.74) / 61.06,
+    (1.73 + 2.99) / 61.06,
     "s/GB",
     "assumed: benchmarks/handoff.md's engine on a GPU at Qwen3-30B-A3B's 61.06 GB of bf16, the in-place write of a"
-    " 1.5% delta 5.14 s + the digest check 3.74 s, measured on one H100 with 16 host cores"
+    " 1.5% delta 1.73 s + the digest check 2.99 s, measured on one H100 with 16 host cores"
     " (benchmarks/engine_delta.py)",
 )
 
