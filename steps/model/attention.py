@@ -5,8 +5,8 @@ The trainer's model runs with one of the implementations registered here in HF's
 arguments down to the attention function, and builds no mask for an implementation it does not know. Every
 backend is exact for packed samples:
 - `flash4`: FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels for Hopper and Blackwell, compute capability
-  9.x and 10.x), through torch's own varlen attention: `torch.nn.attention.activate_flash_attention_impl("FA4")`
-  gives torch's dispatcher FA4's kernels, for the whole process, so a compiled layer calls it as it calls FA2;
+  9.x and 10.x), through torch's own varlen attention: `activate_flash4` gives torch's dispatcher FA4's kernels
+  (through `moeloop.steps.model.fa4_kernels`), for the whole process, so a compiled layer calls it as it calls FA2;
 - `flash2`: the FlashAttention-2 varlen kernel bundled with torch (`torch.nn.attention.varlen.varlen_attn`);
   both cost the samples' own causal squares, not the microbatch's, and take bf16 or fp16 on CUDA;
 - `sdpa`: SDPA over the samples right-padded to the longest, causal (a real query sees no padding, which comes
@@ -81,9 +81,22 @@ def attention_backend(setting: str, device: torch.device, dtype: torch.dtype) ->
 def use_packed_attention(model: nn.Module, backend: str) -> None:
     """The model's attention over packed samples by backend (resolved by `attention_backend`), in place; flash4
     gives torch's dispatcher FlashAttention-4's kernels, for the whole process."""
-    if backend == "flash4" and torch.nn.attention.current_flash_attention_impl() != "FA4":
-        torch.nn.attention.activate_flash_attention_impl("FA4")
+    if backend == "flash4":
+        activate_flash4()
     model.config._attn_implementation = PACKED_ATTENTION[backend]
+
+
+def activate_flash4() -> None:
+    """torch's flash attention ops run FlashAttention-4's kernels, for the whole process (torch's registry entry FA4,
+    restored by `torch.nn.attention.restore_flash_attention_impl`), taken through `fa4_kernels`, which adapts the
+    forward's result to what torch's registration reads."""
+    if torch.nn.attention.current_flash_attention_impl() == "FA4":
+        return
+    from torch.nn.attention._fa4 import register_flash_attention_fa4
+
+    kernels = partial(register_flash_attention_fa4, "moeloop.steps.model.fa4_kernels")
+    torch.nn.attention.register_flash_attention_impl("FA4", register_fn=kernels)
+    torch.nn.attention.activate_flash_attention_impl("FA4")
 
 
 def packed_attention(

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moeloop.steps.model import delta
-from moeloop.steps.model.attention import PACKED_ATTENTION, flash4_missing, packed_attention
+from moeloop.steps.model.attention import PACKED_ATTENTION, activate_flash4, flash4_missing, packed_attention
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.model.logprobs import ChunkedTokenLogprobs
 from moeloop.steps.model.policy import build_tokenizer, save_policy
@@ -41,7 +41,7 @@ def test_flash4_varlen_attention_equals_causal_sdpa_per_sample() -> None:
     the same check as FA2's; FA2 restored after it."""
     if (reason := flash4_missing(torch.device("cuda"))) is not None:
         pytest.skip(reason)
-    torch.nn.attention.activate_flash_attention_impl("FA4")
+    activate_flash4()
     try:
         flash_attention_equals_sdpa_per_sample()
     finally:

@@ -57,3 +57,39 @@ def test_each_backend_is_a_registered_attention_implementation_of_its_own() -> N
     model = Qwen3MoeForCausalLM(tiny_model_config(tiny, build_tokenizer(["abc"])))
     use_packed_attention(model, "sdpa")
     assert model.config._attn_implementation == PACKED_ATTENTION["sdpa"]
+
+
+def test_torchs_fa4_registration_takes_out_and_lse_of_flash_attn_4s_forward_through_fa4_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's FA4 registration (`torch.nn.attention._fa4`, its own code, called as its CUDA kernel calls it) unpacks
+    `_flash_attn_fwd` as (out, lse); flash-attn-4 4.0.0b36, the trainer image's, returns five tensors, which failed
+    every forward on an H100 (ValueError: too many values to unpack). flash-attn-4 runs on CUDA only, so a module of
+    b36's return shape stands in for its interface here: through `fa4_kernels` torch gets (out, lse); given the
+    library's module itself, it fails as the GPU did."""
+    import sys
+    import types
+
+    from torch.nn.attention import _fa4
+
+    out, lse = torch.randn(3, 2, 4), torch.randn(2, 3)
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd = lambda *args, **kwargs: (out, lse, None, None, None)  # 4.0.0b36's five
+    interface._flash_attn_bwd = lambda *args, **kwargs: (out, out, out)
+    for name, module in {"flash_attn": types.ModuleType("flash_attn"), "flash_attn.cute": types.ModuleType("c"),
+                         "flash_attn.cute.interface": interface}.items():  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delitem(sys.modules, "moeloop.steps.model.fa4_kernels", raising=False)
+    _fa4._fa4_import_module.cache_clear()
+    q = k = v = torch.zeros(3, 2, 4)
+    arguments = (q, k, v, None, None, None, None, 0.5, True, None, None, None)
+    try:
+        monkeypatch.setattr(_fa4, "_FA4_MODULE_PATH", "moeloop.steps.model.fa4_kernels")
+        got_out, got_lse = _fa4._fa4_run_forward(*arguments)
+        assert got_out is out and torch.equal(got_lse, lse)
+        monkeypatch.setattr(_fa4, "_FA4_MODULE_PATH", "flash_attn.cute.interface")
+        with pytest.raises(ValueError, match="too many values to unpack"):
+            _fa4._fa4_run_forward(*arguments)
+    finally:
+        _fa4._fa4_import_module.cache_clear()
+        sys.modules.pop("moeloop.steps.model.fa4_kernels", None)
