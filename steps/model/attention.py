@@ -54,6 +54,8 @@ def flash4_missing(device: torch.device) -> str | None:
         return "the flash-attn-4 package is not installed (pip install flash-attn-4; the trainer image has it)"
     if "FA4" not in getattr(torch.nn.attention, "list_flash_attention_impls", list)():
         return f"torch {torch.__version__} cannot take FlashAttention-4's kernels (no activate_flash_attention_impl)"
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":  # seen with torch 2.11 on an H100
+        return f"torch {torch.__version__}'s FA4 registration refuses causal attention's backward (torch 2.13 runs it)"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         return f"it runs on compute capability 9.x and 10.x (Hopper, Blackwell); this GPU's is {major}.{minor}"

@@ -93,3 +93,22 @@ def test_torchs_fa4_registration_takes_out_and_lse_of_flash_attn_4s_forward_thro
     finally:
         _fa4._fa4_import_module.cache_clear()
         sys.modules.pop("moeloop.steps.model.fa4_kernels", None)
+
+
+def test_flash4_is_missing_with_a_torch_whose_fa4_registration_refuses_causal_backwards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11's FA4 registration took the forward and refused every causal backward ("windowed attention not
+    supported": torch passes causal as a window), seen on an H100; auto then takes flash2."""
+    found = importlib.util.find_spec
+    installed = lambda name: object() if name.startswith("flash_attn") else found(name)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", installed)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    reason = flash4_missing(torch.device("cuda"))
+    assert reason == "torch 2.11.0+cu130's FA4 registration refuses causal attention's backward (torch 2.13 runs it)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert attention_backend("auto", torch.device("cuda"), torch.bfloat16) == "flash2"
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
+    assert flash4_missing(torch.device("cuda")) is None
+    assert attention_backend("auto", torch.device("cuda"), torch.bfloat16) == "flash4"
