@@ -307,16 +307,17 @@ class DeltaFile:
         for key, entry in entries.items():
             name, _, part = key.rpartition(":")
             found.setdefault(name, {})[part] = entry
-        changed = [self._changed(path.name, name, parts) for name, parts in found.items()]
+        data_bytes = path.stat().st_size - start
+        changed = [self._changed(path.name, name, parts, data_bytes) for name, parts in found.items()]
         self.changed = sorted(changed, key=lambda c: (str(c.dtype), c.values))
-        self.data = torch.empty(path.stat().st_size - start, dtype=torch.uint8)
+        self.data = torch.empty(data_bytes, dtype=torch.uint8)
         with open(path, "rb") as file:
             file.seek(start)
             if file.readinto(self.data.numpy()) != len(self.data):
                 raise ValueError(f"{path.name} ended while it was read")
 
     @staticmethod
-    def _changed(file: str, name: str, parts: dict[str, dict[str, Any]]) -> Changed:
+    def _changed(file: str, name: str, parts: dict[str, dict[str, Any]], data_bytes: int) -> Changed:
         if sorted(parts) != sorted(DELTA_PARTS):
             raise ValueError(f"{file}: {name} has the parts {sorted(parts)}, a delta's are {list(DELTA_PARTS)}")
         spans = {}
@@ -328,6 +329,8 @@ class DeltaFile:
                 raise ValueError(f"{file}: {name}:{part} ({entry['dtype']} {entry['shape']}) is no delta's {part}")
             if begin % size or (end - begin) % size:
                 raise ValueError(f"{file}: {name}:{part} lies across its dtype's {size}-byte elements")
+            if not 0 <= begin <= end <= data_bytes:
+                raise ValueError(f"{file}: {name}:{part} lies at bytes {begin}-{end} of its {data_bytes} bytes of data")
             spans[part] = (begin // size, end // size)
         offsets, values = (spans[part][1] - spans[part][0] for part in ("offsets", "values"))
         if offsets != values:

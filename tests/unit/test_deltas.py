@@ -252,3 +252,13 @@ def test_a_delta_file_laid_out_tensor_by_tensor_applies_as_one_laid_out_by_part(
 def concatenated_each(tensors: dict[str, torch.Tensor]) -> dict[str, Slot]:
     """Each tensor its own engine tensor."""
     return {name: Slot(name, 0, t.numel(), t.dtype) for name, t in tensors.items()}
+
+
+def test_a_cut_delta_file_is_refused_naming_the_part_past_its_end(tmp_path: Path) -> None:
+    base, new = versions()
+    write_delta(base, new, tmp_path / "whole", max_file_bytes=1 << 30)
+    (whole,) = sorted((tmp_path / "whole").glob("delta-*"))
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(whole.read_bytes()[:-4])
+    with pytest.raises(ValueError, match=r"cut.safetensors: \S+ lies at bytes \d+-\d+ of its \d+ bytes of data"):
+        DeltaFile(cut)
