@@ -127,7 +127,7 @@ class EngineWeights:
         if unknown := [c.name for c in changed if c.name not in self.slots]:
             raise ValueError(f"a delta changes {unknown[0]}, which the engine does not hold")
         numels = torch.tensor([self.slots[c.name].numel for c in changed])
-        blocks = torch.tensor([c.counts[1] - c.counts[0] for c in changed])
+        blocks = torch.tensor([c.blocks for c in changed])
         sizes = torch.tensor([c.size for c in changed])
         counts = delta.parts("counts", changed).long()
         ends = blocks.cumsum(0)
@@ -152,7 +152,7 @@ class EngineWeights:
     def _write(self, delta: DeltaFile, batch: list[Changed]) -> None:
         """A checked file's changed tensors of one values dtype, in the file's order, written in place."""
         slots = [self.slots[c.name] for c in batch]
-        blocks = torch.tensor([c.counts[1] - c.counts[0] for c in batch])
+        blocks = torch.tensor([c.blocks for c in batch])
         block_starts = ranges(torch.zeros_like(blocks), blocks) * BLOCK
         block_starts += torch.repeat_interleave(torch.tensor([slot.offset for slot in slots]), blocks)
         counts, offsets, values = (delta.parts(part, batch).to(self.device) for part in DELTA_PARTS)

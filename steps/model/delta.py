@@ -295,6 +295,11 @@ class Changed:
         """Its changed elements."""
         return self.offsets[1] - self.offsets[0]
 
+    @property
+    def blocks(self) -> int:
+        """Its blocks of BLOCK elements (its counts)."""
+        return self.counts[1] - self.counts[0]
+
 
 class DeltaFile:
     """One delta file read whole into host memory: its data, and its changed tensors in the order the file holds
