@@ -84,7 +84,7 @@ def compare(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict
 
 def product_delta_bytes(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
     with tempfile.TemporaryDirectory() as folder:
-        return write_delta(base, new, Path(folder), 4 << 30).delta_bytes
+        return write_delta(base, new, Path(folder)).delta_bytes
 
 
 def header() -> None:

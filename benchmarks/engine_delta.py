@@ -39,7 +39,6 @@ from moeloop.steps.engines.weights import EngineWeights, transformers_weights
 from moeloop.steps.model.delta import tensor_digest, weights_digest, write_delta
 
 GB = 1e9
-DELTA_FILE_BYTES = 4 << 30
 
 
 class Held(Mapping[str, torch.Tensor]):
@@ -102,7 +101,7 @@ def measure(layers: int, changed: float, device: torch.device, tiny: bool) -> li
     held = Held(weights)
     work = Path(tempfile.mkdtemp(prefix="moeloop-engine-delta-"))
     try:
-        write, summary = timed(device, lambda: write_delta(held, Moved(weights, changed), work, DELTA_FILE_BYTES))
+        write, summary = timed(device, lambda: write_delta(held, Moved(weights, changed), work))
         files = sorted(work.glob("delta-*.safetensors"))
         serial, before = timed(device, lambda: {name: tensor_digest(held[name]) for name in weights.slots})
         check_before, parallel = timed(device, weights.digests)

@@ -10,7 +10,7 @@ two fp32 moments while the state is at most --optimizer-up-to-gb, else the weigh
 twice, here and in SeaweedFS). Then, each against raw boto3 moving the same bytes with its managed transfers
 (`upload_file`/`download_file`: parallel multipart, what a careful user writes), in the same run:
 
-- commit: `moeloop.steps.rl.checkpoint.commit_trainer_state`, the function the train step ends with;
+- commit: `moeloop.steps.storage.ranks.commit_from_ranks`, the function the train step ends with;
 - publish: `python -m moeloop.steps.publish` as its pod runs it (fetch the weights, write the bf16 HF checkpoint as
   sharded safetensors, commit it, move LATEST), in a child process whose peak RSS is read from the kernel;
   raw boto3 downloads the weights and uploads the checkpoint's files;
@@ -49,11 +49,11 @@ from moeloop.steps.rl.checkpoint import (
     OPTIMIZER_DIR,
     WEIGHTS_DIR,
     ReproducibleWriter,
-    commit_trainer_state,
     write_hf_checkpoint,
 )
 from moeloop.steps.rl.parallel import Parallel
 from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.ranks import commit_from_ranks
 from moeloop.steps.storage.run import RunStorage
 from tests.conftest import REPO
 from tests.seaweed import SeaweedS3, start_seaweed
@@ -240,7 +240,7 @@ def measure(
     folders = trainer_state_tensors(config, with_optimizer)
     save_locally(folders, local_state, config)
     state_size = size_of(local_state)
-    commit = timed(lambda: commit_trainer_state(run, run.trainer_state(ITERATION), local_state, Parallel(), {}))
+    commit = timed(lambda: commit_from_ranks(run, run.trainer_state(ITERATION), local_state, Parallel(), {}))
     raw_commit = timed(lambda: raw.upload(local_state, f"raw-{name}/state"))
     raw.delete(f"raw-{name}/state/")  # the same bytes as the product's, which the baselines below read
     what = "fp32 weights + AdamW moments" if with_optimizer else "fp32 weights only (the disk holds no more)"
@@ -250,7 +250,7 @@ def measure(
     if compare_s3torchconnector:  # the weights alone: its writer holds several GB beyond the tensors it writes
         local_weights = work / "weights-only"
         save = timed(lambda: save_locally(weights, local_weights, config))
-        commit = timed(lambda: commit_trainer_state(run, "trainer/weights-only", local_weights, Parallel(), {}))
+        commit = timed(lambda: commit_from_ranks(run, "trainer/weights-only", local_weights, Parallel(), {}))
         size = size_of(local_weights)
         shutil.rmtree(local_weights)
         direct = timed(lambda: save_with_s3torchconnector(weights, server, f"s3tc-{name}"))

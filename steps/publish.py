@@ -46,7 +46,7 @@ def publish(run_uri: str, iteration: int) -> dict[str, Any]:
             critic = scratch / CRITIC_DIR
             write_hf_checkpoint(scratch / "state" / CRITIC_DIR, critic, shard_bytes)
         base = fetch_checkpoint(storage, iteration - 1)
-        report = commit_policy(storage, iteration, scratch / "policy", critic, base, shard_bytes, started)
+        report = commit_policy(storage, iteration, scratch / "policy", critic, base, started)
     storage.move_latest(iteration)
     return report
 

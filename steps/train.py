@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 from moeloop.steps.common import already_committed, open_iteration, print_json, quiet_libraries, step_parser
 from moeloop.steps.errors import run_cli
-from moeloop.steps.rl.checkpoint import commit_trainer_state
 from moeloop.steps.rl.memory import refuse_unfit_trainer
 from moeloop.steps.rl.parallel import init_parallel
 from moeloop.steps.rl.router_bias import bias_update_rate
 from moeloop.steps.rl.state import save_trainer_state, trainer_attention, update_policy
 from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
+from moeloop.steps.storage.ranks import commit_from_ranks
 from moeloop.steps.storage.commands import ask
 from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
@@ -64,7 +64,7 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
             report = {**updated.report, "seconds": round(time.perf_counter() - started, 3)}
             if parallel.rank == 0:
                 write_report(storage, iteration, "train", report)
-            commit_trainer_state(storage, output, state, parallel, extra={"iteration": iteration})
+            commit_from_ranks(storage, output, state, parallel, extra={"iteration": iteration})
         return report if parallel.rank == 0 else None
     finally:
         dist.destroy_process_group()

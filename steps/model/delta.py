@@ -7,9 +7,11 @@ its safetensors file's bytes. The weights' digest is the BLAKE3 of every tensor'
 engine computes it from its own weights, whatever layout it holds them in (`moeloop.steps.engines.weights`): it
 reads each checkpoint tensor back out of its fused tensors, in the stored dtype.
 
-Layout: safetensors files of at most max_file_bytes (`delta-00001.safetensors`, ...), three tensors per changed
-checkpoint tensor (chosen by measurement, benchmarks/deltas.md: the smallest of the fixed-width layouts measured at
-an RL learning rate's 1-3% of elements changed, and as cheap to apply):
+Layout: a safetensors file per checkpoint file with a changed tensor (`model-00003-of-00012.safetensors`'s changes in
+`delta-model-00003-of-00012.safetensors`: each of the ranks that write a checkpoint's files writes their deltas, and
+the files are the same whoever wrote them), three tensors per changed checkpoint tensor (chosen by measurement,
+benchmarks/deltas.md: the smallest of the fixed-width layouts measured at an RL learning rate's 1-3% of elements
+changed, and as cheap to apply):
     {name}:counts   int32 [ceil(numel / 65536)]  how many of its elements changed in each block of 65,536
     {name}:offsets  uint16 [changed]              each changed element's position in its block, ascending
     {name}:values   its stored dtype [changed]    each changed element's new value
@@ -23,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,7 @@ from safetensors.torch import save_file
 from moeloop.steps.model.hf_shards import INDEX, SAFETENSORS_DTYPE, SINGLE, read_layout
 
 BLOCK = 1 << 16  # elements per block of a changed tensor: positions in a block fit in a uint16
-DELTA_FILE = "delta-{:05d}.safetensors"
+DELTA_FILE = "delta-{}.safetensors"  # the checkpoint file's stem
 DELTA_PARTS = ("counts", "offsets", "values")  # a changed tensor's three tensors in a delta file
 PART_DTYPES = {"counts": torch.int32, "offsets": torch.uint16}  # values: the tensor's stored dtype
 STORED_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPE.items()} | {"I32": torch.int32, "U16": torch.uint16}
@@ -143,14 +145,24 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
     """The tensors of an HF checkpoint folder (one safetensors file, or an index of shards), each read from its file
     when asked for, in its stored dtype."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, names: Collection[str] | None = None) -> None:
+        """names: only these of its tensors (those it holds; a rank's share of a checkpoint, whose other files its
+        folder may lack)."""
         index = folder / INDEX
-        if index.exists():
-            self.file_of = {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        if names is not None and not names:
+            file_of = {}
+        elif index.exists():
+            file_of = {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
         else:
             with safe_open(folder / SINGLE, "pt") as single:
-                self.file_of = dict.fromkeys(single.keys(), folder / SINGLE)
+                file_of = dict.fromkeys(single.keys(), folder / SINGLE)
+        self.file_of = file_of if names is None else {name: file_of[name] for name in names if name in file_of}
         self.open: dict[Path, object] = {}
+
+    @property
+    def files(self) -> dict[str, str]:
+        """The file holding each tensor, by name."""
+        return {name: path.name for name, path in self.file_of.items()}
 
     def _file(self, name: str) -> object:
         path = self.file_of[name]
@@ -219,6 +231,16 @@ class DeltaSummary:
     delta_bytes: int  # of its files
     checkpoint_bytes: int  # of the new version's tensors
 
+    @classmethod
+    def merged(cls, parts: list[DeltaSummary]) -> DeltaSummary:
+        """The summary of the delta whose files and tensors `parts` (a writer's each: a rank's) hold between them."""
+        counts = ("changed", "elements", "delta_bytes", "checkpoint_bytes")
+        return cls(
+            {name: digest for part in parts for name, digest in part.base_digests.items()},
+            {name: digest for part in parts for name, digest in part.digests.items()},
+            *(sum(getattr(part, count) for part in parts) for count in counts),
+        )
+
     def record(self, base: int, iteration: int) -> dict[str, object]:
         """The delta's record (its folder's digests.json): the versions, their weights' digests, the new one's
         tensor digests, and how much changed."""
@@ -232,49 +254,44 @@ class DeltaSummary:
 
 
 def write_delta(
-    base: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], output: Path, max_file_bytes: int
+    base: Mapping[str, torch.Tensor] | None,
+    new: Mapping[str, torch.Tensor],
+    output: Path,
+    files: Mapping[str, str] | None = None,
 ) -> DeltaSummary:
     """The delta from base to new (the same tensor names, shapes and dtypes; a ValueError else) into output's
-    safetensors files, and both versions' digests, computed on the way: each tensor is read once from each side.
-    Without a base: new's digests alone."""
+    safetensors files, a file per checkpoint file (files: the one holding each of new's tensors, by name; None: one
+    file), and both versions' digests, computed on the way: each tensor is read once from each side. Without a base:
+    new's digests alone."""
     if base is not None and set(base) != set(new):
         raise ValueError(f"the versions hold different tensors: {sorted(set(base) ^ set(new))[:3]}")
     output.mkdir(parents=True, exist_ok=True)
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = 0
+    groups: dict[str, list[str]] = {}
+    for name in sorted(new):
+        groups.setdefault(files[name] if files is not None else SINGLE, []).append(name)
     summary = DeltaSummary({}, {}, 0, 0, 0, 0)
-
-    def flush() -> None:
-        nonlocal pending_bytes
-        pending_bytes = 0
-        if pending:
-            path = output / DELTA_FILE.format(len(list(output.glob("delta-*.safetensors"))) + 1)
-            save_file(pending, path)
-            summary.delta_bytes += path.stat().st_size
-            pending.clear()
-
     with Digests() as digests, Digests() as base_digests:
-        for name in sorted(new):
-            now = new[name]
-            digests.add(name, now)
-            summary.elements += now.numel()
-            summary.checkpoint_bytes += now.numel() * now.element_size()
-            if base is None:
-                continue
-            old = base[name]
-            base_digests.add(name, old)
-            positions = changed_positions(old, now)
-            if not len(positions):
-                continue
-            summary.changed += len(positions)
-            counts, offsets = encode(positions, now.numel())
-            entry = {f"{name}:counts": counts, f"{name}:offsets": offsets, f"{name}:values": now.reshape(-1)[positions]}
-            size = sum(t.numel() * t.element_size() for t in entry.values())
-            if pending and pending_bytes + size > max_file_bytes:
-                flush()
-            pending.update(entry)
-            pending_bytes += size
-        flush()
+        for file in sorted(groups):
+            entries: dict[str, torch.Tensor] = {}
+            for name in groups[file]:
+                now = new[name]
+                digests.add(name, now)
+                summary.elements += now.numel()
+                summary.checkpoint_bytes += now.numel() * now.element_size()
+                if base is None:
+                    continue
+                old = base[name]
+                base_digests.add(name, old)
+                positions = changed_positions(old, now)
+                if len(positions):
+                    summary.changed += len(positions)
+                    counts, offsets = encode(positions, now.numel())
+                    values = now.reshape(-1)[positions]
+                    entries |= {f"{name}:counts": counts, f"{name}:offsets": offsets, f"{name}:values": values}
+            if entries:
+                path = output / DELTA_FILE.format(Path(file).stem)
+                save_file(entries, path)
+                summary.delta_bytes += path.stat().st_size
         summary.digests, summary.base_digests = digests.result(), base_digests.result()
     return summary
 

@@ -2,7 +2,7 @@
 shards, and a state written at one (world size, EP) shape loads at any other.
 
 A trainer-state folder (committed with the storage's COMMIT protocol, steps/storage/README.md, by
-`commit_trainer_state`):
+`moeloop.steps.storage.ranks.commit_from_ranks`):
 
     config.json, tokenizer files   rank 0: the model's HF config (its dtype is the checkpoint's) and tokenizer
     weights/                       DCP: every parameter in fp32 (the optimizer's master weights), and every
@@ -30,12 +30,12 @@ import itertools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
@@ -46,12 +46,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from moeloop.steps.errors import MoeloopError
-from moeloop.steps.model.hf_shards import SafetensorsWriter, plan_shards, shard_names, write_index
+from moeloop.steps.model.hf_shards import SafetensorsWriter, StoredTensor, plan_shards, shard_names, write_index
 from moeloop.steps.model.policy import hf_model_on_meta, read_config, sparse_blocks, stored_dtype, stored_tensors, tensor_dtype
 from moeloop.steps.model.sharding import local
 from moeloop.steps.rl.offload import OffloadedAdamW
 from moeloop.steps.rl.parallel import Parallel, expert_parameters
-from moeloop.steps.storage.run import RunStorage
 
 WEIGHTS_DIR, OPTIMIZER_DIR = "weights", "optimizer"
 METADATA = ".metadata"  # DCP's index of a DCP folder, written last by rank 0
@@ -166,30 +165,6 @@ def require_same_shapes(saved: dict[str, tuple[int, ...]], ours: dict[str, tuple
             )
 
 
-def commit_trainer_state(
-    storage: RunStorage,
-    folder: str,
-    local_dir: Path,
-    parallel: Parallel,
-    extra: dict[str, Any],
-    group: dist.ProcessGroup | None = None,
-) -> None:
-    """Every rank uploads the files it wrote under local_dir (its shards; rank 0 also the config, tokenizer and DCP
-    indexes), in parallel on S3; rank 0 gathers their COMMIT entries and writes COMMIT, the folder's commit point,
-    once all have arrived. Collective over group (default: the world)."""
-    sources = {p.relative_to(local_dir).as_posix(): p for p in sorted(local_dir.rglob("*")) if p.is_file()}
-    files = storage.put_objects(folder, sources)
-    gathered: list[Any] | None = [None] * parallel.world_size if parallel.rank == 0 else None
-    if parallel.world_size > 1:
-        dist.gather_object(files, gathered, dst=0, group=group)
-    else:
-        gathered = [files]
-    if parallel.rank == 0:
-        storage.commit(folder, {name: entry for part in gathered for name, entry in part.items()}, extra)
-    if parallel.world_size > 1:
-        dist.barrier(group=group)  # no rank reports the state committed before it is
-
-
 def read_whole(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP folder, whole, in dtype, in one process (tests compare states with it)."""
     state = {key: torch.empty(value.size, dtype=value.properties.dtype) for key, value in saved_shapes(folder).items()}
@@ -272,64 +247,100 @@ def write_hf_checkpoint(state_dir: Path, output: Path, max_shard_bytes: int) -> 
     """The HF checkpoint of a trainer-state folder (its weights/, config and tokenizer): sharded safetensors in the
     config's dtype (what HF keeps in fp32 in fp32, as its save_pretrained writes it), the experts per expert and
     every tensor named as the model's family stores them. Each block is cast and streamed to its file as it is read
-    (`read_in_blocks`), so a writer holds a saved chunk and a block, never the model; the files are written side by side, one thread each, as many at once as this process has cores."""
+    (`read_in_blocks`), so a writer holds a saved chunk and a block, never the model; the files are written side by
+    side, one thread each, as many at once as this process has cores."""
     folder = state_dir / WEIGHTS_DIR
     shapes = {key: tuple(value.size) for key, value in saved_shapes(folder).items()}
-    write_hf_shards(state_dir, shapes, lambda keys: read_in_blocks(folder, keys), output, max_shard_bytes)
+    layout = hf_layout(state_dir, shapes, max_shard_bytes)
+    write_hf_files(layout, lambda keys: read_in_blocks(folder, keys), output, range(len(layout.names)))
 
 
-def write_hf_from_memory(held_dir: Path, tensors: dict[str, torch.Tensor], output: Path, max_shard_bytes: int) -> None:
-    """The HF checkpoint of whole tensors held in memory (`whole_weights`), with held_dir's config and tokenizer:
-    the bytes `write_hf_checkpoint` writes from a trainer state of the same weights (each tensor cast the same way)."""
-    shapes = {key: tuple(value.shape) for key, value in tensors.items()}
-    write_hf_shards(held_dir, shapes, lambda keys: ((key, tensors[key]) for key in keys), output, max_shard_bytes)
+@dataclass(frozen=True)
+class HFLayout:
+    """The HF checkpoint of a model (its config's, of the trainer's tensors' shapes): its files, the trainer tensors
+    (by key) each holds, and the HF tensors each of those is stored as (per expert, in the stored dtype)."""
+
+    model: nn.Module  # the HF model on the meta device, of its config
+    tokenizer: Any
+    stored: dict[str, list[StoredTensor]]  # by trainer key
+    names: list[str]  # the files
+    keys: list[list[str]]  # each file's trainer keys
+
+    def shares(self, world_size: int) -> list[list[int]]:
+        """The files each of world_size ranks writes: the largest first, each to the rank holding the fewest bytes
+        so far (the same on every rank)."""
+        size = [sum(t.nbytes() for key in keys for t in self.stored[key]) for keys in self.keys]
+        shares: list[list[int]] = [[] for _ in range(world_size)]
+        held = [0] * world_size
+        for file in sorted(range(len(size)), key=lambda f: (-size[f], f)):
+            rank = min(range(world_size), key=lambda r: (held[r], r))
+            shares[rank].append(file)
+            held[rank] += size[file]
+        return [sorted(share) for share in shares]
+
+    def weight_map(self, files: Iterable[int]) -> dict[str, str]:
+        """The HF tensors of these files, each with its file's name."""
+        return {t.name: self.names[f] for f in files for key in self.keys[f] for t in self.stored[key]}
 
 
-def whole_weights(model: nn.Module, parallel: Parallel) -> dict[str, torch.Tensor] | None:
-    """Every tensor `save_sharded` saves of model, whole, in fp32 on the host: on rank 0; None on the others.
-    Collective: the ranks gather one tensor at a time, in name order, so none holds more than a tensor besides its
-    shard (rank 0 keeps each one's host copy)."""
-    experts = expert_parameters(model)
-    whole = {}
-    for name, tensor in sorted(checkpointed(model).items()):
-        view = global_view(tensor, tensor, tensor in experts, parallel)
-        value = view.full_tensor() if isinstance(view, DTensor) else view
-        if parallel.rank == 0:
-            whole[name] = value.to("cpu", torch.float32, copy=True)
-    return whole if parallel.rank == 0 else None
-
-
-def write_hf_shards(
-    config_dir: Path,
-    shapes: dict[str, tuple[int, ...]],
-    read_blocks: Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]],
-    output: Path,
-    max_shard_bytes: int,
-) -> None:
-    """The HF checkpoint of the model config_dir's config describes, its tensors (by trainer name, of the given
-    shapes) read by read_blocks(keys) as (key, row block) in keys' order."""
+def hf_layout(config_dir: Path, shapes: dict[str, tuple[int, ...]], max_shard_bytes: int) -> HFLayout:
+    """The HF checkpoint's layout of the model config_dir's config describes, of its tensors by trainer name (of
+    the given shapes), in files of at most max_shard_bytes."""
     config, tokenizer = read_config(config_dir)
     dtype = stored_dtype(config)
     model = hf_model_on_meta(config)
     require_same_shapes(shapes, {key: tuple(value.shape) for key, value in checkpointed(model).items()}, str(config_dir))
     blocks = sparse_blocks(model)
     stored = {key: stored_tensors(key, shape, blocks, tensor_dtype(key, model, dtype)) for key, shape in sorted(shapes.items())}
-    shards = plan_shards(stored, max_shard_bytes)
-    names = shard_names(len(shards))
-    output.mkdir(parents=True, exist_ok=True)
-
-    def write_shard(name: str, keys: list[str]) -> None:
-        with SafetensorsWriter(output / name, [t for key in keys for t in stored[key]]) as writer:
-            for key, block in read_blocks(keys):
-                writer.write(block.to(stored[key][0].dtype))
-
-    with ThreadPoolExecutor(min(len(shards), len(os.sched_getaffinity(0)))) as pool:
-        for done in [pool.submit(write_shard, name, keys) for name, keys in zip(names, shards, strict=True)]:
-            done.result()
-    write_index(output, names, [[t for key in keys for t in stored[key]] for keys in shards])
+    keys = plan_shards(stored, max_shard_bytes)
     model.config.dtype = str(dtype).removeprefix("torch.")
     model.config.architectures = [type(model).__name__]
-    model.config.save_pretrained(output)
-    if model.can_generate():
-        model.generation_config.save_pretrained(output)
-    tokenizer.save_pretrained(output)
+    return HFLayout(model, tokenizer, stored, shard_names(len(keys)), keys)
+
+
+def write_hf_files(
+    layout: HFLayout,
+    read_blocks: Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]],
+    output: Path,
+    files: Iterable[int],
+) -> None:
+    """These files of the layout's checkpoint (their tensors read by read_blocks(keys), as (key, row block) in keys'
+    order), and its index, config and tokenizer: a checkpoint folder whose other files, if any, are written
+    elsewhere (by other ranks)."""
+    output.mkdir(parents=True, exist_ok=True)
+
+    def write_file(file: int) -> None:
+        keys = layout.keys[file]
+        with SafetensorsWriter(output / layout.names[file], [t for key in keys for t in layout.stored[key]]) as writer:
+            for key, block in read_blocks(keys):
+                writer.write(block.to(layout.stored[key][0].dtype))
+
+    files = list(files)
+    with ThreadPoolExecutor(max(1, min(len(files), len(os.sched_getaffinity(0))))) as pool:
+        for done in [pool.submit(write_file, file) for file in files]:
+            done.result()
+    write_index(output, layout.names, [[t for key in keys for t in layout.stored[key]] for keys in layout.keys])
+    layout.model.config.save_pretrained(output)
+    if layout.model.can_generate():
+        layout.model.generation_config.save_pretrained(output)
+    layout.tokenizer.save_pretrained(output)
+
+
+def global_shapes(model: nn.Module, parallel: Parallel) -> dict[str, tuple[int, ...]]:
+    """Every tensor `save_sharded` saves of model, by name, with its whole shape (no tensor is gathered)."""
+    experts = expert_parameters(model)
+    return {name: tuple(global_view(t, t, t in experts, parallel).shape) for name, t in checkpointed(model).items()}
+
+
+def whole_weights(model: nn.Module, parallel: Parallel, keep: Collection[str]) -> dict[str, torch.Tensor]:
+    """The tensors named in keep (this rank's) of those `save_sharded` saves of model, whole, in fp32 on the host.
+    Collective: the ranks gather one tensor at a time, in name order, so none holds more than a tensor besides its
+    shard and the host copies of those it keeps."""
+    experts = expert_parameters(model)
+    whole = {}
+    for name, tensor in sorted(checkpointed(model).items()):
+        view = global_view(tensor, tensor, tensor in experts, parallel)
+        value = view.full_tensor() if isinstance(view, DTensor) else view
+        if name in keep:
+            whole[name] = value.to("cpu", torch.float32, copy=True)
+    return whole

@@ -1,9 +1,10 @@
 """The trainer that lives for a chunk (`trainer.lifetime: chunk`; its process is steps/trainer.py).
 
 It holds the policy (PPO: and the critic) and their optimizers in memory from one iteration's update to the next, so
-an iteration neither fetches nor commits a trainer state: after each update it writes the iteration's HF checkpoint
-from memory and commits it with its delta (`moeloop.steps.storage.deltas.commit_policy`: the bytes publish writes
-from a trainer state of the same weights), and every `trainer.state_every` iterations, and after the last it serves,
+an iteration neither fetches nor commits a trainer state: after each update its ranks write the iteration's HF
+checkpoint from memory, each rank whole files of it, and commit it with its delta side by side, each rank its files'
+(`moeloop.steps.storage.deltas.commit_policy`: the bytes publish writes from a trainer state of the same weights;
+no rank holds the model), and every `trainer.state_every` iterations, and after the last it serves,
 it commits its trainer state in the background (`BackgroundStates`): the state is copied to host memory, the update
 goes on.
 
@@ -14,8 +15,10 @@ committed: its weights' digest is checked against the checkpoint's COMMIT, and a
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,27 +33,30 @@ from torch.distributed.tensor import DTensor
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, weights_digest
+from moeloop.steps.model.hf_shards import INDEX, SINGLE
 from moeloop.steps.rl.checkpoint import (
     OPTIMIZER_DIR,
     WEIGHTS_DIR,
     ReproducibleWriter,
-    commit_trainer_state,
+    global_shapes,
+    hf_layout,
     sharded_tensors,
     whole_weights,
-    write_hf_from_memory,
+    write_hf_files,
 )
 from moeloop.steps.rl.parallel import Parallel
 from moeloop.steps.rl.state import UpdatedTrainer, load_trainer_start, update_policy
-from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage.cache import fetch_verified
 from moeloop.steps.storage.deltas import commit_policy
+from moeloop.steps.storage.ranks import all_gather, commit_from_ranks
 from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
 
 
 @dataclass(frozen=True)
 class HeldTrainer:
-    """The trainer after iteration `iteration`'s update, and (rank 0) the HF checkpoint of it that it wrote: the
-    base of the next iteration's delta (None: fetched from the run)."""
+    """The trainer after iteration `iteration`'s update, and this rank's share of the HF checkpoint of it that it
+    wrote (`write_share`): the base of the next iteration's delta (None: fetched from the run)."""
 
     iteration: int
     trainer: UpdatedTrainer
@@ -110,22 +116,18 @@ def commit_from_memory(
     scratch: Path,
     parallel: Parallel,
     started: float,
-) -> Path | None:
-    """Write checkpoint `iteration` from the trainer's memory and commit it with its delta against base (the
-    previous checkpoint's folder; None: fetched), or, if it is committed already, check that it is the same policy.
-    The new checkpoint's folder on rank 0 (the next base); None on the others. Collective."""
-    policy_tensors = whole_weights(updated.model, parallel)
-    critic_tensors = whole_weights(updated.critic.model, parallel) if updated.critic is not None else None
-    if parallel.rank != 0:
-        return None
+) -> Path:
+    """Write this rank's share of checkpoint `iteration` from the trainer's memory (`write_share`) and commit it with
+    its delta against base (this rank's share of the previous checkpoint, as this returned it; None: fetched), the
+    ranks side by side; or, if it is committed already, check that it is the same policy. This rank's folder of the
+    new checkpoint (the next base). Collective."""
     shard_bytes = config.trainer.checkpoint_shard_bytes
     policy = scratch / f"policy-{iteration}"
-    write_hf_from_memory(
-        model_files(updated.model, updated.tokenizer, scratch / "policy-config"), policy_tensors, policy, shard_bytes
-    )
+    mine = write_share(updated.model, updated.tokenizer, parallel, policy, shard_bytes, scratch / "policy-config")
     committed = storage.manifest(storage.checkpoint(iteration))
     if committed is not None:
-        digest = weights_digest(checkpoint_digests(CheckpointTensors(policy)))
+        shares = all_gather(checkpoint_digests(CheckpointTensors(policy, mine)), parallel)
+        digest = weights_digest({name: value for share in shares for name, value in share.items()})
         if digest != committed.get("weights_digest"):
             raise MoeloopError(
                 f"the trainer's replay of iteration {iteration} made other weights than its committed checkpoint"
@@ -135,17 +137,48 @@ def commit_from_memory(
             )
     else:
         critic = None
-        if critic_tensors is not None:
+        if updated.critic is not None:
             critic = scratch / f"critic-{iteration}"
-            config_dir = model_files(updated.critic.model, updated.tokenizer, scratch / "critic-config")
-            write_hf_from_memory(config_dir, critic_tensors, critic, shard_bytes)
-        base_dir = base or fetch_checkpoint(storage, iteration - 1)
-        commit_policy(storage, iteration, policy, critic, base_dir, shard_bytes, started)
+            model = updated.critic.model
+            write_share(model, updated.tokenizer, parallel, critic, shard_bytes, scratch / "critic-config")
+        base_dir = base or fetch_share(storage, iteration - 1, mine)
+        commit_policy(storage, iteration, policy, critic, base_dir, started, parallel, mine)
         if critic is not None:
             shutil.rmtree(critic)
     if base is not None:
         shutil.rmtree(base)
     return policy
+
+
+def write_share(
+    model: nn.Module, tokenizer: Any, parallel: Parallel, output: Path, shard_bytes: int, config_dir: Path
+) -> set[str]:
+    """This rank's share of model's HF checkpoint into output: whole files (`HFLayout.shares`: the ranks' shares
+    balanced by bytes), and the config, tokenizer and index, which every rank writes. The names of the HF tensors
+    it wrote. Collective: the ranks gather the weights one tensor at a time."""
+    layout = hf_layout(model_files(model, tokenizer, config_dir), global_shapes(model, parallel), shard_bytes)
+    files = layout.shares(parallel.world_size)[parallel.rank]
+    tensors = whole_weights(model, parallel, {key for file in files for key in layout.keys[file]})
+    write_hf_files(layout, lambda keys: ((key, tensors[key]) for key in keys), output, files)
+    return set(layout.weight_map(files))
+
+
+def fetch_share(storage: RunStorage, iteration: int, names: Collection[str]) -> Path:
+    """The files of committed checkpoint `iteration` that hold the named tensors (a rank's share), and its other
+    files (config, tokenizer, index), as a local folder, verified and cached: the base of a delta where the trainer
+    holds no checkpoint of its own yet."""
+    folder = storage.checkpoint(iteration)
+    manifest = storage.manifest(folder)
+    if manifest is None:
+        raise MoeloopError(f"checkpoint of iteration {iteration} is not committed: {storage.display(folder)}")
+    files = manifest["files"]
+    if INDEX in files:
+        weight_map = json.loads(storage.read_committed(folder, manifest, [INDEX])[INDEX])["weight_map"]
+        needed = {weight_map[name] for name in names if name in weight_map}
+    else:
+        needed = {SINGLE} if names else set()
+    share = {name: entry for name, entry in files.items() if not name.endswith(".safetensors") or name in needed}
+    return fetch_verified(storage, folder, share)
 
 
 def model_files(model: nn.Module, tokenizer: Any, directory: Path) -> Path:
@@ -195,7 +228,7 @@ class BackgroundStates:
             dcp.save(moments, storage_writer=ReproducibleWriter(folder / OPTIMIZER_DIR), process_group=self.group)
         folder = self.storage.trainer_state(iteration)
         extra = {"iteration": iteration}
-        commit_trainer_state(self.storage, folder, directory, self.parallel, extra, group=self.group)
+        commit_from_ranks(self.storage, folder, directory, self.parallel, extra, group=self.group)
         shutil.rmtree(directory, ignore_errors=True)
 
     def wait(self) -> None:

@@ -2,24 +2,29 @@
 the version's weights (`digests.json`: every tensor's digest, the weights' digest and its base's, how much changed)
 and, where it is smaller than the checkpoint, the delta from version N-1 (`delta-*.safetensors`,
 `moeloop.steps.model.delta`). Publish commits it before the checkpoint (`commit_policy`, which a trainer that lives
-for a chunk calls too); rollout engines read it to move from the version they hold to the next
-(`moeloop.steps.engines.versions`).
+for a chunk calls too, each of its ranks for the checkpoint files it wrote); rollout engines read it to move from
+the version they hold to the next (`moeloop.steps.engines.versions`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moeloop.steps.model.delta import CheckpointTensors, write_delta
+from moeloop.steps.model.delta import CheckpointTensors, DeltaSummary, write_delta
 from moeloop.steps.storage.cache import local_scratch
+from moeloop.steps.storage.ranks import all_gather, commit_from_ranks
 from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import RunStorage
+
+if TYPE_CHECKING:
+    from moeloop.steps.rl.parallel import Parallel
 
 RECORD = "digests.json"
 
@@ -28,30 +33,37 @@ def commit_delta(
     storage: RunStorage,
     iteration: int,
     base: Mapping[str, torch.Tensor] | None,
-    new: Mapping[str, torch.Tensor],
-    max_file_bytes: int,
+    new: CheckpointTensors,
+    parallel: Parallel | None = None,
 ) -> dict[str, Any]:
-    """Write and commit deltas/iter-N for checkpoint N (new: its tensors by name) against checkpoint N-1 (base; None
-    or of other tensors: the record alone). The delta is left out where it is no smaller than the checkpoint: an
-    engine then fetches that. Safe to re-run: the same versions write the same bytes. Returns what it measured, and
-    the weights' digest, which checkpoint N's COMMIT records (`weights_digest` in its extra): the digest an engine
-    checks its weights against, whatever delta brought them."""
+    """Write and commit deltas/iter-N for checkpoint N (new: its tensors, or this rank's share of them) against
+    checkpoint N-1 (base; None or of other tensors: the record alone). The delta is left out where it is no smaller
+    than the checkpoint: an engine then fetches that. Safe to re-run: the same versions write the same bytes.
+    Returns what it measured, and the weights' digest, which checkpoint N's COMMIT records (`weights_digest` in its
+    extra): the digest an engine checks its weights against, whatever delta brought them. parallel: the ranks that
+    share the checkpoint's tensors between them, each writing the delta of its own (collective); None: one process."""
     started = time.perf_counter()
     with local_scratch() as scratch:
         try:
-            summary = write_delta(base, new, scratch, max_file_bytes)
+            summary, other_model = write_delta(base, new, scratch, new.files), None
         except ValueError as error:  # another model (a starting checkpoint stored otherwise): no delta
             for partial in scratch.glob("delta-*.safetensors"):
                 partial.unlink()
-            summary, why = write_delta(None, new, scratch, max_file_bytes), str(error)
-        else:
-            why = None if summary.delta_bytes < summary.checkpoint_bytes else "no smaller than the checkpoint"
+            summary, other_model = write_delta(None, new, scratch, new.files), str(error)
+        parts = all_gather((summary, other_model), parallel)
+        summary = DeltaSummary.merged([part for part, _ in parts])
+        why = next((reason for _, reason in parts if reason is not None), None)
+        if why is not None:  # on any rank: the delta is none of the ranks'
+            summary = dataclasses.replace(summary, base_digests={}, changed=0, delta_bytes=0)
+        elif summary.delta_bytes >= summary.checkpoint_bytes:
+            why = "no smaller than the checkpoint"
         if why is not None:
             for delta in scratch.glob("delta-*.safetensors"):
                 delta.unlink()
         record = summary.record(iteration - 1, iteration)
-        (scratch / RECORD).write_text(json.dumps(record, sort_keys=True) + "\n")
-        storage.commit_folder(storage.delta(iteration), scratch, extra={"iteration": iteration})
+        if parallel is None or parallel.rank == 0:
+            (scratch / RECORD).write_text(json.dumps(record, sort_keys=True) + "\n")
+        commit_from_ranks(storage, storage.delta(iteration), scratch, parallel, {"iteration": iteration})
     report = {
         "weights_digest": record["digest"],  # for checkpoint N's COMMIT: what an engine holding it must read back
         "delta_changed_fraction": round(summary.changed / max(summary.elements, 1), 6),
@@ -80,17 +92,36 @@ def fetch_delta(storage: RunStorage, iteration: int, files: dict[str, dict[str, 
 
 
 def commit_policy(
-    storage: RunStorage, iteration: int, policy: Path, critic: Path | None, base: Path, shard_bytes: int, started: float
+    storage: RunStorage,
+    iteration: int,
+    policy: Path,
+    critic: Path | None,
+    base: Path,
+    started: float,
+    parallel: Parallel | None = None,
+    mine: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """Commit checkpoint N (the HF folder policy; PPO: its critic's beside it) with deltas/iter-N against checkpoint
     N-1 (base, an HF folder) first, and publish's report: what publish does once it has the checkpoint, and what a
-    trainer that lives for a chunk does with the checkpoint it writes from memory (steps/rl/held.py). LATEST is
-    publish's to move."""
-    delta = commit_delta(storage, iteration, CheckpointTensors(base), CheckpointTensors(policy), shard_bytes)
+    trainer that lives for a chunk does with the checkpoint it writes from memory (steps/rl/held.py), each rank
+    its share (mine: the HF tensors it wrote, whose files its folders hold; `uploads`). LATEST is publish's to
+    move."""
+    new = CheckpointTensors(policy, mine)
+    delta = commit_delta(storage, iteration, CheckpointTensors(base, mine), new, parallel)
     report = {"seconds": round(time.perf_counter() - started, 3), **delta}
-    write_report(storage, iteration, "publish", report)
+    if parallel is None or parallel.rank == 0:
+        write_report(storage, iteration, "publish", report)
     if critic is not None:
-        storage.commit_folder(storage.critic(iteration), critic, extra={"iteration": iteration})
+        extra = {"iteration": iteration}
+        commit_from_ranks(storage, storage.critic(iteration), critic, parallel, extra, names=uploads(critic, parallel))
     extra = {"iteration": iteration, "weights_digest": delta["weights_digest"]}
-    storage.commit_folder(storage.checkpoint(iteration), policy, extra=extra)
+    commit_from_ranks(storage, storage.checkpoint(iteration), policy, parallel, extra, names=uploads(policy, parallel))
     return report
+
+
+def uploads(folder: Path, parallel: Parallel | None) -> set[str] | None:
+    """The files of a checkpoint folder that this rank commits: the tensor files it holds (those it wrote), and rank
+    0 all the others (config, tokenizer, index), which every rank writes. None: all it holds (one process, rank 0)."""
+    if parallel is None or parallel.rank == 0:
+        return None
+    return {path.name for path in folder.iterdir() if path.suffix == ".safetensors"}

@@ -19,7 +19,8 @@ from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.moe import hf_state_dict
 from moeloop.steps.model.policy import build_tokenizer, save_policy
 from moeloop.steps.rl.batch import frozen_logprobs
-from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, commit_trainer_state, read_whole
+from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, read_whole
+from moeloop.steps.storage.ranks import commit_from_ranks
 from moeloop.steps.rl.parallel import Parallel, init_parallel
 from moeloop.steps.rl.state import fetch_trainer_state, load_trainer_model, resume_model, save_trainer_state
 from moeloop.steps.rl.update import policy_update
@@ -130,7 +131,7 @@ def test_state_with_a_shard_missing_or_damaged_is_refused_by_its_commit(tmp_path
     one_process_state(tmp_path)
     storage = RunStorage(str(tmp_path / "run"))
     folder = storage.trainer_state(1)
-    commit_trainer_state(storage, folder, tmp_path / "state", Parallel(), {"iteration": 1})
+    commit_from_ranks(storage, folder, tmp_path / "state", Parallel(), {"iteration": 1})
     shard = tmp_path / "run" / folder / OPTIMIZER_DIR / "__0_0.distcp"
     if damage == "missing":
         shard.unlink()

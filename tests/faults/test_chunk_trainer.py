@@ -26,6 +26,7 @@ from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import ask_trainer
 from moeloop.workflows.local.logs import log_folder
 from tests.conftest import run_in_process, small_config
+from tests.policy_versions import bf16_start
 from tests.processes import cli_command, start_forked_step, start_process, step_command
 
 pytestmark = pytest.mark.slow
@@ -200,13 +201,17 @@ def test_moeloop_run_starts_its_killed_trainer_and_engine_again_and_publishes_wh
 
 
 def test_a_chunk_trainer_of_two_ranks_publishes_and_commits_what_trainers_of_one_iteration_do(tmp_path: Path) -> None:
-    """World size 2, EP 2 (torchrun, gloo), one iteration: the checkpoint and delta gathered from the ranks' shards and
-    the trainer state committed in the background over its own gloo group equal what a per-iteration train step and
-    publish commit."""
+    """World size 2, EP 2 (torchrun, gloo), one iteration: the checkpoint and delta that the ranks write and commit
+    side by side, each its share of the checkpoint's files, and the trainer state committed in the background over
+    its own gloo group equal what a per-iteration train step and publish commit."""
     runs = {}
     for lifetime in ("iteration", "chunk"):
-        trainer = {"world_size": 2, "expert_parallel": 2, "lifetime": lifetime}
-        config = small_config(1, trainer=trainer, eval={"max_prompts": 4})
+        # checkpoint files of at most 20 KiB, several, so that both ranks write some; a bf16 start and an RL learning
+        # rate, so that few elements change and the delta is not left out
+        trainer = {"world_size": 2, "expert_parallel": 2, "lifetime": lifetime, "checkpoint_shard_bytes": 20 << 10}
+        config = small_config(1, trainer=trainer | {"learning_rate": 1e-5}, eval={"max_prompts": 4})
+        start = bf16_start(tmp_path / f"{lifetime}-start", config)
+        config = config.model_copy(update={"model": config.model.model_copy(update={"checkpoint": str(start)})})
         path = tmp_path / f"{lifetime}.yaml"
         path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
         core = {min(os.sched_getaffinity(0))}  # one thread a rank in both runs
@@ -214,6 +219,7 @@ def test_a_chunk_trainer_of_two_ranks_publishes_and_commits_what_trainers_of_one
         assert start_process(command, cwd=tmp_path, preexec_fn=lambda: os.sched_setaffinity(0, core)).wait(600) == 0
         runs[lifetime] = RunStorage(str(tmp_path / lifetime / config.run_name))
     per_iteration, chunk = runs["iteration"], runs["chunk"]
+    assert len([name for name in files_of(chunk, chunk.delta(1)) if name.startswith("delta-")]) >= 4
     assert files_of(chunk, chunk.checkpoint(1)) == files_of(per_iteration, per_iteration.checkpoint(1))
     assert files_of(chunk, chunk.delta(1)) == files_of(per_iteration, per_iteration.delta(1))
     assert files_of(chunk, chunk.trainer_state(1)) == files_of(per_iteration, per_iteration.trainer_state(1))

@@ -104,10 +104,10 @@ def test_a_delta_that_verifies_but_is_not_the_versions_falls_back_to_the_full_ch
     checkpoints = [CheckpointTensors(fetch_checkpoint(storage, v)) for v in range(4)]
     record = (Path(storage.root) / storage.delta(2) / RECORD).read_bytes()
     wrong_elements = tmp_path / "wrong-elements"
-    write_delta(checkpoints[1], checkpoints[3], wrong_elements, 1 << 30)  # 1 -> 3's elements ...
+    write_delta(checkpoints[1], checkpoints[3], wrong_elements)  # 1 -> 3's elements ...
     (wrong_elements / RECORD).write_bytes(record)  # ... under 1 -> 2's record
     other_base = tmp_path / "other-base"
-    write_delta(checkpoints[0], checkpoints[2], other_base, 1 << 30)
+    write_delta(checkpoints[0], checkpoints[2], other_base)
     (other_base / RECORD).write_bytes(record.replace(b'"base": 1', b'"base": 0'))
     expected = {"wrong-elements": "differs from version 2", "other-base": "starts from other weights"}
     for folder, why in expected.items():

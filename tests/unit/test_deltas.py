@@ -22,6 +22,8 @@ from moeloop.steps.model.delta import (
     weights_digest,
     write_delta,
 )
+from moeloop.steps.model.hf_shards import StoredTensor
+from moeloop.steps.rl.checkpoint import HFLayout
 
 
 def versions() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -60,7 +62,7 @@ def apply(base: dict[str, torch.Tensor], files: list[Path]) -> dict[str, torch.T
 
 def test_a_delta_holds_the_changed_elements_and_applying_it_gives_the_new_version_bit_for_bit(tmp_path: Path) -> None:
     base, new = versions()
-    summary = write_delta(base, new, tmp_path, max_file_bytes=1 << 30)
+    summary = write_delta(base, new, tmp_path)
     files = sorted(tmp_path.glob("delta-*.safetensors"))
     changed = {name: positions.tolist() for name, positions, _ in read_delta(files)}
     assert changed == {"big": [0, 1, BLOCK - 1, BLOCK, 2 * BLOCK + 17, 3 * BLOCK + 4], "signed": [2]}
@@ -74,26 +76,30 @@ def test_a_delta_holds_the_changed_elements_and_applying_it_gives_the_new_versio
     assert summary.delta_bytes == sum(path.stat().st_size for path in files)
 
 
-def test_a_delta_is_cut_into_files_of_at_most_the_given_size_and_names_no_unchanged_tensor(tmp_path: Path) -> None:
+def test_a_delta_is_a_file_per_checkpoint_file_and_names_no_unchanged_tensor(tmp_path: Path) -> None:
     base, new = versions()
     base["third"] = torch.ones(3, dtype=torch.bfloat16)
     new["third"] = torch.tensor([2.0, 1.0, 1.0], dtype=torch.bfloat16)
-    write_delta(base, new, tmp_path, max_file_bytes=10)  # 40, 8 and 8 bytes of entries: a file each
-    files = sorted(tmp_path.glob("delta-*.safetensors"))
-    assert [path.name for path in files] == [f"delta-0000{k}.safetensors" for k in (1, 2, 3)]
-    assert sorted(name for name, _, _ in read_delta(files)) == ["big", "signed", "third"]
-    assert all(torch.equal(t, new[n]) for n, t in apply(base, files).items())
+    files = {"big": "model-00002-of-00002.safetensors", "third": "model-00002-of-00002.safetensors"}
+    files |= {name: "model-00001-of-00002.safetensors" for name in ("signed", "same")}
+    write_delta(base, new, tmp_path, files)
+    by_file = {path.name: sorted(c.name for c in DeltaFile(path).changed) for path in tmp_path.glob("delta-*")}
+    assert by_file == {
+        "delta-model-00001-of-00002.safetensors": ["signed"],
+        "delta-model-00002-of-00002.safetensors": ["big", "third"],
+    }
+    assert all(torch.equal(t, new[n]) for n, t in apply(base, sorted(tmp_path.glob("delta-*"))).items())
 
 
 def test_without_a_base_or_with_other_tensors_there_is_no_delta(tmp_path: Path) -> None:
     base, new = versions()
-    summary = write_delta(None, new, tmp_path / "none", max_file_bytes=1 << 30)
+    summary = write_delta(None, new, tmp_path / "none")
     assert summary.digests == checkpoint_digests(new) and not list((tmp_path / "none").glob("delta-*"))
     assert summary.record(0, 1)["base_digest"] is None
     with pytest.raises(ValueError, match="different tensors"):
-        write_delta({"other": base["big"]}, new, tmp_path / "other", max_file_bytes=1 << 30)
+        write_delta({"other": base["big"]}, new, tmp_path / "other")
     with pytest.raises(ValueError, match="differ in kind"):
-        write_delta(base | {"same": base["same"].float()}, new, tmp_path / "kind", max_file_bytes=1 << 30)
+        write_delta(base | {"same": base["same"].float()}, new, tmp_path / "kind")
 
 
 def test_positions_encode_per_block_and_decode_back() -> None:
@@ -126,7 +132,7 @@ def test_engine_weights_write_a_delta_into_fused_and_packed_tensors_and_read_the
     new = {name: tensor.clone() for name, tensor in base.items()}
     new["k"][1, 2] = 7.0
     new["e1"][0, 4] = -3.0
-    write_delta(base, new, tmp_path, max_file_bytes=1 << 30)
+    write_delta(base, new, tmp_path)
     qk = torch.cat([base["q"], base["k"]]).float()
     slab = torch.arange(10).view(2, 5).t().reshape(-1)  # packed position p holds unpacked element slab[p]
     packing = torch.empty(10, dtype=torch.int64)
@@ -222,7 +228,7 @@ def test_a_delta_file_laid_out_tensor_by_tensor_applies_as_one_laid_out_by_part(
     import struct
 
     base, new = versions()
-    write_delta(base, new, tmp_path / "by_part", max_file_bytes=1 << 30)
+    write_delta(base, new, tmp_path / "by_part")
     (by_part,) = sorted((tmp_path / "by_part").glob("delta-*"))
     delta = DeltaFile(by_part)
     entries, data = {}, b""
@@ -256,9 +262,21 @@ def concatenated_each(tensors: dict[str, torch.Tensor]) -> dict[str, Slot]:
 
 def test_a_cut_delta_file_is_refused_naming_the_part_past_its_end(tmp_path: Path) -> None:
     base, new = versions()
-    write_delta(base, new, tmp_path / "whole", max_file_bytes=1 << 30)
+    write_delta(base, new, tmp_path / "whole")
     (whole,) = sorted((tmp_path / "whole").glob("delta-*"))
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(whole.read_bytes()[:-4])
     with pytest.raises(ValueError, match=r"cut.safetensors: \S+ lies at bytes \d+-\d+ of its \d+ bytes of data"):
         DeltaFile(cut)
+
+
+def test_ranks_share_a_checkpoints_files_whole_and_balanced_by_bytes() -> None:
+    """A trainer's ranks each write whole files of the checkpoint (and their deltas): the largest first, each to the
+    rank holding the fewest bytes; every file once; a rank beyond the files writes none."""
+    sizes = {"a": 100, "b": 60, "c": 50, "d": 40, "e": 10}  # bf16 elements: 200, 120, 100, 80, 20 bytes
+    stored = {key: [StoredTensor(f"model.{key}", (n,), torch.bfloat16)] for key, n in sizes.items()}
+    layout = HFLayout(None, None, stored, [f"f{k}" for k in range(5)], [[key] for key in sizes])
+    assert layout.shares(2) == [[0, 3], [1, 2, 4]]  # 280 and 240 bytes
+    assert sorted(f for share in layout.shares(3) for f in share) == list(range(5))
+    assert layout.shares(8)[5:] == [[], [], []]
+    assert layout.weight_map([1, 4]) == {"model.b": "f1", "model.e": "f4"}

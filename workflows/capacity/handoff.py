@@ -12,13 +12,16 @@ trainer lifetime chunk (one trainer for a chunk of C iterations, its state commi
     train   = o + late start-up / C                               its start-up, once a chunk
             + late fetch / C                                      the state's fetch, once a chunk
             + B / C                                               the state's commit at the chunk's end
-            + checkpoint GB x commit s/GB                         the checkpoint, written from memory and committed
+            + checkpoint GB x commit s/GB / train nodes           the checkpoint, written from memory and committed
+            + checkpoint GB x delta s/GB / train nodes            its delta, each rank its files
             + the update
             + the background commit's excess (below)
     publish = 0                                                   a pointer; its pod's start-up stays
 
 with o = train_iteration_overhead_seconds (reading the experience, the reference model's pass), commit s/GB =
-trainer_commit_seconds_per_gb (a train node's commit, the commit half of trainer_state_seconds_per_gb) and B = state
+trainer_commit_seconds_per_gb (a train node's commit, the commit half of trainer_state_seconds_per_gb: every rank
+uploads its share of the checkpoint's files), delta s/GB = delta_write_seconds_per_gb (a train node's ranks writing
+the delta of their files, digests included, per GB of checkpoint; publish's rate holds its) and B = state
 GB x commit s/GB / train nodes, one commit of the state. The chunk starts its trainer beside slot 1's rollouts
 (workflows/render/chunk.py; locally beside start's successors), and it resumes at once: its start-up O - o and then
 its state's fetch, state GB x (state s/GB - commit s/GB) / train nodes, hold train 1 up only by what outlasts slot 1's
@@ -71,6 +74,7 @@ ITERATION, CHUNK = "iteration", "chunk"
 LABELS = {
     "trainer_state": "state I/O",
     "checkpoint_write": "checkpoint publish or commit",
+    "delta_write": "delta write",
     "engine_start": "engine start",
     "checkpoint_fetch": "checkpoint fetch",
     "delta_fetch": "delta fetch",
@@ -127,10 +131,11 @@ def handoff(setup: Setup, option: Option, excess: float = 0.0, window: float = 0
     late_fetch = max(0.0, start_up + fetch - window) - late_start_up
     trainer = {
         "trainer_state": (late_fetch + background) / chunk + excess,
-        "checkpoint_write": v("checkpoint_gb") * commit,
+        "checkpoint_write": v("checkpoint_gb") * commit / nodes,
+        "delta_write": v("checkpoint_gb") * v("delta_write_seconds_per_gb") / nodes,
     }
     overhead = per_iteration + late_start_up / chunk
-    steps["checkpoint_write"] = "train"
+    steps |= {"checkpoint_write": "train", "delta_write": "train"}
     return Handoff(trainer | parts, steps, chunk, background, overhead, restart)
 
 

@@ -46,6 +46,7 @@ OPTIONAL_RATES = {
     "rollout_sequence_tokens_per_second": "tokens/s",
     "trainer_state_seconds_per_gb": "s/GB",
     "trainer_commit_seconds_per_gb": "s/GB",  # trainer.lifetime chunk
+    "delta_write_seconds_per_gb": "s/GB",  # trainer.lifetime chunk
     "train_iteration_overhead_seconds": "s",  # trainer.lifetime chunk
     "delta_changed_fraction": "fraction",  # rollout.lifetime chunk
     "delta_apply_seconds_per_gb": "s/GB",  # rollout.lifetime chunk

@@ -3,7 +3,8 @@
 target's `trainer:` and `rollout:` sections, else the planned run's or config's. `handoff.py` plans them.
 
 A shape's figures are listed as inputs only where it is planned: the chunk's length C wherever something lives for
-a chunk; a trainer per chunk's state_every, trainer_commit_seconds_per_gb and train_iteration_overhead_seconds;
+a chunk; a trainer per chunk's state_every, trainer_commit_seconds_per_gb, delta_write_seconds_per_gb and
+train_iteration_overhead_seconds;
 engines per chunk's delta_changed_fraction, delta_apply_seconds_per_gb and the delta's size derived from them.
 """
 
@@ -15,7 +16,7 @@ from moeloop.workflows.capacity.handoff import CHUNK
 from moeloop.workflows.capacity.rates import Figure
 from moeloop.workflows.capacity.target import Rollout, Trainer
 
-TRAINER_RATES = ("trainer_commit_seconds_per_gb", "train_iteration_overhead_seconds")
+TRAINER_RATES = ("trainer_commit_seconds_per_gb", "delta_write_seconds_per_gb", "train_iteration_overhead_seconds")
 ENGINE_RATES = ("delta_changed_fraction", "delta_apply_seconds_per_gb")
 # Unstated, an engine per chunk's two rates are assumed as measured, each saying where:
 ASSUMED_CHANGED_FRACTION = Figure(
@@ -23,6 +24,14 @@ ASSUMED_CHANGED_FRACTION = Figure(
     "fraction",
     "assumed: measured (issue 38): 1.0-1.5% of elements change a step at RL learning rate 1e-6 on one H100 (a ~1B"
     " Qwen3-MoE); 3-5% at 3e-6, 9-16% at 1e-5: state rates.delta_changed_fraction for another learning rate",
+)
+# Unstated, a trainer per chunk's delta write is assumed as measured in one process, its ranks side by side:
+ASSUMED_DELTA_WRITE_SECONDS_PER_GB = Figure(
+    20.53 / 61.06 / 8,
+    "s/GB",
+    "assumed: benchmarks/handoff.md's write_delta of Qwen3-30B-A3B's 61.06 GB in one process, 20.53 s on one H100's"
+    " host (16 cores), over a train node's 8 ranks, each writing its share's delta (steps/rl/held.py; not measured"
+    " at 8 ranks)",
 )
 ASSUMED_APPLY_SECONDS_PER_GB = Figure(
     (1.73 + 2.99) / 61.06,
@@ -96,9 +105,9 @@ def _chunk_length(local: bool, iterations: int, configured: int | None) -> Figur
 
 
 def _trainer_figures(figures: dict[str, Figure], every: Figure) -> dict[str, Figure]:
-    """A trainer per chunk's figures: its state_every and the per-iteration overhead (stated, else assumed all of
-    train_overhead_seconds: the planner cannot tell start-up from per-iteration work); refused where the state's I/O
-    is not stated apart from the overhead."""
+    """A trainer per chunk's figures: its state_every, the per-iteration overhead (stated, else assumed all of
+    train_overhead_seconds: the planner cannot tell start-up from per-iteration work) and the delta's write (stated,
+    else assumed as measured); refused where the state's I/O is not stated apart from the overhead."""
     missing = [
         name for name in ("trainer_state_seconds_per_gb", "trainer_commit_seconds_per_gb") if name not in figures
     ]
@@ -125,7 +134,8 @@ def _trainer_figures(figures: dict[str, Figure], every: Figure) -> dict[str, Fig
             f"rates.train_iteration_overhead_seconds {stated.value:g} is more than train_overhead_seconds"
             f" {overhead.value:g}: it is the part of it that recurs every iteration"
         )
-    return {"state_every": every, "train_iteration_overhead_seconds": stated}
+    delta_write = figures.get("delta_write_seconds_per_gb", ASSUMED_DELTA_WRITE_SECONDS_PER_GB)
+    return {"state_every": every, "train_iteration_overhead_seconds": stated, "delta_write_seconds_per_gb": delta_write}
 
 
 def _engine_figures(figures: dict[str, Figure]) -> dict[str, Figure]:

@@ -166,9 +166,7 @@ def step_seconds(setup: Setup, option: Option, paid: Handoff) -> tuple[dict[str,
     reward_gpus = option.reward_nodes * setup.prices.gpus if setup.reward_on_gpu and setup.prices else 1
     train_gpus = 1 if setup.local else option.train_gpus  # locally: per core, the cores played by the schedule
     update = setup.tokens * v("epochs") / (v("train_tokens_per_second_per_gpu") * train_gpus)
-    train = paid.trainer_overhead + update + paid.parts["trainer_state"]
-    if paid.steps["checkpoint_write"] == "train":  # a trainer per chunk commits the checkpoint itself
-        train += paid.parts["checkpoint_write"]
+    train = paid.trainer_overhead + update + paid.of("train")  # a trainer per chunk commits the checkpoint itself
     seconds = {
         "start": 0.0,
         "rollout": rollout + spot,

@@ -74,6 +74,9 @@ class StatedRates(Strict):
     # A train node's commit alone (its ranks' uploads and the COMMIT), per GB: the commit half of the above. With
     # trainer.lifetime chunk, the trainer commits each iteration's checkpoint and its state in the background at it.
     trainer_commit_seconds_per_gb: float | None = Field(None, ge=0)
+    # trainer.lifetime chunk: a train node's ranks writing the delta of their shares of the checkpoint (comparing,
+    # digesting both versions, writing the files), per GB of checkpoint.
+    delta_write_seconds_per_gb: float | None = Field(None, ge=0)
     # trainer.lifetime chunk: the overhead that stays every iteration (reading the experience, the reference
     # model's pass); the rest of train_overhead_seconds is start-up, paid once a chunk.
     train_iteration_overhead_seconds: float | None = Field(None, ge=0)
