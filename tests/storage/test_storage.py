@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from moeloop.steps.errors import MoeloopError
+from moeloop.steps.storage.ranks import commit_from_ranks
 from moeloop.steps.storage.run import RunStorage
 
 
@@ -68,3 +69,19 @@ def test_paths_outside_the_run_are_refused(tmp_path: Path) -> None:
     storage = RunStorage(str(tmp_path / "run"))
     with pytest.raises(MoeloopError, match="outside the run"):
         storage.write_bytes("../escape", b"x")
+
+
+def test_a_folder_an_earlier_attempt_committed_is_left_as_it_is_or_refused_as_foreign(tmp_path: Path) -> None:
+    """commit_from_ranks (one process here; the ranks' case: tests/faults/test_chunk_trainer.py) uploads nothing into
+    a committed folder: the same files are that commit, other files a foreign folder, refused with it untouched."""
+    storage = RunStorage(str(tmp_path / "run"))
+    source = make_folder(tmp_path)
+    commit_from_ranks(storage, "deltas/iter-000001", source, None, {"iteration": 1})
+    committed = tmp_path / "run" / "deltas" / "iter-000001"
+    before = {path.name: path.stat().st_mtime_ns for path in committed.rglob("*")}
+    commit_from_ranks(storage, "deltas/iter-000001", source, None, {"iteration": 1})  # a re-run
+    (source / "a.bin").write_bytes(b"another")
+    with pytest.raises(MoeloopError, match="already committed with different content"):
+        commit_from_ranks(storage, "deltas/iter-000001", source, None, {"iteration": 1})
+    assert {path.name: path.stat().st_mtime_ns for path in committed.rglob("*")} == before
+    assert (committed / "a.bin").read_bytes() == b"alpha"
