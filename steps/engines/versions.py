@@ -25,7 +25,7 @@ from moeloop.steps.engines.engine import Engine, engine_for, engine_key, kept_en
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, weights_digest
 from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
-from moeloop.steps.storage.deltas import delta_files, fetch_delta
+from moeloop.steps.storage.deltas import delta_files, fetch_delta, recorded_digests
 from moeloop.steps.storage.run import RunStorage
 
 
@@ -158,16 +158,3 @@ def verify_full_load(engine: Engine, storage: RunStorage, version: int, checkpoi
             digest = weights_digest(expected)
     engine.delta_refusal = refusal
     engine.held = Held(storage.uri, version, digest)
-
-
-def recorded_digests(storage: RunStorage, version: int) -> dict[str, str] | None:
-    """The tensor digests the version's delta record holds, where it is committed and whole and agrees with its
-    checkpoint's COMMIT; else None."""
-    try:
-        found = delta_files(storage, version)
-        recorded = storage.manifest(storage.checkpoint(version)).get("weights_digest")
-    except MoeloopError:
-        return None
-    if found is None or found[0]["digest"] != recorded:
-        return None
-    return found[0]["tensors"]

@@ -258,11 +258,13 @@ def write_delta(
     new: Mapping[str, torch.Tensor],
     output: Path,
     files: Mapping[str, str] | None = None,
+    base_digests: Mapping[str, str] | None = None,
 ) -> DeltaSummary:
     """The delta from base to new (the same tensor names, shapes and dtypes; a ValueError else) into output's
     safetensors files, a file per checkpoint file (files: the one holding each of new's tensors, by name; None: one
     file), and both versions' digests, computed on the way: each tensor is read once from each side. Without a base:
-    new's digests alone."""
+    new's digests alone. base_digests: base's tensors' digests where they are known (its committed record), taken as
+    they are; the others are hashed."""
     if base is not None and set(base) != set(new):
         raise ValueError(f"the versions hold different tensors: {sorted(set(base) ^ set(new))[:3]}")
     output.mkdir(parents=True, exist_ok=True)
@@ -270,7 +272,8 @@ def write_delta(
     for name in sorted(new):
         groups.setdefault(files[name] if files is not None else SINGLE, []).append(name)
     summary = DeltaSummary({}, {}, 0, 0, 0, 0)
-    with Digests() as digests, Digests() as base_digests:
+    known = base_digests or {}
+    with Digests() as digests, Digests() as hashed_base:
         for file in sorted(groups):
             entries: dict[str, torch.Tensor] = {}
             for name in groups[file]:
@@ -281,7 +284,10 @@ def write_delta(
                 if base is None:
                     continue
                 old = base[name]
-                base_digests.add(name, old)
+                if name in known:
+                    summary.base_digests[name] = known[name]
+                else:
+                    hashed_base.add(name, old)
                 positions = changed_positions(old, now)
                 if len(positions):
                     summary.changed += len(positions)
@@ -292,7 +298,7 @@ def write_delta(
                 path = output / DELTA_FILE.format(Path(file).stem)
                 save_file(entries, path)
                 summary.delta_bytes += path.stat().st_size
-        summary.digests, summary.base_digests = digests.result(), base_digests.result()
+        summary.digests, summary.base_digests = digests.result(), summary.base_digests | hashed_base.result()
     return summary
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.delta import CheckpointTensors, DeltaSummary, write_delta
 from moeloop.steps.storage.cache import local_scratch
 from moeloop.steps.storage.ranks import all_gather, commit_from_ranks
@@ -44,8 +45,9 @@ def commit_delta(
     share the checkpoint's tensors between them, each writing the delta of its own (collective); None: one process."""
     started = time.perf_counter()
     with local_scratch() as scratch:
+        known = recorded_digests(storage, iteration - 1) if base is not None else None  # not hashed again
         try:
-            summary, other_model = write_delta(base, new, scratch, new.files), None
+            summary, other_model = write_delta(base, new, scratch, new.files, known), None
         except ValueError as error:  # another model (a starting checkpoint stored otherwise): no delta
             for partial in scratch.glob("delta-*.safetensors"):
                 partial.unlink()
@@ -83,6 +85,19 @@ def delta_files(storage: RunStorage, iteration: int) -> tuple[dict[str, Any], di
     record = json.loads(storage.read_committed(folder, manifest, [RECORD])[RECORD])
     files = {name: entry for name, entry in manifest["files"].items() if name.startswith("delta-")}
     return record, files
+
+
+def recorded_digests(storage: RunStorage, version: int) -> dict[str, str] | None:
+    """The tensor digests the version's delta record holds, where it is committed and whole and agrees with its
+    checkpoint's COMMIT; else None."""
+    try:
+        found = delta_files(storage, version)
+        recorded = storage.manifest(storage.checkpoint(version)).get("weights_digest")
+    except MoeloopError:
+        return None
+    if found is None or found[0]["digest"] != recorded:
+        return None
+    return found[0]["tensors"]
 
 
 def fetch_delta(storage: RunStorage, iteration: int, files: dict[str, dict[str, Any]], target: Path) -> list[Path]:

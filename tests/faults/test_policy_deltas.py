@@ -15,17 +15,18 @@ import torch
 
 from moeloop.steps.engines.engine import Sampling, TransformersEngine, release_engine
 from moeloop.steps.engines.versions import engine_at
-from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, write_delta
+from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, weights_digest, write_delta
 from moeloop.steps.publish import publish
 from moeloop.steps.reward import reward
 from moeloop.steps.rollout import rollout
 from moeloop.steps.storage.cache import fetch_checkpoint
+from moeloop.steps.storage import deltas
 from moeloop.steps.storage.deltas import RECORD
 from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import train
 from moeloop.workflows.local.workers import StepWorker
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT
-from tests.policy_versions import bf16_run
+from tests.policy_versions import bf16_run, next_version
 from tests.processes import run_step, step_command
 
 TRANSFORMERS = {"rollout": SMALL_TRANSFORMERS_ROLLOUT}
@@ -198,3 +199,23 @@ def test_an_engine_killed_mid_iteration_is_replaced_and_the_shard_retried_once_h
     assert reports[0]["policy_update"] == "delta" and reports[1]["policy_update"] == "full", reports
     assert pq.read_table(shard[1]).equals(pq.read_table(shard[0]))
     assert pq.read_table(shard[1]).num_rows == 32 // 2 * 8
+
+
+def test_a_delta_takes_its_bases_digests_from_the_bases_committed_record(versions, monkeypatch, tmp_path) -> None:
+    """commit_delta does not hash version N-1 again: its committed record holds its tensors' digests (publish fetched
+    the version verified against its COMMIT; a chunk trainer wrote and committed it), and the new record chains."""
+    storage, _ = versions
+    taken = []
+
+    def recording(base, new, output, files=None, base_digests=None):
+        taken.append(base_digests)
+        return write_delta(base, new, output, files, base_digests)
+
+    monkeypatch.setattr(deltas, "write_delta", recording)
+    base = fetch_checkpoint(storage, 3)
+    new = next_version(base, tmp_path / "version-4", seed=4)
+    report = deltas.commit_delta(storage, 4, CheckpointTensors(base), CheckpointTensors(new))
+    record_3, record_4 = deltas.delta_files(storage, 3)[0], deltas.delta_files(storage, 4)[0]
+    assert taken == [record_3["tensors"]]
+    assert record_4["base_digest"] == record_3["digest"]
+    assert record_4["digest"] == report["weights_digest"] == weights_digest(checkpoint_digests(CheckpointTensors(new)))

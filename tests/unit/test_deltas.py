@@ -91,6 +91,18 @@ def test_a_delta_is_a_file_per_checkpoint_file_and_names_no_unchanged_tensor(tmp
     assert all(torch.equal(t, new[n]) for n, t in apply(base, sorted(tmp_path.glob("delta-*"))).items())
 
 
+def test_the_bases_known_digests_are_taken_as_they_are_and_the_others_hashed(tmp_path: Path) -> None:
+    """A committed record's digests of the base (commit_delta reads version N-1's) are not computed again: a known
+    digest, here a made-up one, is the summary's as it is; the delta is the same."""
+    base, new = versions()
+    summary = write_delta(base, new, tmp_path / "known", base_digests={"big": "ab" * 32})
+    assert summary.base_digests == checkpoint_digests(base) | {"big": "ab" * 32}
+    assert summary.digests == checkpoint_digests(new)
+    write_delta(base, new, tmp_path / "hashed")
+    written = [sorted((tmp_path / run).glob("delta-*")) for run in ("known", "hashed")]
+    assert [path.read_bytes() for path in written[0]] == [path.read_bytes() for path in written[1]]
+
+
 def test_without_a_base_or_with_other_tensors_there_is_no_delta(tmp_path: Path) -> None:
     base, new = versions()
     summary = write_delta(None, new, tmp_path / "none")
