@@ -20,7 +20,7 @@ import torch
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.delta import CheckpointTensors, DeltaSummary, write_delta
 from moeloop.steps.storage.cache import local_scratch
-from moeloop.steps.storage.ranks import all_gather, commit_from_ranks
+from moeloop.steps.storage.ranks import all_gather, commit_from_ranks, leads
 from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import RunStorage
 
@@ -63,7 +63,7 @@ def commit_delta(
             for delta in scratch.glob("delta-*.safetensors"):
                 delta.unlink()
         record = summary.record(iteration - 1, iteration)
-        if parallel is None or parallel.rank == 0:
+        if leads(parallel):
             (scratch / RECORD).write_text(json.dumps(record, sort_keys=True) + "\n")
         commit_from_ranks(storage, storage.delta(iteration), scratch, parallel, {"iteration": iteration})
     report = {
@@ -124,7 +124,7 @@ def commit_policy(
     new = CheckpointTensors(policy, mine)
     delta = commit_delta(storage, iteration, CheckpointTensors(base, mine), new, parallel)
     report = {"seconds": round(time.perf_counter() - started, 3), **delta}
-    if parallel is None or parallel.rank == 0:
+    if leads(parallel):
         write_report(storage, iteration, "publish", report)
     if critic is not None:
         extra = {"iteration": iteration}
@@ -137,6 +137,6 @@ def commit_policy(
 def uploads(folder: Path, parallel: Parallel | None) -> set[str] | None:
     """The files of a checkpoint folder that this rank commits: the tensor files it holds (those it wrote), and rank
     0 all the others (config, tokenizer, index), which every rank writes. None: all it holds (one process, rank 0)."""
-    if parallel is None or parallel.rank == 0:
+    if leads(parallel):
         return None
     return {path.name for path in folder.iterdir() if path.suffix == ".safetensors"}

@@ -32,6 +32,11 @@ def all_gather(value: T, parallel: Parallel | None, group: dist.ProcessGroup | N
     return gathered
 
 
+def leads(parallel: Parallel | None) -> bool:
+    """Whether this process writes what one process writes for all ranks (rank 0; one process: it)."""
+    return parallel is None or parallel.rank == 0
+
+
 def commit_from_ranks(
     storage: RunStorage,
     folder: str,
@@ -54,7 +59,7 @@ def commit_from_ranks(
         files = storage.put_objects(folder, sources)
     everyone = {name: entry for part in all_gather(files, parallel, group) for name, entry in part.items()}
     failure = None
-    if parallel is None or parallel.rank == 0:
+    if leads(parallel):
         try:
             storage.commit(folder, everyone, extra)
         except MoeloopError as error:

@@ -31,7 +31,7 @@ ASSUMED_DELTA_WRITE_SECONDS_PER_GB = Figure(
     "s/GB",
     "assumed: benchmarks/handoff.md's write_delta of Qwen3-30B-A3B's 61.06 GB in one process, 20.53 s on one H100's"
     " host (16 cores), over a train node's 8 ranks, each writing its share's delta (steps/rl/held.py; not measured"
-    " at 8 ranks)",
+    " at 8 ranks; that write hashed both versions, the product now takes the base's digests from its record)",
 )
 ASSUMED_APPLY_SECONDS_PER_GB = Figure(
     (1.73 + 2.99) / 61.06,
