@@ -111,7 +111,8 @@ def measure(
     started = time.perf_counter()
     base = fetch_checkpoint(storage, 0)
     base_fetch = time.perf_counter() - started
-    report = commit_delta(storage, 1, CheckpointTensors(base), CheckpointTensors(work / "v1"))
+    new = CheckpointTensors(work / "v1")
+    report = commit_delta(storage, 1, CheckpointTensors(base), new, work / "v1" / "config.json")
     delta_publish = time.perf_counter() - started
     extra = {"iteration": 1, "weights_digest": report["weights_digest"]}  # as publish commits it
     commit = timed(lambda: storage.commit_folder(storage.checkpoint(1), work / "v1", extra=extra))

@@ -6,7 +6,9 @@ safetensors of at most `trainer.checkpoint_shard_bytes`, streamed block by block
 commits that to checkpoints/iter-N/, writes that folder's COMMIT last, and only then moves LATEST. Before the
 checkpoint it commits deltas/iter-N/ (`moeloop.steps.storage.deltas`): its weights' digests and the elements changed
 since checkpoint N-1 (fetched into the cache), which rollout engines apply in place; the checkpoint's COMMIT records
-its weights' digest. With PPO the
+its weights' digest. With `trainer.lifetime: chunk` the chunk's trainer commits both (steps/rl/held.py), the
+checkpoint in the background after the train step: publish waits for it while the trainer is heard, then moves
+LATEST. With PPO the
 trainer state holds the critic in critic/: it is committed first, to critics/iter-N/ (an HF token-classification
 checkpoint), so a committed policy checkpoint always has its critic beside it.
 """
@@ -20,6 +22,7 @@ from moeloop.steps.common import already_committed, open_iteration, print_json, 
 from moeloop.steps.errors import MoeloopError, run_cli
 from moeloop.steps.rl.checkpoint import OPTIMIZER_DIR, write_hf_checkpoint
 from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
+from moeloop.steps.storage.commands import wait_while_heard
 from moeloop.steps.storage.deltas import commit_policy
 from moeloop.steps.storage.run import CRITIC_DIR
 
@@ -28,6 +31,9 @@ def publish(run_uri: str, iteration: int) -> dict[str, Any]:
     started = time.perf_counter()
     storage, config = open_iteration(run_uri, iteration)
     checkpoint = storage.checkpoint(iteration)
+    if config.trainer.lifetime == "chunk":  # the chunk's trainer commits it, after the delta that answered train
+        waiter = f"publish of iteration {iteration} waits for its checkpoint from the chunk's trainer"
+        wait_while_heard(storage, lambda: storage.is_committed(checkpoint), storage.TRAINER_HEARTBEAT, waiter)
     if storage.is_committed(checkpoint):
         storage.move_latest(iteration)  # a crash may have come between the COMMIT and LATEST
         return already_committed(storage, checkpoint)

@@ -15,7 +15,7 @@ state and uploads them (`moeloop.steps.rl.checkpoint`); rank 0 writes the report
 rank's files are up.
 
 With `trainer.lifetime: chunk` the step trains nothing itself: one process, it asks the chunk's trainer
-(steps/trainer.py), which holds the policy in memory, for the iteration's update, and waits for its checkpoint.
+(steps/trainer.py), which holds the policy in memory, for the iteration's update, and waits for its delta.
 """
 
 from __future__ import annotations
@@ -71,12 +71,13 @@ def train(run_uri: str, iteration: int) -> dict[str, Any] | None:
 
 
 def ask_trainer(storage: RunStorage, iteration: int) -> dict[str, Any]:
-    """Ask the chunk's trainer (steps/trainer.py) for iteration's update and wait for it: done when checkpoint N is
-    committed and its train report written. Safe to re-run: the command is written once, an update done once."""
-    report, checkpoint = storage.report(iteration, "train"), storage.checkpoint(iteration)
-    done = lambda: storage.is_committed(checkpoint) and storage.exists(report)  # noqa: E731
+    """Ask the chunk's trainer (steps/trainer.py) for iteration's update and wait for it: done when delta N is
+    committed and its train report written (the checkpoint's commit follows in the background; publish waits for
+    it). Safe to re-run: the command is written once, an update done once."""
+    report, delta = storage.report(iteration, "train"), storage.delta(iteration)
+    done = lambda: storage.is_committed(delta) and storage.exists(report)  # noqa: E731
     if done():
-        return already_committed(storage, checkpoint)
+        return already_committed(storage, delta)
     what = "the chunk's trainer for its update"
     ask(storage, storage.train_command(iteration), done, storage.TRAINER_HEARTBEAT, what)
     return storage.read_json(report)

@@ -1,13 +1,13 @@
 """trainer: the chunk's trainer (`trainer.lifetime: chunk`): one process (torchrun: one per GPU) that holds the
 policy and its optimizer in memory across iterations until it has served iteration --last.
 
-It takes each iteration's update as a command: the train step of iteration N writes commands/iter-N-train.json and
-waits (steps/train.py); the trainer, holding N-1, runs N's update, commits checkpoint N with its delta and writes the
-train report (steps/rl/held.py), and every `trainer.state_every` iterations, and after --last, commits its trainer
-state in the background. Started, it resumes at once to the newest committed checkpoint (the newest committed
-trainer state, then the updates since replayed and checked), so that work is done while the iteration's rollouts
-run. While it lives, rank 0 writes its heartbeat (`moeloop.steps.storage.commands`): a train step whose trainer has
-gone silent says so and fails. Under torchrun rank 0 reads the commands and tells the other ranks.
+It takes each iteration's update as a command: the train step of iteration N writes commands/iter-N-train.json and waits
+(steps/train.py); the trainer, holding N-1, runs N's update, commits delta N and writes the train report, which answers
+the train step, then commits checkpoint N in the background (steps/rl/held.py), and every `trainer.state_every`
+iterations, and after --last, its trainer state too. Started, it resumes at once to the newest committed checkpoint (the
+newest committed trainer state, then the updates since replayed and checked), so that work is done while the iteration's
+rollouts run. While it lives, rank 0 writes its heartbeat (`moeloop.steps.storage.commands`): a train step whose trainer
+has gone silent says so and fails. Under torchrun rank 0 reads the commands and tells the other ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moeloop.steps.common import print_json, quiet_libraries
 from moeloop.steps.errors import ArgumentParser, MoeloopError, run_cli
-from moeloop.steps.rl.held import BackgroundStates, HeldTrainer, advance, newest_state, resume
+from moeloop.steps.rl.held import BackgroundCommits, HeldTrainer, advance, newest_state, resume
 from moeloop.steps.rl.parallel import Parallel, init_parallel
 from moeloop.steps.rl.state import trainer_attention
 from moeloop.steps.storage.cache import local_scratch
@@ -36,10 +36,12 @@ def newest_checkpoint(storage: RunStorage) -> int:
     return newest
 
 
-def next_command(storage: RunStorage, iteration: int, parallel: Parallel) -> None:
-    """Wait until the train step of `iteration` has asked for its update. Collective: rank 0 looks, and tells the
-    others each time whether it is there, so no rank waits in a collective longer than a poll."""
+def next_command(storage: RunStorage, iteration: int, parallel: Parallel, background: BackgroundCommits) -> None:
+    """Wait until the train step of `iteration` has asked for its update, raising meanwhile what the background
+    commits failed at. Collective: rank 0 looks, and tells the others each time whether it is there, so no rank
+    waits in a collective longer than a poll."""
     while True:
+        background.check()
         found = [storage.exists(storage.train_command(iteration)) if parallel.rank == 0 else None]
         if parallel.world_size > 1:
             dist.broadcast_object_list(found, src=0)
@@ -62,7 +64,7 @@ def serve(run_uri: str, last: int) -> dict[str, Any] | None:
     try:
         trainer_attention(config.trainer, parallel)
         with local_scratch() as scratch:
-            states = BackgroundStates(storage, parallel)
+            background = BackgroundCommits(storage, parallel)
             try:
                 start = newest_checkpoint(storage) if parallel.rank == 0 else None
                 if parallel.world_size > 1:
@@ -71,24 +73,25 @@ def serve(run_uri: str, last: int) -> dict[str, Any] | None:
                     start = start[0]
                 state = newest_state(storage, start)
                 replayed = start - state
-                held: HeldTrainer = resume(storage, config, state, start, scratch, parallel)
+                held: HeldTrainer = resume(storage, config, state, start, scratch, parallel, background)
                 while held.iteration < last:
                     if heartbeat:
                         heartbeat.holds = held.iteration
-                    next_command(storage, held.iteration + 1, parallel)
-                    held = advance(storage, config, held, held.iteration + 1, scratch, parallel)
+                    next_command(storage, held.iteration + 1, parallel, background)
+                    held = advance(storage, config, held, held.iteration + 1, scratch, parallel, background)
                     served.append(held.iteration)
                     if held.iteration % every == 0 or held.iteration == last:
-                        states.submit(held, scratch / f"state-{held.iteration}")
+                        background.submit_state(held, scratch / f"state-{held.iteration}")
                 if (
                     held.iteration == last
                     and last not in served
                     and not storage.is_committed(storage.trainer_state(last))
                 ):
-                    states.submit(held, scratch / f"state-{last}")  # started again after serving last, before its state
-                states.wait()
+                    # started again after serving last, before its state
+                    background.submit_state(held, scratch / f"state-{last}")
+                background.wait()
             finally:
-                states.close()
+                background.close()
     finally:
         if heartbeat:
             heartbeat.stop()

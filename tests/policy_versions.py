@@ -62,7 +62,7 @@ def bf16_run(root: Path, versions: int, iterations: int | None = None, **section
     for version in range(1, versions + 1):
         base = fetch_checkpoint(storage, version - 1)
         new = next_version(base, root / f"version-{version}", seed=version)
-        delta = commit_delta(storage, version, CheckpointTensors(base), CheckpointTensors(new))
+        delta = commit_delta(storage, version, CheckpointTensors(base), CheckpointTensors(new), new / "config.json")
         extra = {"iteration": version, "weights_digest": delta["weights_digest"]}
         storage.commit_folder(storage.checkpoint(version), new, extra=extra)
         storage.move_latest(version)

@@ -7,7 +7,9 @@
 Evaluation hangs off publish, so it runs while the next iteration's rollouts do. With
 `rollout.max_staleness` s >= 1, iteration i's rollouts hang off publish i-1-s (start while i-1-s <= 0;
 steps/config.py:policy_version): rollout i+1 runs while train i does, and train i and publish i follow their
-predecessors instead.
+predecessors instead. Where the trainer and the rollout engines both live for a chunk (`policy_by_delta`), the
+rollouts hang off train, not publish: the engines take the policy by the delta the trainer has committed when
+train is done, and publish waits for its checkpoint meanwhile.
 
 On Argo a run is a chain of Workflows of `cluster.chunk_iterations` iterations each (workflows/render/):
 one chunk is `start -> plan -> iteration_tasks(slots 1..K, root="plan")`, where `plan` decides at run time
@@ -180,12 +182,13 @@ def iteration_tasks(config: MoeloopConfig, last: int, root: str, prefix: str = "
     The local run's root is start; a chunk's is plan, and its iterations are slots (slot i: LATEST + i)."""
     shards = config.rollout.num_shards
     staleness = config.rollout.max_staleness
+    by_delta = policy_by_delta(config)
     tasks: list[Task] = []
-    published: dict[int, str] = {}
+    ready: dict[int, str] = {}  # iteration -> the task after which rollouts can take its policy
     for i in range(1, last + 1):
         # Rollouts of iteration i load the policy of iteration policy_version(i, s): the root where that is
         # checkpoint 0, or, in a chunk, an iteration of an earlier chunk (finished: chunks run one at a time).
-        policy_ready = published.get(policy_version(i, staleness), root)
+        policy_ready = ready.get(policy_version(i, staleness), root)
         rollouts = [
             _task(config, ROLLOUT, f"{prefix}{i}-rollout-{k}", i, [policy_ready], shard=k, num_shards=shards)
             for k in range(shards)
@@ -202,8 +205,15 @@ def iteration_tasks(config: MoeloopConfig, last: int, root: str, prefix: str = "
         publish = _task(config, PUBLISH, f"{prefix}{i}-publish", i, [train.name, *publish_after])
         evaluate = _task(config, EVALUATE, f"{prefix}{i}-eval", i, [publish.name])
         tasks += [*rollouts, reward, train, publish, evaluate]
-        published[i] = publish.name
+        ready[i] = train.name if by_delta else publish.name
     return tasks
+
+
+def policy_by_delta(config: MoeloopConfig) -> bool:
+    """Whether rollouts take a new policy once the train step is done, not publish: the chunk's trainer has committed
+    its delta then, which the engines that live for the chunk apply, and commits the checkpoint after, in the
+    background (steps/rl/held.py), which publish waits for."""
+    return config.trainer.lifetime == "chunk" and config.rollout.lifetime == "chunk"
 
 
 def run_values(config: MoeloopConfig, run_uri: str) -> dict[str, str]:

@@ -126,7 +126,7 @@ def generate_shard(
         stop=tuple(config.rollout.stop),
     )
     started = time.perf_counter()
-    architecture = AutoConfig.for_model(**committed_architecture(storage, policy_version)[1])
+    architecture = AutoConfig.for_model(**committed_architecture(storage, policy_version)[2])
     episodes = None
     if config.rollout.environment is None:
         completions = engine.generate([tokens for _, tokens in rendered], sampling)

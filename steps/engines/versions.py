@@ -2,14 +2,17 @@
 
 The engine a process keeps (`moeloop.steps.engines.engine.engine_for`: a local runner's worker, a long-lived rollout
 pod) holds one version of one run, with its weights' digest. Asked for a later version, it applies the deltas of the
-versions between, in order (each one's base must be what it holds), each written into its weights in place, and
-then reads its weights' digest back out of them: it must be the one the new version's checkpoint COMMIT records.
-Anything else falls back to the full checkpoint, fetched and loaded as a new engine is: a delta missing (not yet
-published, or left out by publish as no smaller than the checkpoint), damaged (its COMMIT does not verify), of another
-base or leading elsewhere; the digest differing; an engine that cannot take deltas (why: `Engine.map_weights`); an
-older version. After every full load the engine checks its weights' digest too: an engine whose layout deltas are not
-written in finds out on its first load, and then takes full checkpoints only. A rollout pod or worker that lives
-across iterations calls `engine_at(storage, version, ...)` each iteration and generates with the engine it returns.
+versions between, in order (each one's base must be what it holds), each written into its weights in place, and then
+reads its weights' digest back out of them: it must be the one the new version's checkpoint COMMIT records, as its
+delta's COMMIT does too: a chunk's trainer commits the delta first and the checkpoint after, in the background
+(steps/rl/held.py), and an engine moves by the delta without waiting for the checkpoint. Anything else falls back to the
+full checkpoint, fetched and loaded as a new engine is: a delta missing (not yet published, or left out by publish as no
+smaller than the checkpoint), damaged (its COMMIT does not verify), of another base or leading elsewhere; the digest
+differing; an engine that cannot take deltas (why: `Engine.map_weights`); an older version. A full load waits for the
+checkpoint's commit while the trainer is heard. After every full load the engine checks its weights' digest too: an
+engine whose layout deltas are not written in finds out on its first load, and then takes full checkpoints only. A
+rollout pod or worker that lives across iterations calls `engine_at(storage, version, ...)` each iteration and generates
+with the engine it returns.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from moeloop.steps.engines.engine import Engine, engine_for, engine_key, kept_en
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, weights_digest
 from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
-from moeloop.steps.storage.deltas import delta_files, fetch_delta, recorded_digests
+from moeloop.steps.storage.commands import wait_while_heard
+from moeloop.steps.storage.deltas import ARCHITECTURE, delta_files, fetch_delta, recorded_digests
 from moeloop.steps.storage.run import RunStorage
 
 
@@ -50,7 +54,7 @@ def engine_at(
     held it), delta (applied in place), or full (the checkpoint fetched and loaded, with `fallback`: why no delta
     served, where the engine held an earlier version), and the seconds and bytes it took."""
     started = time.perf_counter()
-    manifest, architecture = committed_architecture(storage, version)
+    folder, manifest, architecture = committed_architecture(storage, version)
     engine = kept_engine(engine_key(architecture, settings, record_routing))
     held = engine.held if engine is not None else None
     fallback = None
@@ -62,6 +66,8 @@ def engine_at(
             return engine, advance(engine, storage, version, manifest.get("weights_digest"), started)
         except DeltaUnusable as why:
             fallback = str(why)
+    if folder != storage.checkpoint(version):
+        manifest = committed_checkpoint(storage, version)
     fetch_started = time.perf_counter()
     checkpoint_dir = fetch_checkpoint(storage, version)
     fetched = time.perf_counter() - fetch_started
@@ -74,28 +80,41 @@ def engine_at(
     return engine, report | ({"fallback": fallback} if fallback else {})
 
 
-def committed_architecture(storage: RunStorage, version: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The committed checkpoint `version`'s manifest and its config.json, read from the run (its weights need not
-    be fetched: a kept engine may take deltas)."""
+def committed_architecture(storage: RunStorage, version: int) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Where version's weights digest and config.json are read from, its COMMIT manifest and the config, read from
+    the run (its weights need not be fetched: a kept engine may take deltas): the committed checkpoint's, or where
+    only its delta is committed yet (a chunk's trainer commits the checkpoint after it, steps/rl/held.py), the
+    delta's."""
+    for folder in (storage.checkpoint(version), storage.delta(version)):
+        manifest = storage.manifest(folder)
+        if manifest is not None and ARCHITECTURE in manifest["files"]:
+            config = storage.read_committed(folder, manifest, [ARCHITECTURE])[ARCHITECTURE]
+            return folder, manifest, json.loads(config)
+    checkpoint = storage.display(storage.checkpoint(version))
+    raise MoeloopError(f"checkpoint of iteration {version} is not committed: {checkpoint}")
+
+
+def committed_checkpoint(storage: RunStorage, version: int) -> dict[str, Any]:
+    """The checkpoint's COMMIT manifest, once committed: where only its delta is yet, the chunk's trainer commits it
+    next; waited for while the trainer is heard."""
     folder = storage.checkpoint(version)
-    manifest = storage.manifest(folder)
-    if manifest is None:
-        raise MoeloopError(f"checkpoint of iteration {version} is not committed: {storage.display(folder)}")
-    return manifest, json.loads(storage.read_committed(folder, manifest, ["config.json"])["config.json"])
+    waiter = f"a rollout engine waits for checkpoint {version} from the chunk's trainer"
+    wait_while_heard(storage, lambda: storage.is_committed(folder), storage.TRAINER_HEARTBEAT, waiter)
+    return storage.manifest(folder)
 
 
 def advance(
     engine: Engine, storage: RunStorage, version: int, target: str | None, started: float
 ) -> dict[str, Any]:
     """Move a kept engine from the version it holds to a later one (target: its weights' digest, as its checkpoint's
-    COMMIT records it), by the deltas between: its report."""
+    COMMIT records it, or its delta's before the checkpoint is committed), by the deltas between: its report."""
     held = engine.held
     if version < held.version:
         raise DeltaUnusable(f"the engine holds version {held.version}, later than {version}")
     if held.digest is None:
         raise DeltaUnusable(engine.delta_refusal)
     if target is None:
-        raise DeltaUnusable(f"checkpoint {version}'s COMMIT records no weights digest to check a delta against")
+        raise DeltaUnusable(f"version {version}'s COMMIT records no weights digest to check a delta against")
     fetch_seconds = fetched_bytes = 0.0
     digest, expected = held.digest, {}
     engine.held = None  # from the first write on, until the digest is checked, it holds no known version

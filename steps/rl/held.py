@@ -2,15 +2,17 @@
 
 It holds the policy (PPO: and the critic) and their optimizers in memory from one iteration's update to the next, so
 an iteration neither fetches nor commits a trainer state: after each update its ranks write the iteration's HF
-checkpoint from memory, each rank whole files of it, and commit it with its delta side by side, each rank its files'
-(`moeloop.steps.storage.deltas.commit_policy`: the bytes publish writes from a trainer state of the same weights;
-no rank holds the model), and every `trainer.state_every` iterations, and after the last it serves,
-it commits its trainer state in the background (`BackgroundStates`): the state is copied to host memory, the update
-goes on.
+checkpoint from memory, each rank whole files of it, and commit its delta side by side, each rank its files'
+(`moeloop.steps.storage.deltas.commit_policy_delta`: the bytes publish writes from a trainer state of the same
+weights; no rank holds the model). That answers the train step: the rollout engines move to the new policy by its
+delta. The checkpoint itself is committed after, in the background (`BackgroundCommits`), while the next rollouts
+run; publish waits for it. Every `trainer.state_every` iterations, and after the last it serves, it commits its
+trainer state in the background too: the state is copied to host memory, the update goes on.
 
 Started, or started again after a failure, it resumes from the newest committed trainer state and replays the updates
 since from their committed experience. The update is deterministic, so every replayed policy must be the one already
 committed: its weights' digest is checked against the checkpoint's COMMIT, and a difference is an error, not a fork.
+A delta committed before the trainer failed, its checkpoint not, is committed again with the same bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from moeloop.steps.rl.checkpoint import (
 from moeloop.steps.rl.parallel import Parallel
 from moeloop.steps.rl.state import UpdatedTrainer, load_trainer_start, update_policy
 from moeloop.steps.storage.cache import fetch_verified
-from moeloop.steps.storage.deltas import commit_policy
+from moeloop.steps.storage.deltas import commit_checkpoint, commit_policy_delta
 from moeloop.steps.storage.ranks import all_gather, commit_from_ranks
 from moeloop.steps.storage.reports import write_report
 from moeloop.steps.storage.run import CRITIC_DIR, RunStorage
@@ -70,7 +72,13 @@ def newest_state(storage: RunStorage, iteration: int) -> int:
 
 
 def resume(
-    storage: RunStorage, config: MoeloopConfig, state: int, iteration: int, scratch: Path, parallel: Parallel
+    storage: RunStorage,
+    config: MoeloopConfig,
+    state: int,
+    iteration: int,
+    scratch: Path,
+    parallel: Parallel,
+    background: BackgroundCommits,
 ) -> HeldTrainer:
     """The trainer as it stood after `iteration`: the committed trainer state of iteration `state` (`newest_state`;
     0: checkpoint 0), then the updates since replayed from their committed experience, each checked against its
@@ -79,15 +87,22 @@ def resume(
     shutil.rmtree(scratch / "resume", ignore_errors=True)
     held = HeldTrainer(state, UpdatedTrainer(model, tokenizer, optimizer, critic, {}), None)
     for replayed in range(state + 1, iteration + 1):
-        held = advance(storage, config, held, replayed, scratch, parallel)
+        held = advance(storage, config, held, replayed, scratch, parallel, background)
     return held
 
 
 def advance(
-    storage: RunStorage, config: MoeloopConfig, held: HeldTrainer, iteration: int, scratch: Path, parallel: Parallel
+    storage: RunStorage,
+    config: MoeloopConfig,
+    held: HeldTrainer,
+    iteration: int,
+    scratch: Path,
+    parallel: Parallel,
+    background: BackgroundCommits,
 ) -> HeldTrainer:
-    """The held trainer updated by `iteration`'s experience, its checkpoint committed (a replay: checked against the
-    committed one), and its train report written (rank 0; a replay keeps the report there is)."""
+    """The held trainer updated by `iteration`'s experience, its delta committed and its checkpoint's commit under
+    way in the background (a replay: checked against the committed checkpoint), and its train report written (rank
+    0; a replay keeps the report there is)."""
     if iteration != held.iteration + 1:
         raise MoeloopError(
             f"the trainer holds iteration {held.iteration}: it cannot take iteration {iteration}'s update"
@@ -98,7 +113,7 @@ def advance(
     # Held until the next update, the gradients would sit beside the next reference pass (steps/rl/memory.py).
     for optimizer in (updated.optimizer, *([updated.critic.optimizer] if updated.critic else [])):
         optimizer.zero_grad(set_to_none=True)
-    policy = commit_from_memory(storage, config, iteration, updated, held.policy, scratch, parallel, started)
+    policy = commit_from_memory(storage, config, iteration, updated, held, scratch, parallel, background, started)
     report_path = storage.report(iteration, "train")
     if parallel.rank == 0 and not storage.exists(report_path):
         write_report(
@@ -112,18 +127,20 @@ def commit_from_memory(
     config: MoeloopConfig,
     iteration: int,
     updated: UpdatedTrainer,
-    base: Path | None,
+    held: HeldTrainer,
     scratch: Path,
     parallel: Parallel,
+    background: BackgroundCommits,
     started: float,
 ) -> Path:
-    """Write this rank's share of checkpoint `iteration` from the trainer's memory (`write_share`) and commit it with
-    its delta against base (this rank's share of the previous checkpoint, as this returned it; None: fetched), the
-    ranks side by side; or, if it is committed already, check that it is the same policy. This rank's folder of the
-    new checkpoint (the next base). Collective."""
+    """Write this rank's share of checkpoint `iteration` from the trainer's memory (`write_share`), commit its delta
+    against the held one (this rank's share of the previous checkpoint, as this returned it; None: fetched), the
+    ranks side by side, and hand the checkpoint's commit to the background; or, if it is committed already, check
+    that it is the same policy. This rank's folder of the new checkpoint (the next base). Collective."""
     shard_bytes = config.trainer.checkpoint_shard_bytes
     policy = scratch / f"policy-{iteration}"
     mine = write_share(updated.model, updated.tokenizer, parallel, policy, shard_bytes, scratch / "policy-config")
+    background.wait_checkpoint()  # the held checkpoint is committed: its folder may go once the delta is written
     committed = storage.manifest(storage.checkpoint(iteration))
     if committed is not None:
         shares = all_gather(checkpoint_digests(CheckpointTensors(policy, mine)), parallel)
@@ -141,12 +158,11 @@ def commit_from_memory(
             critic = scratch / f"critic-{iteration}"
             model = updated.critic.model
             write_share(model, updated.tokenizer, parallel, critic, shard_bytes, scratch / "critic-config")
-        base_dir = base or fetch_share(storage, iteration - 1, mine)
-        commit_policy(storage, iteration, policy, critic, base_dir, started, parallel, mine)
-        if critic is not None:
-            shutil.rmtree(critic)
-    if base is not None:
-        shutil.rmtree(base)
+        base_dir = held.policy or fetch_share(storage, iteration - 1, mine)
+        report = commit_policy_delta(storage, iteration, policy, base_dir, started, parallel, mine)
+        background.submit_checkpoint(iteration, policy, critic, report["weights_digest"])
+    if held.policy is not None:
+        shutil.rmtree(held.policy)
     return policy
 
 
@@ -195,20 +211,42 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("cpu", copy=True)
 
 
-class BackgroundStates:
-    """Commits the held trainer's states in a thread, one at a time and in order, while the updates go on: each is
-    copied to host memory when submitted, then written (DCP, `moeloop.steps.rl.checkpoint`), uploaded and committed
-    beside the update. Its collectives go over a gloo group of their own, so they never interleave with the
-    update's. `wait` returns when the last submitted state is committed (and raises what failed)."""
+class BackgroundCommits:
+    """Commits in a thread, one at a time and in order, while the updates go on: each checkpoint the held trainer
+    wrote (its delta already committed), and its states, each copied to host memory when submitted, then written
+    (DCP, `moeloop.steps.rl.checkpoint`), uploaded and committed beside the update. Its collectives go over a gloo
+    group of their own, so they never interleave with the update's. A failure is raised by the next wait."""
 
     def __init__(self, storage: RunStorage, parallel: Parallel) -> None:
         self.storage, self.parallel = storage, parallel
         self.group = dist.new_group(backend="gloo")
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="trainer-state")
-        self.pending: Future | None = None
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="background-commits")
+        self.state: Future | None = None
+        self.checkpoint: Future | None = None
 
-    def submit(self, held: HeldTrainer, directory: Path) -> None:
-        self.wait()
+    def submit_checkpoint(self, iteration: int, policy: Path, critic: Path | None, weights_digest: str) -> None:
+        """Commit checkpoint `iteration` (PPO: its critic first) from this rank's folders of it; the critic's goes
+        once committed, the policy's stays (the next delta's base)."""
+        self.wait_checkpoint()
+
+        def commit() -> None:
+            commit_checkpoint(self.storage, iteration, policy, critic, weights_digest, self.parallel, self.group)
+            if critic is not None:
+                shutil.rmtree(critic)
+
+        self.checkpoint = self.thread.submit(commit)
+
+    def wait_checkpoint(self) -> None:
+        pending, self.checkpoint = self.checkpoint, None
+        if pending is not None:
+            pending.result()
+
+    def submit_state(self, held: HeldTrainer, directory: Path) -> None:
+        """Commit the held trainer's state, copied to host memory now; one copy at a time (a state is the model and
+        its optimizer's moments: host memory holds one)."""
+        pending, self.state = self.state, None
+        if pending is not None:
+            pending.result()
         trainer, parallel = held.trainer, self.parallel
         models = [(trainer.model, trainer.optimizer, directory)]
         if trainer.critic is not None:
@@ -220,9 +258,9 @@ class BackgroundStates:
             copies.append(({name: host_copy(v) for name, v in weights.items()}, moments_copy, folder))
             if parallel.rank == 0:
                 model_files(model, trainer.tokenizer, folder)
-        self.pending = self.thread.submit(self._commit, held.iteration, copies, directory)
+        self.state = self.thread.submit(self._commit_state, held.iteration, copies, directory)
 
-    def _commit(self, iteration: int, copies: list, directory: Path) -> None:
+    def _commit_state(self, iteration: int, copies: list, directory: Path) -> None:
         for weights, moments, folder in copies:
             dcp.save(weights, storage_writer=ReproducibleWriter(folder / WEIGHTS_DIR), process_group=self.group)
             dcp.save(moments, storage_writer=ReproducibleWriter(folder / OPTIMIZER_DIR), process_group=self.group)
@@ -231,8 +269,18 @@ class BackgroundStates:
         commit_from_ranks(self.storage, folder, directory, self.parallel, extra, group=self.group)
         shutil.rmtree(directory, ignore_errors=True)
 
+    def check(self) -> None:
+        """Raise what failed among the commits done, without waiting for the others: a trainer idle between
+        iterations learns of a failed commit while it waits, and fails (to be started again) instead of holding
+        publish up."""
+        for pending in (self.checkpoint, self.state):
+            if pending is not None and pending.done():
+                pending.result()
+
     def wait(self) -> None:
-        pending, self.pending = self.pending, None
+        """Until everything submitted is committed (raising what failed)."""
+        self.wait_checkpoint()
+        pending, self.state = self.state, None
         if pending is not None:
             pending.result()
 

@@ -1,21 +1,25 @@
 """A policy version's delta folder in the run, `deltas/iter-NNNNNN/`, committed beside its checkpoint: the record of
-the version's weights (`digests.json`: every tensor's digest, the weights' digest and its base's, how much changed)
-and, where it is smaller than the checkpoint, the delta from version N-1 (`delta-*.safetensors`,
-`moeloop.steps.model.delta`). Publish commits it before the checkpoint (`commit_policy`, which a trainer that lives
-for a chunk calls too, each of its ranks for the checkpoint files it wrote); rollout engines read it to move from
-the version they hold to the next (`moeloop.steps.engines.versions`).
+the version's weights (`digests.json`: every tensor's digest, the weights' digest and its base's, how much changed),
+the checkpoint's `config.json` and, where it is smaller than the checkpoint, the delta from version N-1
+(`delta-*.safetensors`, `moeloop.steps.model.delta`). Publish commits it before the checkpoint (`commit_policy`);
+a trainer that lives for a chunk commits it before it answers the train step, each of its ranks the delta of the
+checkpoint files it wrote, and the checkpoint after, in the background (`commit_policy_delta`, `commit_checkpoint`).
+Rollout engines read it to move from the version they hold to the next (`moeloop.steps.engines.versions`), before
+that version's checkpoint is committed if it is not yet.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.delta import CheckpointTensors, DeltaSummary, write_delta
@@ -28,6 +32,7 @@ if TYPE_CHECKING:
     from moeloop.steps.rl.parallel import Parallel
 
 RECORD = "digests.json"
+ARCHITECTURE = "config.json"
 
 
 def commit_delta(
@@ -35,9 +40,11 @@ def commit_delta(
     iteration: int,
     base: Mapping[str, torch.Tensor] | None,
     new: CheckpointTensors,
+    architecture: Path,
     parallel: Parallel | None = None,
 ) -> dict[str, Any]:
-    """Write and commit deltas/iter-N for checkpoint N (new: its tensors, or this rank's share of them) against
+    """Write and commit deltas/iter-N for checkpoint N (new: its tensors, or this rank's share of them; architecture:
+    its config.json, which an engine taking the delta before the checkpoint is committed is keyed by) against
     checkpoint N-1 (base; None or of other tensors: the record alone). The delta is left out where it is no smaller
     than the checkpoint: an engine then fetches that. Safe to re-run: the same versions write the same bytes.
     Returns what it measured, and the weights' digest, which checkpoint N's COMMIT records (`weights_digest` in its
@@ -65,7 +72,9 @@ def commit_delta(
         record = summary.record(iteration - 1, iteration)
         if leads(parallel):
             (scratch / RECORD).write_text(json.dumps(record, sort_keys=True) + "\n")
-        commit_from_ranks(storage, storage.delta(iteration), scratch, parallel, {"iteration": iteration})
+            shutil.copyfile(architecture, scratch / ARCHITECTURE)
+        extra = {"iteration": iteration, "weights_digest": record["digest"]}  # as the checkpoint's COMMIT records it
+        commit_from_ranks(storage, storage.delta(iteration), scratch, parallel, extra)
     report = {
         "weights_digest": record["digest"],  # for checkpoint N's COMMIT: what an engine holding it must read back
         "delta_changed_fraction": round(summary.changed / max(summary.elements, 1), 6),
@@ -107,31 +116,55 @@ def fetch_delta(storage: RunStorage, iteration: int, files: dict[str, dict[str, 
 
 
 def commit_policy(
+    storage: RunStorage, iteration: int, policy: Path, critic: Path | None, base: Path, started: float
+) -> dict[str, Any]:
+    """Commit checkpoint N (the HF folder policy; PPO: its critic's beside it) with deltas/iter-N against checkpoint
+    N-1 (base, an HF folder) first, and publish's report: what publish does once it has the checkpoint. LATEST is
+    publish's to move."""
+    report = commit_policy_delta(storage, iteration, policy, base, started)
+    commit_checkpoint(storage, iteration, policy, critic, report["weights_digest"])
+    return report
+
+
+def commit_policy_delta(
     storage: RunStorage,
     iteration: int,
     policy: Path,
-    critic: Path | None,
     base: Path,
     started: float,
     parallel: Parallel | None = None,
     mine: Collection[str] | None = None,
 ) -> dict[str, Any]:
-    """Commit checkpoint N (the HF folder policy; PPO: its critic's beside it) with deltas/iter-N against checkpoint
-    N-1 (base, an HF folder) first, and publish's report: what publish does once it has the checkpoint, and what a
-    trainer that lives for a chunk does with the checkpoint it writes from memory (steps/rl/held.py), each rank
-    its share (mine: the HF tensors it wrote, whose files its folders hold; `uploads`). LATEST is publish's to
-    move."""
+    """Commit deltas/iter-N of checkpoint N (the HF folder policy) against checkpoint N-1 (base) and write publish's
+    report: the first half of `commit_policy`, which a trainer that lives for a chunk (steps/rl/held.py) runs on
+    each rank for its share (mine: the HF tensors it wrote, whose files its folders hold) before it answers the train
+    step. The report, with the weights' digest that checkpoint N's COMMIT records."""
     new = CheckpointTensors(policy, mine)
-    delta = commit_delta(storage, iteration, CheckpointTensors(base, mine), new, parallel)
+    delta = commit_delta(storage, iteration, CheckpointTensors(base, mine), new, policy / ARCHITECTURE, parallel)
     report = {"seconds": round(time.perf_counter() - started, 3), **delta}
     if leads(parallel):
         write_report(storage, iteration, "publish", report)
-    if critic is not None:
-        extra = {"iteration": iteration}
-        commit_from_ranks(storage, storage.critic(iteration), critic, parallel, extra, names=uploads(critic, parallel))
-    extra = {"iteration": iteration, "weights_digest": delta["weights_digest"]}
-    commit_from_ranks(storage, storage.checkpoint(iteration), policy, parallel, extra, names=uploads(policy, parallel))
     return report
+
+
+def commit_checkpoint(
+    storage: RunStorage,
+    iteration: int,
+    policy: Path,
+    critic: Path | None,
+    weights_digest: str,
+    parallel: Parallel | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Commit checkpoint N (PPO: its critic first, so that a committed policy always has its critic beside it), its
+    COMMIT recording the weights' digest: the second half of `commit_policy`; a chunk's trainer runs it in the
+    background, over a process group of its own (group), each rank its share (`uploads`)."""
+    extra = {"iteration": iteration}
+    if critic is not None:
+        names = uploads(critic, parallel)
+        commit_from_ranks(storage, storage.critic(iteration), critic, parallel, extra, group, names)
+    extra |= {"weights_digest": weights_digest}
+    commit_from_ranks(storage, storage.checkpoint(iteration), policy, parallel, extra, group, uploads(policy, parallel))
 
 
 def uploads(folder: Path, parallel: Parallel | None) -> set[str] | None:

@@ -193,3 +193,24 @@ def test_the_local_runner_runs_the_same_long_lived_processes_with_the_same_comma
     asking = [t for t in tasks if t.step.name in ("train", "rollout")]
     assert asking and all(t.processes == 1 and "torch.distributed.run" not in t.argv(values) for t in asking)
     assert TRAINER.module == "moeloop.steps.trainer"
+
+
+@pytest.mark.parametrize(
+    ("trainer", "rollout", "ready"),
+    [("chunk", "chunk", "train"), ("chunk", "iteration", "publish"), ("iteration", "chunk", "publish")],
+)
+def test_the_next_rollouts_hang_off_train_where_the_engines_take_the_trainers_delta_else_off_publish(
+    trainer: str, rollout: str, ready: str
+) -> None:
+    """Where the trainer and the engines both live for the chunk, the trainer answers train once the delta is
+    committed and the engines take that (the checkpoint's commit follows, which publish waits for); otherwise the
+    rollouts load the checkpoint publish commits or waits for. The render and the local DAG alike, at staleness 0
+    and 1."""
+    other = {"train": "publish", "publish": "train"}[ready]
+    for staleness, slot, policy in ((0, 2, 1), (1, 3, 1)):
+        config = config_with(trainer, rollout)
+        config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"max_staleness": staleness})})
+        depends = chunk_tasks_of(template(config))[f"slot{slot}-rollout-0"]["dependencies"]
+        assert f"slot{policy}-{ready}" in depends and f"slot{policy}-{other}" not in depends, depends
+        local = {task.name: task for task in loop_tasks(config)}
+        assert local[f"it{slot}-rollout-0"].dependencies == (f"it{policy}-{ready}",)

@@ -123,6 +123,37 @@ def test_a_chunk_trainer_killed_between_and_during_iterations_publishes_what_tra
     assert storage.latest()["iteration"] == ITERATIONS
 
 
+def test_a_chunk_trainer_answers_train_with_the_delta_and_one_whose_checkpoint_commit_failed_commits_the_same(
+    baseline: RunStorage, tmp_path: Path
+) -> None:
+    """The train step is answered once the delta is committed; the checkpoint's commit follows in the background.
+    That commit failing (a file where its folder goes), the trainer fails while it waits for the next command; the
+    one started again replays the iteration, finds its delta committed with the same bytes, and commits the
+    checkpoint, which publish waited for."""
+    storage = chunk_run_of(baseline.uri, tmp_path)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    in_the_way = Path(storage.uri) / storage.checkpoint(1)
+    in_the_way.write_bytes(b"")
+    trainer = start_trainer(storage, logs, 1)
+    ask_trainer(storage, 1)
+    assert storage.is_committed(storage.delta(1)) and storage.exists(storage.report(1, "train"))
+    trainer.join(300)
+    assert trainer.exitcode != 0 and not storage.is_committed(storage.checkpoint(1))
+    in_the_way.unlink()
+    trainer = start_trainer(storage, logs, 2)
+    for i in range(1, ITERATIONS + 1):
+        ask_trainer(storage, i)
+        publish(storage.uri, i)
+    trainer.join(300)
+    assert trainer.exitcode == 0, (logs / "trainer-2.log").read_text()[-2000:]
+    assert '"resumed_at": 0' in (logs / "trainer-2.log").read_text()
+    for i in range(1, ITERATIONS + 1):
+        assert files_of(storage, storage.checkpoint(i)) == files_of(baseline, baseline.checkpoint(i)), i
+        assert files_of(storage, storage.delta(i)) == files_of(baseline, baseline.delta(i)), i
+    assert storage.latest()["iteration"] == ITERATIONS
+
+
 def test_a_replay_that_makes_other_weights_is_refused(baseline: RunStorage, tmp_path: Path) -> None:
     storage = chunk_run_of(baseline.uri, tmp_path)
     shutil.copytree(Path(baseline.uri) / baseline.checkpoint(1), Path(storage.uri) / storage.checkpoint(1))

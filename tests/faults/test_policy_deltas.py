@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -15,12 +16,13 @@ import torch
 
 from moeloop.steps.engines.engine import Sampling, TransformersEngine, release_engine
 from moeloop.steps.engines.versions import engine_at
+from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, weights_digest, write_delta
 from moeloop.steps.publish import publish
 from moeloop.steps.reward import reward
 from moeloop.steps.rollout import rollout
 from moeloop.steps.storage.cache import fetch_checkpoint
-from moeloop.steps.storage import deltas
+from moeloop.steps.storage import commands, deltas
 from moeloop.steps.storage.deltas import RECORD
 from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import train
@@ -120,6 +122,38 @@ def test_a_delta_that_verifies_but_is_not_the_versions_falls_back_to_the_full_ch
         assert engine.weight_digests() == digests_of(storage, 2)
 
 
+def test_an_engine_moves_by_a_delta_whose_checkpoint_is_not_committed_and_a_full_load_waits_for_the_checkpoint(
+    versions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a chunk's trainer leaves a version while it commits the checkpoint after the delta: a kept engine takes
+    the delta (its COMMIT holds the weights' digest, its folder the config); a new engine needs the checkpoint, and
+    waits for it while the trainer is heard, failing with a line that says so when it is not."""
+    storage, config = versions
+    expected = {version: digests_of(storage, version) for version in (2, 3)}
+    commits = {version: Path(storage.root) / storage.checkpoint(version) / "COMMIT" for version in (2, 3)}
+    held_back = {version: commit.read_bytes() for version, commit in commits.items()}
+    engine_at(storage, 1, config.rollout)
+    for commit in commits.values():
+        commit.unlink()
+    engine, report = engine_at(storage, 2, config.rollout)
+    assert report["policy_update"] == "delta" and engine.weight_digests() == expected[2], report
+    release_engine()
+    monkeypatch.setattr(commands, "SILENT_SECONDS", 1.0)
+    silent = "a rollout engine waits for checkpoint 3 from the chunk's trainer, which has not been heard from at all"
+    with pytest.raises(MoeloopError, match=silent):
+        engine_at(storage, 3, config.rollout)
+    monkeypatch.setattr(commands, "SILENT_SECONDS", 60.0)
+    heartbeat = commands.Heartbeat(storage, storage.TRAINER_HEARTBEAT)
+    committed_later = threading.Timer(1.0, commits[3].write_bytes, [held_back[3]])
+    committed_later.start()
+    try:
+        engine, report = engine_at(storage, 3, config.rollout)
+    finally:
+        committed_later.join()
+        heartbeat.stop()
+    assert report["policy_update"] == "full" and engine.weight_digests() == expected[3], report
+
+
 def test_an_older_version_is_a_full_load(versions) -> None:
     storage, config = versions
     engine_at(storage, 2, config.rollout)
@@ -214,7 +248,7 @@ def test_a_delta_takes_its_bases_digests_from_the_bases_committed_record(version
     monkeypatch.setattr(deltas, "write_delta", recording)
     base = fetch_checkpoint(storage, 3)
     new = next_version(base, tmp_path / "version-4", seed=4)
-    report = deltas.commit_delta(storage, 4, CheckpointTensors(base), CheckpointTensors(new))
+    report = deltas.commit_delta(storage, 4, CheckpointTensors(base), CheckpointTensors(new), new / "config.json")
     record_3, record_4 = deltas.delta_files(storage, 3)[0], deltas.delta_files(storage, 4)[0]
     assert taken == [record_3["tensors"]]
     assert record_4["base_digest"] == record_3["digest"]

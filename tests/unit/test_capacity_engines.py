@@ -52,6 +52,28 @@ def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_p
         assert best.handoff == pytest.approx(best.paid.parts)  # synchronous: every step once an iteration
 
 
+def test_with_a_trainer_and_engines_per_chunk_the_checkpoints_commit_is_off_the_synchronous_path(
+    tmp_path: Path,
+) -> None:
+    """The trainer answers train once the delta is committed, the engines take the delta, and the next rollouts
+    hang off train: the checkpoint's commit (61.06 GB at 0.1 s/GB), which publish waits for, runs beside them. At
+    staleness 0 the period is the round trip without publish, and the handoff on it lacks the commit; with engines
+    per iteration the rollouts load the checkpoint after publish, and the commit is on the path."""
+    shape = ROLLOUT_CHUNK | {"trainer": chunk(4)}
+    best = stated_plan(tmp_path, 0, ENGINES, **shape).best
+    commit = CHECKPOINT_GB * 0.1
+    assert best.paid.steps["checkpoint_write"] == "publish" and best.paid.parts["checkpoint_write"] == pytest.approx(
+        commit
+    )
+    assert best.step_seconds["publish"] == pytest.approx(commit)
+    assert best.critical_path == "train -> rollout -> reward -> train"
+    assert best.period == pytest.approx(5 + best.step_seconds["rollout"] + 5 + 5 + 5 + best.step_seconds["train"])
+    assert best.handoff == pytest.approx(best.paid.parts | {"checkpoint_write": 0})
+    loading = stated_plan(tmp_path, 0, ENGINES, trainer=chunk(4)).best
+    assert loading.critical_path == "publish -> rollout -> reward -> train -> publish"
+    assert loading.handoff["checkpoint_write"] == pytest.approx(commit)
+
+
 def test_engines_per_iteration_pay_it_all_every_iteration_as_before(tmp_path: Path) -> None:
     """rollout.lifetime iteration, named or the config's: engine start and the whole checkpoint every iteration, no
     delta, the delta's rates not among the inputs even where stated, and the plans alike."""

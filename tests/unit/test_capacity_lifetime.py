@@ -54,8 +54,8 @@ def test_a_chunk_trainer_pays_its_start_up_and_state_once_a_chunk_and_commits_th
         fetch = background = STATE_GB * 0.1
         late_fetch = max(0.0, 32 + fetch - (40 if shards == 8 else 160))
         state = (late_fetch + background) / c
-        commit = CHECKPOINT_GB * 0.1  # the checkpoint, from the trainer's memory, every iteration
-        delta = CHECKPOINT_GB * 0.01  # and its delta
+        commit = CHECKPOINT_GB * 0.1  # the checkpoint, from the trainer's memory, every iteration: publish waits
+        delta = CHECKPOINT_GB * 0.01  # its delta, which answers the train step
         assert best.paid.trainer_overhead == pytest.approx(15)  # the train step's, not the handoff's
         assert best.paid.parts == pytest.approx(
             {
@@ -66,13 +66,13 @@ def test_a_chunk_trainer_pays_its_start_up_and_state_once_a_chunk_and_commits_th
                 "checkpoint_fetch": 0,
             }
         )
-        train = 15 + 40 + state + commit + delta
+        train = 15 + 40 + state + delta
         assert best.step_seconds["train"] == pytest.approx(train)
-        assert best.step_seconds["publish"] == 0  # a pointer; its pod's 5 s start-up stays
+        assert best.step_seconds["publish"] == pytest.approx(commit)  # the engines per iteration load the checkpoint
         rollout = 55 if shards == 8 else 15 + 160  # 2 shards: 40 prompts x 10 x 400 tokens at 1000 tokens/s
         # Synchronous: the round trip of one iteration, every step after its 5 s start-up; no commit waited for
         # (its 36.6 s every iteration are less than the period).
-        assert best.period == pytest.approx(5 + rollout + 5 + 5 + 5 + train + 5 + 0)
+        assert best.period == pytest.approx(5 + rollout + 5 + 5 + 5 + train + 5 + commit)
         assert best.paid.background_commit == pytest.approx(STATE_GB * 0.1)
         assert best.critical_path == "publish -> rollout -> reward -> train -> publish"
         assert best.handoff == pytest.approx(best.paid.parts)  # all of it on the path: each step once an iteration
@@ -80,14 +80,14 @@ def test_a_chunk_trainer_pays_its_start_up_and_state_once_a_chunk_and_commits_th
 
 def test_the_background_commit_is_on_the_path_only_beyond_state_every_periods(tmp_path: Path) -> None:
     """The state committed at 1 s/GB: 366.4 s a commit. Without waiting for it the period is 5 + 55 + 5 + 5 + 5 +
-    train (15 + (32 + 73.3 - 40 + 366.4) / 16 + 61.06 + 0.61 + 40 = 143.6: the start-up and the fetch, once a chunk,
-    beyond slot 1's 40 s of generating, and the commit at the chunk's end; the checkpoint and its delta) + 5 + 0 =
-    223.6 s; every iteration (k = 1) the commit takes longer, and the trainer waits out the excess, 366.4 - 223.6 s an
+    train (15 + (32 + 73.3 - 40 + 366.4) / 16 + 0.61 + 40 = 82.6: the start-up and the fetch, once a chunk, beyond slot 1's 40 s
+    of generating, and the commit at the chunk's end; the delta) + 5 + 61.06 (publish waits for the checkpoint's commit)
+    = 223.6 s; every iteration (k = 1) the commit takes longer, and the trainer waits out the excess, 366.4 - 223.6 s an
     iteration; every 2 it keeps up."""
     slow = SHAPED | {"trainer_state_seconds_per_gb": 1.2, "trainer_commit_seconds_per_gb": 1.0}
     chunk_state = (32 + STATE_GB * 1.2 - 40) / 16
-    train = 15 + chunk_state + CHECKPOINT_GB * (1.0 + 0.01) + 40
-    unhurried = 5 + 55 + 5 + 5 + 5 + train + 5
+    train = 15 + chunk_state + CHECKPOINT_GB * 0.01 + 40
+    unhurried = 5 + 55 + 5 + 5 + 5 + train + 5 + CHECKPOINT_GB * 1.0  # publish waits for the checkpoint's commit
     waiting = stated_plan(tmp_path, 0, slow, trainer=chunk(1)).best
     assert waiting.period == pytest.approx(STATE_GB)
     assert waiting.step_seconds["train"] == pytest.approx(train + STATE_GB - unhurried)

@@ -12,11 +12,16 @@ trainer lifetime chunk (one trainer for a chunk of C iterations, its state commi
     train   = o + late start-up / C                               its start-up, once a chunk
             + late fetch / C                                      the state's fetch, once a chunk
             + B / C                                               the state's commit at the chunk's end
-            + checkpoint GB x commit s/GB / train nodes           the checkpoint, written from memory and committed
-            + checkpoint GB x delta s/GB / train nodes            its delta, each rank its files
+            + checkpoint GB x delta s/GB / train nodes            the delta, each rank its files' from memory
             + the update
             + the background commit's excess (below)
-    publish = 0                                                   a pointer; its pod's start-up stays
+    publish = checkpoint GB x commit s/GB / train nodes           waits for the trainer's commit of the checkpoint
+
+The trainer answers the train step once the delta is committed and commits the checkpoint after, in the background;
+publish waits for it, then moves LATEST (its pod's start-up and the commit counted one after the other: an upper
+bound, the commit starts as the pod does). Where the engines live for the chunk too, the rollouts hang off train
+(workflows/dag.py `policy_by_delta`): the checkpoint's commit runs beside the next rollouts; with engines per
+iteration they load the checkpoint, after publish.
 
 with o = train_iteration_overhead_seconds (reading the experience, the reference model's pass), commit s/GB =
 trainer_commit_seconds_per_gb (a train node's commit, the commit half of trainer_state_seconds_per_gb: every rank
@@ -67,6 +72,7 @@ from moeloop.steps.errors import MoeloopError
 from moeloop.workflows.capacity.schedule import Schedule
 
 if TYPE_CHECKING:
+    from moeloop.steps.config import MoeloopConfig
     from moeloop.workflows.capacity.options import Option, Setup
 
 ITERATION, CHUNK = "iteration", "chunk"
@@ -98,8 +104,8 @@ class Handoff:
     restart: float = 0.0
 
     def label(self, part: str) -> str:
-        if part == "checkpoint_write":
-            return "publish" if self.steps[part] == "publish" else "checkpoint commit"
+        if part == "checkpoint_write":  # a trainer per chunk commits it, and writes the delta: publish waits for it
+            return "checkpoint commit" if "delta_write" in self.parts else "publish"
         return LABELS[part]
 
     def of(self, step: str) -> float:
@@ -135,7 +141,7 @@ def handoff(setup: Setup, option: Option, excess: float = 0.0, window: float = 0
         "delta_write": v("checkpoint_gb") * v("delta_write_seconds_per_gb") / nodes,
     }
     overhead = per_iteration + late_start_up / chunk
-    steps |= {"checkpoint_write": "train", "delta_write": "train"}
+    steps |= {"checkpoint_write": "publish", "delta_write": "train"}
     return Handoff(trainer | parts, steps, chunk, background, overhead, restart)
 
 
@@ -164,6 +170,17 @@ def chunk_iterations(setup: Setup, option: Option) -> int:
         return setup.iterations
     from moeloop.workflows.render.chunk import chunk_size  # hera: only for a chunk plan on a cluster
 
+    config = planned_config(setup, option)
+    try:
+        return chunk_size(config)
+    except MoeloopError:
+        cluster = config.cluster.model_copy(update={"chunk_iterations": None})
+        return chunk_size(config.model_copy(update={"cluster": cluster}))
+
+
+def planned_config(setup: Setup, option: Option) -> MoeloopConfig:
+    """The run's config at the option's shards and staleness and the planned lifetimes: the DAG the option plays
+    (rollouts hang off train where both lifetimes are chunk: workflows/dag.py `policy_by_delta`)."""
     rollout = setup.config.rollout.model_copy(
         update={
             "num_shards": option.rollout_shards,
@@ -172,12 +189,7 @@ def chunk_iterations(setup: Setup, option: Option) -> int:
         }
     )
     trainer = setup.config.trainer.model_copy(update={"lifetime": setup.lifetime})
-    config = setup.config.model_copy(update={"rollout": rollout, "trainer": trainer})
-    try:
-        return chunk_size(config)
-    except MoeloopError:
-        cluster = config.cluster.model_copy(update={"chunk_iterations": None})
-        return chunk_size(config.model_copy(update={"cluster": cluster}))
+    return setup.config.model_copy(update={"rollout": rollout, "trainer": trainer})
 
 
 def on_path(schedule: Schedule, cycle: list[str], span: int, h: Handoff, local: bool) -> dict[str, float]:

@@ -12,7 +12,8 @@ A step's time is its fixed overhead plus its work over its rate:
     publish       = checkpoint GB x publish s/GB
 
 for a trainer and engines per iteration (trainer.lifetime, rollout.lifetime iteration); a trainer per chunk pays its
-start-up and its state's I/O once a chunk and commits the checkpoint itself, engines per chunk pay their start and
+start-up and its state's I/O once a chunk and commits the delta itself, then the checkpoint while publish waits for it,
+engines per chunk pay their start and
 the whole checkpoint once a chunk and take each policy by its delta (`handoff.py`, where the state's I/O, the
 engines' start, publish, the fetch and the delta are the handoff's parts). Every step also pays its start-up before
 it. Locally the rates are per core and these are seconds on one core, which the schedule plays at c ** a times that
@@ -33,7 +34,7 @@ from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.shape import ModelShape, ParameterCounts, parameter_counts
 from moeloop.steps.rl.memory import GIB, TrainMemory, predict_train_peak_bytes
-from moeloop.workflows.capacity.handoff import CHUNK, ITERATION, Handoff, handoff, on_path
+from moeloop.workflows.capacity.handoff import CHUNK, ITERATION, Handoff, handoff, on_path, planned_config
 from moeloop.workflows.capacity.hardware import GPU
 from moeloop.workflows.capacity.rates import STEPS, Figure
 from moeloop.workflows.capacity.schedule import (
@@ -166,7 +167,7 @@ def step_seconds(setup: Setup, option: Option, paid: Handoff) -> tuple[dict[str,
     reward_gpus = option.reward_nodes * setup.prices.gpus if setup.reward_on_gpu and setup.prices else 1
     train_gpus = 1 if setup.local else option.train_gpus  # locally: per core, the cores played by the schedule
     update = setup.tokens * v("epochs") / (v("train_tokens_per_second_per_gpu") * train_gpus)
-    train = paid.trainer_overhead + update + paid.of("train")  # a trainer per chunk commits the checkpoint itself
+    train = paid.trainer_overhead + update + paid.of("train")  # a trainer per chunk commits the delta itself
     seconds = {
         "start": 0.0,
         "rollout": rollout + spot,
@@ -213,7 +214,8 @@ MAX_REPLAYS = 50
 
 def _play(setup: Setup, option: Option, seconds: dict[str, float], last: int) -> tuple[Schedule, dict[str, int]]:
     """The option's DAG played out with these step times, and its pools (name -> size)."""
-    tasks = plan_dag(setup.config, option.rollout_shards, option.staleness, last + option.staleness + 1)
+    config = planned_config(setup, option)
+    tasks = plan_dag(config, option.rollout_shards, option.staleness, last + option.staleness + 1)
     jobs = [
         Job(
             task,

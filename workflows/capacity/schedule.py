@@ -42,7 +42,8 @@ class GraphTask:
 
 
 def plan_dag(config: MoeloopConfig, shards: int, staleness: int, iterations: int) -> list[GraphTask]:
-    """The loop's DAG at another shard count and staleness, as the planner's plain data."""
+    """The loop's DAG at another shard count and staleness, as the planner's plain data: its iterations' tasks (the
+    long-lived processes of `lifetime: chunk` are not tasks the iterations wait on; their costs are the steps')."""
     rollout = config.rollout.model_copy(update={"num_shards": shards, "max_staleness": staleness})
     return [
         GraphTask(
@@ -54,6 +55,7 @@ def plan_dag(config: MoeloopConfig, shards: int, staleness: int, iterations: int
             t.processes,
         )
         for t in loop_tasks(config.model_copy(update={"rollout": rollout}), iterations)
+        if not t.step.daemon
     ]
 
 
