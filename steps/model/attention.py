@@ -5,8 +5,9 @@ The trainer's model runs with one of the implementations registered here in HF's
 arguments down to the attention function, and builds no mask for an implementation it does not know. Every
 backend is exact for packed samples:
 - `flash4`: FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels for Hopper and Blackwell, compute capability
-  9.x and 10.x), through torch's own varlen attention: `activate_flash4` gives torch's dispatcher FA4's kernels
-  (through `moeloop.steps.model.fa4_kernels`), for the whole process, so a compiled layer calls it as it calls FA2;
+  9.x and 10.x), its varlen kernels as a torch custom op with their own backward (`moeloop.steps.model.fa4_kernels`:
+  a compiled layer calls it without a graph break; not through torch's FA4 registration, which torch 2.11 has
+  refuse causal backwards);
 - `flash2`: the FlashAttention-2 varlen kernel bundled with torch (`torch.nn.attention.varlen.varlen_attn`);
   both cost the samples' own causal squares, not the microbatch's, and take bf16 or fp16 on CUDA;
 - `sdpa`: SDPA over the samples right-padded to the longest, causal (a real query sees no padding, which comes
@@ -52,10 +53,6 @@ def flash4_missing(device: torch.device) -> str | None:
     """Why FlashAttention-4 cannot run on device (a CUDA device), or None where it can."""
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
         return "the flash-attn-4 package is not installed (pip install flash-attn-4; the trainer image has it)"
-    if "FA4" not in getattr(torch.nn.attention, "list_flash_attention_impls", list)():
-        return f"torch {torch.__version__} cannot take FlashAttention-4's kernels (no activate_flash_attention_impl)"
-    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":  # seen with torch 2.11 on an H100
-        return f"torch {torch.__version__}'s FA4 registration refuses causal attention's backward (torch 2.13 runs it)"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         return f"it runs on compute capability 9.x and 10.x (Hopper, Blackwell); this GPU's is {major}.{minor}"
@@ -82,27 +79,14 @@ def attention_backend(setting: str, device: torch.device, dtype: torch.dtype) ->
 
 def use_packed_attention(model: nn.Module, backend: str) -> None:
     """The model's attention over packed samples by backend (resolved by `attention_backend`), in place; flash4
-    gives torch's dispatcher FlashAttention-4's kernels, for the whole process."""
+    registers FlashAttention-4's custom op first."""
     if backend == "flash4":
-        activate_flash4()
+        import moeloop.steps.model.fa4_kernels  # noqa: F401  (flash-attn-4: only where it runs)
     model.config._attn_implementation = PACKED_ATTENTION[backend]
 
 
-def activate_flash4() -> None:
-    """torch's flash attention ops run FlashAttention-4's kernels, for the whole process (torch's registry entry FA4,
-    restored by `torch.nn.attention.restore_flash_attention_impl`), taken through `fa4_kernels`, which adapts the
-    forward's result to what torch's registration reads."""
-    if torch.nn.attention.current_flash_attention_impl() == "FA4":
-        return
-    from torch.nn.attention._fa4 import register_flash_attention_fa4
-
-    kernels = partial(register_flash_attention_fa4, "moeloop.steps.model.fa4_kernels")
-    torch.nn.attention.register_flash_attention_impl("FA4", register_fn=kernels)
-    torch.nn.attention.activate_flash_attention_impl("FA4")
-
-
 def packed_attention(
-    flash: bool,
+    backend: str,
     module: torch.nn.Module,
     query_1hND: torch.Tensor,
     key_1kND: torch.Tensor,
@@ -120,8 +104,8 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """HF's attention-function interface over one packed row: q [1, h, N, D], k and v [1, k, N, D] (k KV heads);
     returns [1, N, h, D]. Letters: h query heads, k KV heads, N packed tokens, D head size. s_aux: the layer's
-    attention sinks [h] (GPT-OSS), sliding_window: its window, if any. flash: torch's varlen flash kernel (FA2, or
-    FA4's once activated), else the padded exact path."""
+    attention sinks [h] (GPT-OSS), sliding_window: its window, if any. backend: flash4 (FA4's custom op), flash2
+    (torch's varlen FA2 kernel) or sdpa (the padded exact path)."""
     exact = partial(sink_attention, sinks_h=s_aux, window=sliding_window)
     sinks_or_window = s_aux is not None or sliding_window is not None
     if cu_seq_lens_q is None:  # a right-padded batch: causal attention is exact for every row's real tokens
@@ -131,9 +115,12 @@ def packed_attention(
     if max_length_q is None or query_1hND.shape[0] != 1:
         raise ValueError("packed attention takes one packed row with its cu_seq_lens (moeloop.steps.model.microbatch)")
     query_NhD, key_NkD, value_NkD = (t[0].transpose(0, 1) for t in (query_1hND, key_1kND, value_1kND))
-    if sinks_or_window or not flash:
+    if sinks_or_window or backend == "sdpa":
         attention = exact if sinks_or_window else causal_sdpa
         out_NhD = padded_attention(query_NhD, key_NkD, value_NkD, cu_seq_lens_q, max_length_q, scaling, attention)
+        return out_NhD.unsqueeze(0), None
+    if backend == "flash4":
+        out_NhD, _ = torch.ops.moeloop.fa4_varlen(query_NhD, key_NkD, value_NkD, cu_seq_lens_q, max_length_q, scaling)
         return out_NhD.unsqueeze(0), None
     options: dict[str, Any] = {"scale": scaling, **_CAUSAL}
     groups = query_NhD.shape[1] // key_NkD.shape[1]
@@ -149,7 +136,7 @@ def packed_attention(
 
 
 for backend, implementation in PACKED_ATTENTION.items():
-    AttentionInterface.register(implementation, partial(packed_attention, backend != "sdpa"))
+    AttentionInterface.register(implementation, partial(packed_attention, backend))
 
 
 def causal_sdpa(

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from moeloop.steps.model import delta
-from moeloop.steps.model.attention import PACKED_ATTENTION, activate_flash4, flash4_missing, packed_attention
+from moeloop.steps.model.attention import PACKED_ATTENTION, flash4_missing, packed_attention
 from moeloop.steps.config import MoeloopConfig, load_config
 from moeloop.steps.model.logprobs import ChunkedTokenLogprobs
 from moeloop.steps.model.policy import build_tokenizer, save_policy
@@ -33,22 +33,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available()
 
 def test_flash_varlen_attention_equals_causal_sdpa_per_sample() -> None:
     """FA2's varlen kernel: see `flash_attention_equals_sdpa_per_sample`."""
-    flash_attention_equals_sdpa_per_sample()
+    flash_attention_equals_sdpa_per_sample("flash2")
 
 
 def test_flash4_varlen_attention_equals_causal_sdpa_per_sample() -> None:
-    """trainer.attention flash4, as `use_packed_attention` activates it (torch's dispatcher given FA4's kernels):
-    the same check as FA2's; FA2 restored after it."""
+    """trainer.attention flash4 (FA4's kernels as the custom op `moeloop::fa4_varlen`): the same check as FA2's."""
     if (reason := flash4_missing(torch.device("cuda"))) is not None:
         pytest.skip(reason)
-    activate_flash4()
-    try:
-        flash_attention_equals_sdpa_per_sample()
-    finally:
-        torch.nn.attention.restore_flash_attention_impl()
+    import moeloop.steps.model.fa4_kernels  # noqa: F401
+
+    flash_attention_equals_sdpa_per_sample("flash4")
 
 
-def flash_attention_equals_sdpa_per_sample() -> None:
+def flash_attention_equals_sdpa_per_sample(backend: str) -> None:
     """Forward and gradients, GQA (8 query heads over 2 KV heads), bf16; against SDPA on each sample alone."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     lengths = [5, 130, 1, 77, 300]
@@ -59,7 +56,7 @@ def flash_attention_equals_sdpa_per_sample() -> None:
         for heads in (8, 2, 2)
     )
     out_1NhD, _ = packed_attention(
-        True, torch.nn.Module(), q_1hND, k_1kND, v_1kND, None, scaling=0.125,
+        backend, torch.nn.Module(), q_1hND, k_1kND, v_1kND, None, scaling=0.125,
         cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max(lengths), max_length_k=max(lengths),
     )  # fmt: skip
     grad_1NhD = torch.randn(out_1NhD.shape, device="cuda", generator=generator, dtype=torch.bfloat16)
