@@ -140,7 +140,7 @@ def commit_from_memory(
     shard_bytes = config.trainer.checkpoint_shard_bytes
     policy = scratch / f"policy-{iteration}"
     mine = write_share(updated.model, updated.tokenizer, parallel, policy, shard_bytes, scratch / "policy-config")
-    background.wait_checkpoint()  # the held checkpoint is committed: its folder may go once the delta is written
+    background.wait("checkpoint")  # the held checkpoint is committed: its folder may go once the delta is written
     committed = storage.manifest(storage.checkpoint(iteration))
     if committed is not None:
         shares = all_gather(checkpoint_digests(CheckpointTensors(policy, mine)), parallel)
@@ -221,32 +221,24 @@ class BackgroundCommits:
         self.storage, self.parallel = storage, parallel
         self.group = dist.new_group(backend="gloo")
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="background-commits")
-        self.state: Future | None = None
-        self.checkpoint: Future | None = None
+        self.pending: dict[str, Future] = {}  # the last commit submitted of each kind: "checkpoint", "state"
 
     def submit_checkpoint(self, iteration: int, policy: Path, critic: Path | None, weights_digest: str) -> None:
         """Commit checkpoint `iteration` (PPO: its critic first) from this rank's folders of it; the critic's goes
         once committed, the policy's stays (the next delta's base)."""
-        self.wait_checkpoint()
+        self.wait("checkpoint")
 
         def commit() -> None:
             commit_checkpoint(self.storage, iteration, policy, critic, weights_digest, self.parallel, self.group)
             if critic is not None:
                 shutil.rmtree(critic)
 
-        self.checkpoint = self.thread.submit(commit)
-
-    def wait_checkpoint(self) -> None:
-        pending, self.checkpoint = self.checkpoint, None
-        if pending is not None:
-            pending.result()
+        self.pending["checkpoint"] = self.thread.submit(commit)
 
     def submit_state(self, held: HeldTrainer, directory: Path) -> None:
         """Commit the held trainer's state, copied to host memory now; one copy at a time (a state is the model and
         its optimizer's moments: host memory holds one)."""
-        pending, self.state = self.state, None
-        if pending is not None:
-            pending.result()
+        self.wait("state")
         trainer, parallel = held.trainer, self.parallel
         models = [(trainer.model, trainer.optimizer, directory)]
         if trainer.critic is not None:
@@ -258,7 +250,7 @@ class BackgroundCommits:
             copies.append(({name: host_copy(v) for name, v in weights.items()}, moments_copy, folder))
             if parallel.rank == 0:
                 model_files(model, trainer.tokenizer, folder)
-        self.state = self.thread.submit(self._commit_state, held.iteration, copies, directory)
+        self.pending["state"] = self.thread.submit(self._commit_state, held.iteration, copies, directory)
 
     def _commit_state(self, iteration: int, copies: list, directory: Path) -> None:
         for weights, moments, folder in copies:
@@ -273,16 +265,16 @@ class BackgroundCommits:
         """Raise what failed among the commits done, without waiting for the others: a trainer idle between
         iterations learns of a failed commit while it waits, and fails (to be started again) instead of holding
         publish up."""
-        for pending in (self.checkpoint, self.state):
-            if pending is not None and pending.done():
+        for pending in self.pending.values():
+            if pending.done():
                 pending.result()
 
-    def wait(self) -> None:
-        """Until everything submitted is committed (raising what failed)."""
-        self.wait_checkpoint()
-        pending, self.state = self.state, None
-        if pending is not None:
-            pending.result()
+    def wait(self, *kinds: str) -> None:
+        """Until the last commit submitted of each kind (none named: of every kind) is done, raising what failed."""
+        for kind in kinds or tuple(self.pending):
+            pending = self.pending.pop(kind, None)
+            if pending is not None:
+                pending.result()
 
     def close(self) -> None:
         self.thread.shutdown(wait=True, cancel_futures=False)
