@@ -1,8 +1,9 @@
 """A rollout engine taking the next policy by its delta, on the device its weights live on, at Qwen3-30B-A3B's full
 shapes (48 decoder layers, 61 GB of bf16): the delta's in-place write and the weights' digest check, which the
-planner charges as delta_apply_seconds_per_gb (workflows/capacity/handoff.md).
+planner charges as delta_apply_seconds_per_gb and delta_check_seconds_per_gb (workflows/capacity/handoff.md); and
+the check beside the engine's generating, as a rollout shard runs it.
 
-    python -m benchmarks.engine_delta [--layers 48] [--changed 0.015] [--device cuda] [--smoke]
+    python -m benchmarks.engine_delta [--layers 48] [--changed 0.015] [--device cuda] [--decode 64] [--smoke]
 
 The engine's weights are a transformers Qwen3-MoE's on --device, random bf16, mapped as the engine maps them
 (`transformers_weights`: experts fused as transformers fuses them). The delta is the product's: `write_delta` (as
@@ -11,7 +12,10 @@ step (the changed fraction measured at learning rate 1e-6: benchmarks/handoff.md
 disk. Then what `moeloop.steps.engines.versions.advance` runs once the delta is fetched: `EngineWeights.apply_delta`
 (files read, positions decoded on the weights' device, written in place) and `EngineWeights.digests` (the
 weights' digest, checked against the delta's record). The baseline row, in the same run: the digest check one
-tensor after another (`tensor_digest` of each, the engine's check before `Digests`).
+tensor after another (`tensor_digest` of each, the engine's check before `Digests`). Last, the engine generating
+(transformers `generate`, greedy, --decode new tokens for 64 prompts of 16 tokens: the transformers engine's way)
+alone, and again beside the digest check `EngineWeights.digests_later` runs on a thread (`steps/engines/shards.py`
+generates while it runs): how much the check slows the generating, and how much of it is left once generating ends.
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ class Moved(Held):
         return moved_one_step(held, self.changed, torch.Generator(held.device).manual_seed(zlib.crc32(name.encode())))
 
 
-def engine_weights(layers: int, device: torch.device, tiny: bool) -> EngineWeights:
-    """A transformers Qwen3-MoE of Qwen3-30B-A3B's shapes on device, random bf16, as a rollout engine maps it."""
+def engine_weights(layers: int, device: torch.device, tiny: bool) -> tuple[Qwen3MoeForCausalLM, EngineWeights]:
+    """A transformers Qwen3-MoE of Qwen3-30B-A3B's shapes on device, random bf16, and its weights as a rollout engine
+    maps them."""
     config = qwen3_30b_a3b_shapes(layers, tiny=tiny)
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
@@ -81,7 +86,7 @@ def engine_weights(layers: int, device: torch.device, tiny: bool) -> EngineWeigh
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.02, generator=generator)
     kinds = {tensor.name: (tensor.shape, tensor.dtype) for tensor in hf_tensors(config)}
-    return transformers_weights(model, kinds)
+    return model.eval(), transformers_weights(model, kinds)
 
 
 def timed(device: torch.device, run: callable) -> tuple[float, object]:  # type: ignore[valid-type]
@@ -95,9 +100,17 @@ def timed(device: torch.device, run: callable) -> tuple[float, object]:  # type:
     return time.perf_counter() - started, result
 
 
-def measure(layers: int, changed: float, device: torch.device, tiny: bool) -> list[tuple[str, float, str]]:
+def generating(model: Qwen3MoeForCausalLM, device: torch.device, decode: int) -> float:
+    """Seconds to generate `decode` tokens, greedy, for 64 prompts of 16 tokens."""
+    prompts = torch.randint(0, model.config.vocab_size, (64, 16), generator=torch.Generator().manual_seed(0))
+    settings = {"max_new_tokens": decode, "min_new_tokens": decode, "do_sample": False}
+    with torch.no_grad():
+        return timed(device, lambda: model.generate(prompts.to(device), **settings))[0]
+
+
+def measure(layers: int, changed: float, device: torch.device, tiny: bool, decode: int) -> list[tuple[str, float, str]]:
     """(stage, seconds, note) rows."""
-    weights = engine_weights(layers, device, tiny)
+    model, weights = engine_weights(layers, device, tiny)
     held = Held(weights)
     work = Path(tempfile.mkdtemp(prefix="moeloop-engine-delta-"))
     try:
@@ -109,6 +122,14 @@ def measure(layers: int, changed: float, device: torch.device, tiny: bool) -> li
         apply, _ = timed(device, lambda: weights.apply_delta(files))
         check, after = timed(device, weights.digests)
         assert weights_digest(after) == weights_digest(summary.digests) != weights_digest(before), "apply missed"
+        generating(model, device, 2)  # warm: the first generate's set-up is in neither row
+        alone = generating(model, device, decode)
+        started, ended = time.perf_counter(), []
+        weights.digests_later()
+        weights.reading.add_done_callback(lambda _: ended.append(time.perf_counter()))
+        beside = generating(model, device, decode)
+        waited, read_beside = timed(device, weights.digests)
+        assert read_beside == after, "the check beside the generating read other digests"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gb = summary.checkpoint_bytes / GB
@@ -123,6 +144,10 @@ def measure(layers: int, changed: float, device: torch.device, tiny: bool) -> li
          f"{summary.changed:,} elements written"),
         ("digest check after the write", check, "equals the delta record's"),
         ("apply + digest check", apply + check, f"{(apply + check) / gb:.4f} s/GB of checkpoint"),
+        (f"generating alone: {decode} tokens for 64 prompts, greedy", alone, "transformers generate"),
+        ("generating beside the digest check", beside, f"{beside / alone - 1:+.1%} against alone"),
+        ("the digest check beside the generating", ended[0] - started,
+         f"left once generating ended: {waited:.2f} s (alone: {check:.2f} s)"),
     ]  # fmt: skip
 
 
@@ -131,9 +156,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--changed", type=float, default=0.015, help="the share of elements the next version changes")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = smoke.parse_args(parser, layers=2, device="cpu")  # --smoke: Qwen3-30B-A3B's structure at toy sizes
+    parser.add_argument("--decode", type=int, default=64, help="tokens generated beside the check")
+    args = smoke.parse_args(parser, layers=2, device="cpu", decode=4)  # --smoke: Qwen3-30B-A3B's structure at toy sizes
     device = torch.device(args.device)
-    rows = measure(args.layers, args.changed, device, tiny=args.smoke)
+    rows = measure(args.layers, args.changed, device, args.smoke, args.decode)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"engine delta at Qwen3-30B-A3B's shapes, {args.layers} layers, on {name}, {args.changed:.1%} changed")
     print("| stage | s | notes |")

@@ -62,6 +62,7 @@ class Engine(Protocol):
     end_tokens: list[int]  # the checkpoint's tokens that end a response (`end_token_ids`)
     checkpoint_dir: Path | None  # the folder its weights were loaded from; None once a delta has changed them
     held: Any  # the policy version it holds, `moeloop.steps.engines.versions.Held`, once known
+    checking: Any  # a version its weights move to, their digest's check pending (`versions.Checking`), or None
     delta_refusal: str | None  # why it cannot take deltas, once a full load has shown it
     routed_layers: tuple[int, ...]  # the decoder layer of each layer of its routed_experts (empty: none recorded)
 
@@ -83,7 +84,12 @@ class Engine(Protocol):
         ...
 
     def weight_digests(self) -> dict[str, str]:
-        """Each checkpoint tensor's digest, read back out of the weights."""
+        """Each checkpoint tensor's digest, read back out of the weights (start_weight_digests's, if started)."""
+        ...
+
+    def start_weight_digests(self) -> None:
+        """Start reading the digests back beside what the engine does next (generating); weight_digests returns
+        them."""
         ...
 
     def close(self) -> None:
@@ -96,6 +102,7 @@ class TransformersEngine:
 
     name = "transformers"
     delta_refusal: str | None = None
+    checking = None
 
     def __init__(self, checkpoint_dir: Path, dtype: str = "auto"):
         self.dtype = dtype
@@ -137,6 +144,9 @@ class TransformersEngine:
 
     def weight_digests(self) -> dict[str, str]:
         return self.weights.digests()
+
+    def start_weight_digests(self) -> None:
+        self.weights.digests_later()
 
     def close(self) -> None:
         """Nothing runs outside this process."""

@@ -19,8 +19,8 @@ import pyarrow as pa
 from transformers import AutoConfig
 
 from moeloop.steps.config import MoeloopConfig, derive_seed
-from moeloop.steps.engines.engine import FINISH_REASONS, Completion, Sampling
-from moeloop.steps.engines.versions import committed_architecture, engine_at
+from moeloop.steps.engines.engine import FINISH_REASONS, Completion, Engine, Sampling
+from moeloop.steps.engines.versions import DeltaUnusable, checked, committed_architecture, engine_at
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.families import num_experts
 from moeloop.steps.prompting import ChatSettings, render_prompt
@@ -106,10 +106,13 @@ def generate_shard(
     storage: RunStorage, config: MoeloopConfig, iteration: int, shard: int, num_shards: int, step_started: float
 ) -> dict[str, Any]:
     """Generate the shard with this process's engine at the iteration's policy version, and commit it (its report
-    first: the shard is the commit point, and a re-run after a crash rewrites both). The report."""
+    first: the shard is the commit point, and a re-run after a crash rewrites both). The report. An engine that moved
+    by deltas has its weights' digest checked beside the generating, before any row is kept: where it is not the
+    version's, the rows are dropped and the shard generated again after a full load."""
     output = storage.rollout_shard(iteration, shard, num_shards)
     policy_version = config.rollout.policy_version(iteration)  # iteration - 1 unless running ahead of training
-    engine, policy_update = engine_at(storage, policy_version, config.rollout, config.records_routing)
+    at_version = (storage, policy_version, config.rollout, config.records_routing)
+    engine, policy_update = engine_at(*at_version, check_later=True)
     batch = iteration_prompt_ids(config, prompt_count(storage, "train"), iteration)
     prompt_ids = shard_prompt_ids(batch, shard, num_shards)
     records = read_prompts(storage, "train", prompt_ids)
@@ -125,12 +128,12 @@ def generate_shard(
         prompt_routes=config.rollout.prompt_routes,
         stop=tuple(config.rollout.stop),
     )
-    started = time.perf_counter()
     architecture = AutoConfig.for_model(**committed_architecture(storage, policy_version)[2])
-    episodes = None
-    if config.rollout.environment is None:
-        completions = engine.generate([tokens for _, tokens in rendered], sampling)
-    else:
+
+    def sample(engine: Engine) -> tuple[list[list[Completion]], list[list[dict[str, Any]]] | None]:
+        """The shard's completions, and its episodes where the samples are episodes."""
+        if config.rollout.environment is None:
+            return engine.generate([tokens for _, tokens in rendered], sampling), None
         from moeloop.steps.episodes.environment import cached_environment
         from moeloop.steps.episodes.episodes import generate_episodes  # verifiers: an extra, imported where used
 
@@ -138,8 +141,17 @@ def generate_shard(
         positions = min(architecture.max_position_embeddings, config.rollout.vllm.max_model_len or 1 << 62)
         found = generate_episodes(engine, environment, config.rollout.environment, [records[i] for i in prompt_ids],
                                   prompt_ids, sampling, chat, positions)  # fmt: skip
-        completions = [[e.completion for e in group] for group in found]
-        episodes = [[e.columns for e in group] for group in found]
+        return [[e.completion for e in group] for group in found], [[e.columns for e in group] for group in found]
+
+    started = time.perf_counter()
+    completions, episodes = sample(engine)
+    try:
+        policy_update["digest_wait_seconds"] = round(checked(engine), 3)
+    except DeltaUnusable as why:  # sampled with other weights than the version's: no row is kept
+        engine, policy_update = engine_at(*at_version)
+        policy_update["fallback"] = f"{why}, found beside the generating: the shard generated again"
+        started = time.perf_counter()
+        completions, episodes = sample(engine)
     generate_seconds = time.perf_counter() - started
     columns = rollout_rows(
         iteration,
@@ -159,8 +171,9 @@ def generate_shard(
         "engine": engine.name,
         # How the engine took the policy (moeloop.steps.engines.versions.engine_at): policy_update kept, delta or
         # full (fallback: why not by delta), engine_reused, fetch_seconds (the verified fetch of the checkpoint, from
-        # the cache: its check; or of the deltas), fetched_bytes, engine_seconds (building the engine, or writing
-        # the new weights into it, with the digest's check).
+        # the cache: its check; or of the deltas), fetched_bytes, engine_seconds (building the engine and checking
+        # its weights, or writing the new weights into it), digest_wait_seconds (how long the step waited, after
+        # generating, for a delta's digest check that ran beside it).
         **policy_update,
         "samples": len(columns["sample_id"]),
         "prompt_tokens": sum(len(ids) for ids in columns["prompt_token_ids"]),  # counted once per sample

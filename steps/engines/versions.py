@@ -5,7 +5,10 @@ pod) holds one version of one run, with its weights' digest. Asked for a later v
 versions between, in order (each one's base must be what it holds), each written into its weights in place, and then
 reads its weights' digest back out of them: it must be the one the new version's checkpoint COMMIT records, as its
 delta's COMMIT does too: a chunk's trainer commits the delta first and the checkpoint after, in the background
-(steps/rl/held.py), and an engine moves by the delta without waiting for the checkpoint. Anything else falls back to the
+(steps/rl/held.py), and an engine moves by the delta without waiting for the checkpoint. A rollout shard reads the
+digest back beside its generating (`engine_at(check_later=True)`, then `checked` before its rows are kept): the check,
+3 of a GPU engine's 4.7 s at Qwen3-30B-A3B (benchmarks/handoff.md), leaves the policy's way to the rollouts; where it
+fails, the rows are dropped and the shard generated again after a full load. Anything else falls back to the
 full checkpoint, fetched and loaded as a new engine is: a delta missing (not yet published, or left out by publish as no
 smaller than the checkpoint), damaged (its COMMIT does not verify), of another base or leading elsewhere; the digest
 differing; an engine that cannot take deltas (why: `Engine.map_weights`); an older version. A full load waits for the
@@ -43,19 +46,32 @@ class Held:
     digest: str | None
 
 
+@dataclass(frozen=True)
+class Checking:
+    """A version a kept engine moved to by deltas, its weights' digest being read back beside what it does next
+    (engine_at's check_later): the engine holds it once `checked` finds the digest the version's."""
+
+    held: Held
+    expected: dict[str, str]  # the last delta's record of each tensor's digest: names the first that differs
+
+
 class DeltaUnusable(Exception):
     """Why an engine could not move to a version by deltas: it falls back to the full checkpoint."""
 
 
 def engine_at(
-    storage: RunStorage, version: int, settings: RolloutConfig, record_routing: bool = False
+    storage: RunStorage, version: int, settings: RolloutConfig, record_routing: bool = False, check_later: bool = False
 ) -> tuple[Engine, dict[str, Any]]:
     """This process's engine holding the run's checkpoint `version`, and how it got there: `policy_update` kept (it
     held it), delta (applied in place), or full (the checkpoint fetched and loaded, with `fallback`: why no delta
-    served, where the engine held an earlier version), and the seconds and bytes it took."""
+    served, where the engine held an earlier version), and the seconds and bytes it took. check_later: a delta's
+    digest check runs beside what the caller does next, and `checked` finishes it."""
     started = time.perf_counter()
     folder, manifest, architecture = committed_architecture(storage, version)
     engine = kept_engine(engine_key(architecture, settings, record_routing))
+    if engine is not None and engine.checking is not None:  # left by a shard that failed before its check
+        engine.weight_digests()  # the read ends before the weights change; unchecked, the engine holds no version
+        engine.checking = None
     held = engine.held if engine is not None else None
     fallback = None
     if held is not None and held.run == storage.uri:
@@ -63,7 +79,7 @@ def engine_at(
             return engine, {"policy_update": "kept", "engine_reused": True, "fetch_seconds": 0.0, "fetched_bytes": 0,
                             "engine_seconds": 0.0}  # fmt: skip
         try:
-            return engine, advance(engine, storage, version, manifest.get("weights_digest"), started)
+            return engine, advance(engine, storage, version, manifest.get("weights_digest"), started, check_later)
         except DeltaUnusable as why:
             fallback = str(why)
     if folder != storage.checkpoint(version):
@@ -104,10 +120,11 @@ def committed_checkpoint(storage: RunStorage, version: int) -> dict[str, Any]:
 
 
 def advance(
-    engine: Engine, storage: RunStorage, version: int, target: str | None, started: float
+    engine: Engine, storage: RunStorage, version: int, target: str | None, started: float, check_later: bool
 ) -> dict[str, Any]:
     """Move a kept engine from the version it holds to a later one (target: its weights' digest, as its checkpoint's
-    COMMIT records it, or its delta's before the checkpoint is committed), by the deltas between: its report."""
+    COMMIT records it, or its delta's before the checkpoint is committed), by the deltas between, and check its
+    weights' digest, or start the check (check_later): its report."""
     held = engine.held
     if version < held.version:
         raise DeltaUnusable(f"the engine holds version {held.version}, later than {version}")
@@ -135,14 +152,31 @@ def advance(
             except (KeyError, ValueError) as error:  # verified, yet not of this model: a publisher's error
                 raise DeltaUnusable(f"the delta of version {step} does not fit the engine's weights: {error}") from None
             digest, expected = record["digest"], record["tensors"]
-    actual = engine.weight_digests()
-    if weights_digest(actual) != target:
-        differing = sorted(name for name in expected if actual.get(name) != expected[name])[:1]
-        raise DeltaUnusable(f"after the deltas its weights' digest differs from version {version}'s at {differing}")
-    engine.held = Held(storage.uri, version, target)
+    engine.checking = Checking(Held(storage.uri, version, target), expected)
+    if check_later:
+        engine.start_weight_digests()
+    else:
+        checked(engine)
     return {"policy_update": "delta", "engine_reused": True, "deltas": version - held.version,
             "fetch_seconds": round(fetch_seconds, 3), "fetched_bytes": int(fetched_bytes),
             "engine_seconds": round(time.perf_counter() - started - fetch_seconds, 3)}  # fmt: skip
+
+
+def checked(engine: Engine) -> float:
+    """Finish the digest check engine_at(check_later=True) left running: the engine then holds the version it moved
+    to (DeltaUnusable, and it holds none, where its weights' digest is not the version's). The seconds waited for
+    it; 0 where none was pending."""
+    checking, engine.checking = engine.checking, None
+    if checking is None:
+        return 0.0
+    started = time.perf_counter()
+    actual = engine.weight_digests()
+    if weights_digest(actual) != checking.held.digest:
+        differing = sorted(name for name in checking.expected if actual.get(name) != checking.expected[name])[:1]
+        version = checking.held.version
+        raise DeltaUnusable(f"after the deltas its weights' digest differs from version {version}'s at {differing}")
+    engine.held = checking.held
+    return time.perf_counter() - started
 
 
 def delta_of(storage: RunStorage, version: int, base_digest: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -32,6 +32,7 @@ class VLLMEngine:
 
     name = "vllm"
     delta_refusal: str | None = None
+    checking = None
 
     def __init__(
         self, checkpoint_dir: Path, settings: VLLMConfig, record_routing: bool = False, stop_strings: bool = False
@@ -125,6 +126,10 @@ class VLLMEngine:
         self._wake()
         return self.llm.collective_rpc("policy_weight_digests")[0]
 
+    def start_weight_digests(self) -> None:
+        self._wake()
+        self.llm.collective_rpc("policy_weight_digests_later")
+
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -155,6 +160,7 @@ class VLLMEngine:
         requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         if self.settings.sleep_after_rollout:
+            self.llm.collective_rpc("finish_policy_digests")  # asleep, the weights leave the GPU: the read ends first
             self.llm.sleep(level=1)
             self.asleep = True
         columns = self.routed_layers if sampling.record_routing else None

@@ -62,6 +62,7 @@ class PolicyWeightReload:
         from vllm.platforms import current_platform
 
         quiet_misleading_lines()  # in the worker's process, where the reload logs
+        self.settle_policy_digests()
         self.reload_weights(weights_path=weights_path)
         if not current_platform.is_cpu():
             return
@@ -81,6 +82,7 @@ class PolicyWeightReload:
     def map_policy_weights(self, checkpoint_dir: str, model_type: str) -> str | None:
         """Find where each tensor of the checkpoint the engine has just loaded lives in its weights; why deltas
         cannot be written into them, in one line, or None."""
+        self.settle_policy_digests()
         self.policy_weights = None
         kinds = CheckpointTensors(Path(checkpoint_dir)).kinds()
         try:
@@ -96,6 +98,22 @@ class PolicyWeightReload:
 
     def policy_weight_digests(self) -> dict[str, str]:
         return self.policy_weights.digests()
+
+    def policy_weight_digests_later(self) -> None:
+        """Start reading the digests back on a thread of this worker, beside the generating that follows."""
+        self.policy_weights.digests_later()
+
+    def finish_policy_digests(self) -> None:
+        """Let a read policy_weight_digests_later started end (before sleep takes the weights off the GPU); its
+        digests stay for policy_weight_digests."""
+        weights = getattr(self, "policy_weights", None)
+        if weights is not None and weights.reading is not None:
+            weights.reading.exception()
+
+    def settle_policy_digests(self) -> None:
+        """Wait for such a read and drop it: the weights are about to change."""
+        if getattr(self, "policy_weights", None) is not None:
+            self.policy_weights.settle()
 
     def route_layout(self) -> tuple[int, list[int]]:
         """(the routed-experts capture's columns, the decoder layers its MoE layers write to): vLLM's

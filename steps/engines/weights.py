@@ -14,9 +14,11 @@ tensor's `packing` holds (`moeloop.steps.engines.vllm_extension` finds it).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +71,7 @@ class EngineWeights:
     ) -> None:
         self.tensors, self.slots, self.packing = tensors, slots, packing
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        self.reading: Future[dict[str, str]] | None = None  # digests_later's
 
     def refusal(self, checkpoint: Iterable[str]) -> str | None:
         """Why a delta of the checkpoint (its tensor names) cannot be written into these tensors exactly, in one
@@ -103,6 +106,7 @@ class EngineWeights:
         device a batch of tensors at a time, where the positions are decoded and written. By the batch, not by the
         tensor: a copy and a decode a tensor cost ~270 us of host time each, 5 s over Qwen3-30B-A3B's 18,867 tensors
         (benchmarks/engine_delta.py); and each write is a parallel loop, which one per expert would waste."""
+        self.settle()
         for path in files:
             delta = DeltaFile(path)
             self._check(delta)
@@ -178,8 +182,36 @@ class EngineWeights:
             values = flat[slot.offset : slot.offset + slot.numel]
         return values.to(slot.dtype)
 
+    def digests_later(self) -> None:
+        """Start reading the digests back on a thread, beside what the engine runs next (its generating: the check
+        of a delta's writes leaves the policy's way to the rollouts, issue 38); `digests` returns them. On a GPU the
+        reads go on a stream of their own, which first waits for the writes queued so far."""
+        self.settle()
+        stream = None
+        if self.device.type == "cuda":
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        def read() -> dict[str, str]:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                return self._read_digests()
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="weights-digest")
+        self.reading = pool.submit(read)
+        pool.shutdown(wait=False)  # its thread ends with the read
+
+    def settle(self) -> None:
+        """Wait for a read digests_later started and drop it: the weights are about to change."""
+        reading, self.reading = self.reading, None
+        if reading is not None:
+            reading.exception()
+
     def digests(self) -> dict[str, str]:
-        """Every checkpoint tensor's digest, as the engine holds it."""
+        """Every checkpoint tensor's digest, as the engine holds it (digests_later's, where one was started)."""
+        reading, self.reading = self.reading, None
+        return reading.result() if reading is not None else self._read_digests()
+
+    def _read_digests(self) -> dict[str, str]:
         with Digests() as digests:
             for name in self.slots:
                 digests.add(name, self.read(name))

@@ -93,6 +93,8 @@ class Digests:
         if data.is_cuda and len(data) <= STAGING_BYTES:
             self._stage(name, data)
             return
+        if data.is_cuda:  # on the caller's stream, after the writes queued there (a pool thread's is the default)
+            data = data.cpu()
         while self.in_flight and (self.in_flight[0][0].done() or self.in_flight_bytes + len(data) > IN_FLIGHT_BYTES):
             future, size = self.in_flight.popleft()
             future.result()

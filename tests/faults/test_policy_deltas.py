@@ -122,6 +122,47 @@ def test_a_delta_that_verifies_but_is_not_the_versions_falls_back_to_the_full_ch
         assert engine.weight_digests() == digests_of(storage, 2)
 
 
+def test_a_shard_checks_the_deltas_digest_beside_its_generating_and_generates_again_where_it_differs(
+    versions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout step reads the weights' digest back while it generates (off the policy's way to the rollouts):
+    the check is still running when generate starts, and the step waits for it before any row is kept. Under a
+    delta whose elements are not its record's, the rows sampled with those weights are dropped: the shard, generated
+    again after a full load, is byte for byte a fresh engine's, and its report says why."""
+    storage, config = versions
+    shards = config.rollout.num_shards
+    wrong_elements = tmp_path / "wrong-elements"
+    checkpoints = [CheckpointTensors(fetch_checkpoint(storage, v)) for v in (1, 3)]
+    write_delta(*checkpoints, wrong_elements)  # 1 -> 3's elements under 1 -> 2's record
+    (wrong_elements / RECORD).write_bytes((Path(storage.root) / storage.delta(2) / RECORD).read_bytes())
+    pending_at_generate = []
+    generate = TransformersEngine.generate
+
+    def watched(engine: TransformersEngine, *args, **kwargs):
+        pending_at_generate.append(engine.checking is not None and engine.weights.reading is not None)
+        return generate(engine, *args, **kwargs)
+
+    monkeypatch.setattr(TransformersEngine, "generate", watched)
+    assert rollout(storage.uri, 2, 0, shards)["policy_update"] == "full"  # the engine holds version 1
+    report = rollout(storage.uri, 3, 0, shards)  # version 2, by its right delta
+    assert report["policy_update"] == "delta" and report["digest_wait_seconds"] >= 0, report
+    assert pending_at_generate == [False, True]
+    recommit(storage, 2, wrong_elements)
+    shard = Path(storage.root) / storage.rollout_shard(3, 0, shards)
+    rows_by_delta = shard.read_bytes()
+    shard.unlink()
+    engine_at(storage, 1, config.rollout)
+    report = rollout(storage.uri, 3, 0, shards)
+    assert pending_at_generate[2:] == [True, False], pending_at_generate  # sampled beside the check, then again
+    assert report["policy_update"] == "full", report
+    assert "differs from version 2" in report["fallback"] and "generated again" in report["fallback"], report
+    assert shard.read_bytes() == rows_by_delta
+    release_engine()
+    shard.unlink()
+    assert rollout(storage.uri, 3, 0, shards)["policy_update"] == "full"  # a fresh engine
+    assert shard.read_bytes() == rows_by_delta
+
+
 def test_an_engine_moves_by_a_delta_whose_checkpoint_is_not_committed_and_a_full_load_waits_for_the_checkpoint(
     versions, monkeypatch: pytest.MonkeyPatch
 ) -> None:

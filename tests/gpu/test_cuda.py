@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from moeloop.steps.engines.weights import EngineWeights, Slot
 from moeloop.steps.model import delta
 from moeloop.steps.model.attention import PACKED_ATTENTION, flash4_missing, packed_attention
 from moeloop.steps.config import MoeloopConfig, load_config
@@ -224,3 +225,25 @@ def test_gpu_tensors_digests_are_their_bytes_blake3(monkeypatch: pytest.MonkeyPa
     raw = {name: t.cpu().view(-1).view(torch.uint8).numpy() for name, t in tensors.items()}
     expected = {name: blake3.blake3(data).hexdigest() for name, data in raw.items()}
     assert delta.checkpoint_digests(tensors) == expected
+
+
+def test_a_gpu_engines_digests_read_beside_its_work_are_those_of_the_writes_queued_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`EngineWeights.digests_later` reads on a stream of its own while the engine goes on generating: it must see
+    the delta's writes still queued behind a long kernel (a read on its own stream that did not wait would hash the
+    old values), through the staged path and the one for a tensor larger than a buffer."""
+    monkeypatch.setattr(delta, "STAGING_BYTES", 1 << 16)
+    weights_tensor = torch.zeros(300_000, dtype=torch.bfloat16, device="cuda")
+    slots = {"large": Slot("w", 0, 200_000, torch.bfloat16), "small": Slot("w", 200_000, 100_000, torch.bfloat16)}
+    weights = EngineWeights({"w": weights_tensor}, slots, {})
+    torch.cuda._sleep(1_000_000_000)  # the GPU busy for a while: the writes below wait behind it
+    weights_tensor[:250_000].fill_(1.5)
+    weights.digests_later()
+    torch.cuda._sleep(1_000_000_000)  # the engine's work beside the read
+    read = weights.digests()
+    torch.cuda.synchronize()
+    expected = delta.checkpoint_digests({name: weights.read(name).cpu() for name in slots})
+    assert read == expected
+    zeros = {name: torch.zeros(slot.numel, dtype=torch.bfloat16) for name, slot in slots.items()}
+    assert read != delta.checkpoint_digests(zeros)

@@ -1,6 +1,6 @@
 """The planner's rollout engines that live for a chunk (rollout.lifetime chunk, workflows/capacity/handoff.py): each
 shard pays its engine's start and the whole checkpoint once a chunk, and every iteration the new policy's delta,
-fetched, written in place and checked; engines per iteration are planned as before."""
+fetched, written in place and checked beside the generating; engines per iteration are planned as before."""
 
 from __future__ import annotations
 
@@ -16,26 +16,35 @@ from tests.unit.test_capacity import BALANCED, CHECKPOINT_GB, stated_plan
 from tests.unit.test_capacity_lifetime import SHAPED, STATE_GB, assert_same_options, chunk
 
 # Engines start in 15 s (rollout_overhead_seconds), checkpoints and deltas are fetched at 0.5 s/GB; an engine writes
-# a delta in place and checks its digest at 0.4 s/GB of checkpoint; 2% of elements change an update.
-ENGINES = SHAPED | {"fetch_seconds_per_gb": 0.5, "delta_apply_seconds_per_gb": 0.4, "delta_changed_fraction": 0.02}
+# a delta in place at 0.4 s/GB of checkpoint and checks its digest at 0.3 s/GB; 2% of elements change an update.
+ENGINES = SHAPED | {
+    "fetch_seconds_per_gb": 0.5,
+    "delta_apply_seconds_per_gb": 0.4,
+    "delta_check_seconds_per_gb": 0.3,
+    "delta_changed_fraction": 0.02,
+}
 ROLLOUT_CHUNK = {"rollout": {"lifetime": "chunk"}}
 
 
 def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_path: Path) -> None:
     """configs/tiny.yaml's chunk: 20 iterations at 2 shards, 16 at 8 (12 tasks an iteration, beside the chunk's 5
-    and the engines' start task: (200 - 6) // 12). A shard pays 15 / C of engine start, 30.5 / C of checkpoint,
-    the delta's 2 x 2% of 61.06 GB at 0.5 s/GB and 61.06 GB x 0.4 s/GB of apply, then generates."""
-    for shards, c, generate in ((2, 20, 160), (8, 16, 40)):
-        plan = stated_plan(tmp_path, 0, ENGINES, shards=shards, **ROLLOUT_CHUNK)
+    and the engines' start task: (200 - 6) // 12). A shard pays 15 / C of engine start, 30.5 / C of checkpoint and
+    its digest check after the load (61.06 GB x 0.3 s/GB), the delta's 2 x 2% of 61.06 GB at 0.5 s/GB and 61.06 GB
+    x 0.4 s/GB of apply, then generates, the delta's digest check (18.3 s) beside it: only a check longer than the
+    generating (61.06 GB at 1 s/GB against 40 s) adds what outlasts it."""
+    for shards, c, generate, check in ((2, 20, 160, 0.3), (8, 16, 40, 0.3), (8, 16, 40, 1.0)):
+        rates = ENGINES | {"delta_check_seconds_per_gb": check}
+        plan = stated_plan(tmp_path, 0, rates, shards=shards, **ROLLOUT_CHUNK)
         best = plan.best
         assert plan.setup.rollout_lifetime == "chunk" and best.paid.chunk_iterations == c
         delta_gb = CHECKPOINT_GB * 2 * 0.02
         assert plan.setup.value("delta_gb") == pytest.approx(delta_gb)
         rollout = {
             "engine_start": 15 / c,
-            "checkpoint_fetch": CHECKPOINT_GB * 0.5 / c,
+            "checkpoint_fetch": CHECKPOINT_GB * (0.5 + check) / c,
             "delta_fetch": delta_gb * 0.5,
             "delta_apply": CHECKPOINT_GB * 0.4,
+            "delta_check": max(0.0, CHECKPOINT_GB * check - generate),
         }
         assert {part: best.paid.parts[part] for part in rollout} == pytest.approx(rollout)
         assert {part for part, step in best.paid.steps.items() if step == "rollout"} == set(rollout)
@@ -45,7 +54,7 @@ def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_p
         assert best.step_seconds["publish"] == pytest.approx(30)
         # A new engine after a reclaim pays its start and the whole checkpoint, not their share nor the delta.
         assert best.paid.restart == pytest.approx(
-            15 + CHECKPOINT_GB * 0.5 - 15 / c - CHECKPOINT_GB * 0.5 / c - delta_gb * 0.5
+            15 + CHECKPOINT_GB * (0.5 + check) * (1 - 1 / c) - 15 / c - delta_gb * 0.5
         )
         synchronous = 5 + best.step_seconds["rollout"] + 5 + 5 + 5 + best.step_seconds["train"] + 5 + 30
         assert best.period == pytest.approx(synchronous)
@@ -94,9 +103,8 @@ def test_engines_per_iteration_pay_it_all_every_iteration_as_before(tmp_path: Pa
     )
     assert best.step_seconds["rollout"] == pytest.approx(15 + CHECKPOINT_GB * 0.5 + 40)
     assert_same_options(plain, named)
-    assert not {"delta_changed_fraction", "delta_apply_seconds_per_gb", "delta_gb", "chunk_iterations"} & set(
-        plain.setup.figures
-    )
+    delta_figures = {"delta_changed_fraction", "delta_apply_seconds_per_gb", "delta_check_seconds_per_gb", "delta_gb"}
+    assert not (delta_figures | {"chunk_iterations"}) & set(plain.setup.figures)
 
 
 @pytest.mark.parametrize("trainer", [None, chunk(4)])
@@ -123,9 +131,11 @@ def test_unstated_delta_rates_are_assumed_as_measured_and_say_so(tmp_path: Path)
     figures = stated_plan(tmp_path, 0, stated, **ROLLOUT_CHUNK).setup.figures
     assert figures["delta_changed_fraction"].value == 0.015
     assert "issue 38" in figures["delta_changed_fraction"].source and "1e-6" in figures["delta_changed_fraction"].source
-    assert figures["delta_apply_seconds_per_gb"].value == pytest.approx((1.73 + 2.99) / 61.06)
-    apply = figures["delta_apply_seconds_per_gb"].source
-    assert apply.startswith("assumed: benchmarks/handoff.md") and "measured on one H100" in apply
+    assert figures["delta_apply_seconds_per_gb"].value == pytest.approx(1.73 / 61.06)
+    assert figures["delta_check_seconds_per_gb"].value == pytest.approx(2.99 / 61.06)
+    for rate in ("delta_apply_seconds_per_gb", "delta_check_seconds_per_gb"):
+        source = figures[rate].source
+        assert source.startswith("assumed: benchmarks/handoff.md") and "measured" in source and "H100" in source
     with pytest.raises(MoeloopError, match="rates.delta_changed_fraction"):
         stated_plan(tmp_path, 0, ENGINES | {"delta_changed_fraction": 1.5}, **ROLLOUT_CHUNK)
 

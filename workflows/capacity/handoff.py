@@ -42,18 +42,21 @@ rollout lifetime iteration (a new engine every iteration; Argo's rollout pods ar
 
 rollout lifetime chunk (an engine per shard for the chunk, asked by a CPU pod each iteration), a shard:
 
-    rollout = E / C + checkpoint GB x fetch s/GB / C              its engine's start and the whole checkpoint, once
+    rollout = E / C + checkpoint GB x (fetch + check) s/GB / C    its engine's start and the whole checkpoint, once
             + delta GB x fetch s/GB                               the new policy's delta
-            + checkpoint GB x apply s/GB                          written in place, the weights' digest checked
+            + checkpoint GB x apply s/GB                          written in place
+            + max(0, checkpoint GB x check s/GB - generating)     the weights' digest checked beside the generating
             + generating
 
-with E = rollout_overhead_seconds, delta GB = checkpoint GB x 2 x delta_changed_fraction (`lifetime.py`) and apply
-s/GB = delta_apply_seconds_per_gb. The chunk's first iteration fetches the whole checkpoint instead of a delta and
-checks its digest after the load: it is charged a delta's fetch and apply too (an upper bound, by one delta's fetch
-and in-place write a chunk). Once-a-chunk costs, the trainer's and the engines', are amortized over the chunk, not
-played on its first iteration: the schedule's steady state is one iteration's pattern repeated. A shard whose Spot
-node is reclaimed starts a new engine: its retry pays E + the whole checkpoint's fetch instead of their chunk's share
-and the delta's fetch (`Handoff.restart`, options.py's Spot retry).
+with E = rollout_overhead_seconds, delta GB = checkpoint GB x 2 x delta_changed_fraction (`lifetime.py`), apply s/GB
+= delta_apply_seconds_per_gb and check s/GB = delta_check_seconds_per_gb: the shard reads its weights' digest back
+while it generates and keeps its rows only once it is the version's (steps/engines/shards.py). The chunk's first
+iteration fetches the whole checkpoint instead of a delta and checks its digest after the load, before generating:
+it is charged a delta's fetch and apply too, and the check once a chunk, in the checkpoint's fetch (an upper bound,
+by one delta's fetch and in-place write a chunk). Once-a-chunk costs, the trainer's and the engines', are amortized
+over the chunk, not played on its first iteration: the schedule's steady state is one iteration's pattern repeated.
+A shard whose Spot node is reclaimed starts a new engine: its retry pays E + the whole checkpoint's fetch and check
+instead of their chunk's share and the delta's fetch (`Handoff.restart`, options.py's Spot retry).
 
 The handoff's parts (issue 38's "state I/O, engine start and the policy handoff"): the state's I/O, publish or the
 trainer's checkpoint commit, the engines' start and the checkpoint's fetch, and with engines per chunk the delta's
@@ -84,7 +87,8 @@ LABELS = {
     "engine_start": "engine start",
     "checkpoint_fetch": "checkpoint fetch",
     "delta_fetch": "delta fetch",
-    "delta_apply": "delta apply and digest check",
+    "delta_apply": "delta apply",
+    "delta_check": "digest check beyond the generating",
 }
 
 
@@ -112,17 +116,20 @@ class Handoff:
         return sum(seconds for part, seconds in self.parts.items() if self.steps[part] == step)
 
 
-def handoff(setup: Setup, option: Option, excess: float = 0.0, window: float = 0.0) -> Handoff:
+def handoff(
+    setup: Setup, option: Option, excess: float = 0.0, window: float = 0.0, generating: float = 0.0
+) -> Handoff:
     """The option's handoff; `excess`: what the train step waits, per iteration, for the state's background
     commit; `window`: how long the chunk's first rollouts take at least, which a trainer per chunk's start-up and
-    state fetch run beside (on a cluster; locally they share the cores: 0)."""
+    state fetch run beside (on a cluster; locally they share the cores: 0); `generating`: a shard's, which an engine
+    per chunk's digest check runs beside."""
     v = setup.value
     nodes = max(1, option.train_nodes)
     state = 0.0  # a run's measured overhead and start-ups already hold the state's I/O where no rate splits it
     if "trainer_state_seconds_per_gb" in setup.figures:
         state = v("trainer_state_gb") * v("trainer_state_seconds_per_gb") / nodes
     chunk = chunk_iterations(setup, option) if CHUNK in (setup.lifetime, setup.rollout_lifetime) else None
-    parts, restart = _rollout_parts(setup, chunk)
+    parts, restart = _rollout_parts(setup, chunk, generating)
     steps = dict.fromkeys(parts, "rollout") | {"trainer_state": "train"}
     if setup.lifetime == ITERATION:
         trainer = {"trainer_state": state, "checkpoint_write": v("checkpoint_gb") * v("publish_seconds_per_gb")}
@@ -145,19 +152,21 @@ def handoff(setup: Setup, option: Option, excess: float = 0.0, window: float = 0
     return Handoff(trainer | parts, steps, chunk, background, overhead, restart)
 
 
-def _rollout_parts(setup: Setup, chunk: int | None) -> tuple[dict[str, float], float]:
+def _rollout_parts(setup: Setup, chunk: int | None, generating: float) -> tuple[dict[str, float], float]:
     """A rollout shard's parts of the handoff an iteration, and what its restart from scratch pays beyond them."""
     v = setup.value
     start, whole = v("rollout_overhead_seconds"), v("checkpoint_gb") * v("fetch_seconds_per_gb")
     if setup.rollout_lifetime == ITERATION:
         return {"engine_start": start, "checkpoint_fetch": whole}, 0.0
+    check = v("checkpoint_gb") * v("delta_check_seconds_per_gb")
     parts = {
         "engine_start": start / chunk,
-        "checkpoint_fetch": whole / chunk,
+        "checkpoint_fetch": (whole + check) / chunk,  # and its digest checked after the load, before generating
         "delta_fetch": v("delta_gb") * v("fetch_seconds_per_gb"),
         "delta_apply": v("checkpoint_gb") * v("delta_apply_seconds_per_gb"),
+        "delta_check": max(0.0, check - generating),
     }
-    restart = start + whole - parts["engine_start"] - parts["checkpoint_fetch"] - parts["delta_fetch"]
+    restart = start + whole + check - parts["engine_start"] - parts["checkpoint_fetch"] - parts["delta_fetch"]
     return parts, max(0.0, restart)
 
 

@@ -50,6 +50,7 @@ OPTIONAL_RATES = {
     "train_iteration_overhead_seconds": "s",  # trainer.lifetime chunk
     "delta_changed_fraction": "fraction",  # rollout.lifetime chunk
     "delta_apply_seconds_per_gb": "s/GB",  # rollout.lifetime chunk
+    "delta_check_seconds_per_gb": "s/GB",  # rollout.lifetime chunk
 }
 ASSUMED_POD_START_SECONDS = 30.0  # a pod on a warm node, its image cached: scheduling, container start, imports
 ASSUMED_NEW_NODE_SECONDS = 300.0  # a reclaimed Spot node's replacement: provisioning and joining the cluster

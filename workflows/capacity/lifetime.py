@@ -5,7 +5,8 @@ target's `trainer:` and `rollout:` sections, else the planned run's or config's.
 A shape's figures are listed as inputs only where it is planned: the chunk's length C wherever something lives for
 a chunk; a trainer per chunk's state_every, trainer_commit_seconds_per_gb, delta_write_seconds_per_gb and
 train_iteration_overhead_seconds;
-engines per chunk's delta_changed_fraction, delta_apply_seconds_per_gb and the delta's size derived from them.
+engines per chunk's delta_changed_fraction, delta_apply_seconds_per_gb, delta_check_seconds_per_gb and the delta's
+size derived from them.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from moeloop.workflows.capacity.rates import Figure
 from moeloop.workflows.capacity.target import Rollout, Trainer
 
 TRAINER_RATES = ("trainer_commit_seconds_per_gb", "delta_write_seconds_per_gb", "train_iteration_overhead_seconds")
-ENGINE_RATES = ("delta_changed_fraction", "delta_apply_seconds_per_gb")
-# Unstated, an engine per chunk's two rates are assumed as measured, each saying where:
+ENGINE_RATES = ("delta_changed_fraction", "delta_apply_seconds_per_gb", "delta_check_seconds_per_gb")
+# Unstated, an engine per chunk's rates are assumed as measured, each saying where:
 ASSUMED_CHANGED_FRACTION = Figure(
     0.015,
     "fraction",
@@ -34,11 +35,16 @@ ASSUMED_DELTA_WRITE_SECONDS_PER_GB = Figure(
     " at 8 ranks; that write hashed both versions, the product now takes the base's digests from its record)",
 )
 ASSUMED_APPLY_SECONDS_PER_GB = Figure(
-    (1.73 + 2.99) / 61.06,
+    1.73 / 61.06,
     "s/GB",
     "assumed: benchmarks/handoff.md's engine on a GPU at Qwen3-30B-A3B's 61.06 GB of bf16, the in-place write of a"
-    " 1.5% delta 1.73 s + the digest check 2.99 s, measured on one H100 with 16 host cores"
-    " (benchmarks/engine_delta.py)",
+    " 1.5% delta 1.73 s, measured on one H100 with 16 host cores (benchmarks/engine_delta.py)",
+)
+ASSUMED_CHECK_SECONDS_PER_GB = Figure(
+    2.99 / 61.06,
+    "s/GB",
+    "assumed: benchmarks/handoff.md's engine on a GPU at Qwen3-30B-A3B's 61.06 GB of bf16, the digest check after"
+    " the write 2.99 s, measured alone on one H100 with 16 host cores (benchmarks/engine_delta.py)",
 )
 
 
@@ -139,16 +145,18 @@ def _trainer_figures(figures: dict[str, Figure], every: Figure) -> dict[str, Fig
 
 
 def _engine_figures(figures: dict[str, Figure]) -> dict[str, Figure]:
-    """Engines per chunk: the changed fraction and the engine's apply rate (stated, else assumed as measured), and
-    the delta's size: 2 x the changed fraction x the checkpoint's bytes (steps/model/delta.py's blocks layout: a
-    bf16 value and a uint16 offset, 4 bytes, per changed element of 2; the blocks' counts, 4 bytes per 65,536
-    elements, left out); at most the checkpoint (publish leaves a delta no smaller out: the engines take the whole
-    checkpoint)."""
+    """Engines per chunk: the changed fraction and the engine's write and check rates (stated, else assumed as
+    measured), and the delta's size: 2 x the changed fraction x the checkpoint's bytes (steps/model/delta.py's blocks
+    layout: a bf16 value and a uint16 offset, 4 bytes, per changed element of 2; the blocks' counts, 4 bytes per
+    65,536 elements, left out); at most the checkpoint (publish leaves a delta no smaller out: the engines take the
+    whole checkpoint)."""
     fraction = figures.get("delta_changed_fraction", ASSUMED_CHANGED_FRACTION)
     apply = figures.get("delta_apply_seconds_per_gb", ASSUMED_APPLY_SECONDS_PER_GB)
+    check = figures.get("delta_check_seconds_per_gb", ASSUMED_CHECK_SECONDS_PER_GB)
     checkpoint = figures["checkpoint_gb"].value
     said = "derived: checkpoint_gb x 2 x delta_changed_fraction (a bf16 value and a uint16 offset a changed element)"
     if 2 * fraction.value >= 1:
         said = "derived: the checkpoint's, a delta of 2 x delta_changed_fraction >= 1 of it is left out"
     delta = Figure(checkpoint * min(1.0, 2 * fraction.value), "GB", said)
-    return {"delta_changed_fraction": fraction, "delta_apply_seconds_per_gb": apply, "delta_gb": delta}
+    rates = {"delta_apply_seconds_per_gb": apply, "delta_check_seconds_per_gb": check}
+    return {"delta_changed_fraction": fraction, **rates, "delta_gb": delta}

@@ -239,8 +239,8 @@ def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) ->
     # ahead) are played out too.
     first = max(8, 4 * (option.staleness + 1))
     last = 2 * first
-    window = first_rollouts(setup, option)
-    paid = handoff(setup, option, window=window)
+    window, generating = first_rollouts(setup, option), generate_seconds(setup, option)
+    paid = handoff(setup, option, window=window, generating=generating)
     seconds, spot = step_seconds(setup, option, paid)
     schedule, pools = _play(setup, option, seconds, last)
     if setup.lifetime == CHUNK:
@@ -253,7 +253,7 @@ def evaluate_option(setup: Setup, option: Option, memory: TrainMemory | None) ->
             if short <= 1e-9 * need:
                 break
             excess += short
-            paid = handoff(setup, option, excess, window)
+            paid = handoff(setup, option, excess, window, generating)
             seconds, spot = step_seconds(setup, option, paid)
             schedule, pools = _play(setup, option, seconds, last)
     busy = {pool: busy_share(schedule, pool, size, first, last) for pool, size in pools.items()}

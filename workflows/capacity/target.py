@@ -81,9 +81,11 @@ class StatedRates(Strict):
     # model's pass); the rest of train_overhead_seconds is start-up, paid once a chunk.
     train_iteration_overhead_seconds: float | None = Field(None, ge=0)
     # rollout.lifetime chunk: the share of the checkpoint's elements an update changes (its delta is 2 x that share of
-    # the checkpoint's bytes), and an engine's in-place write of a delta and its digest check, per GB of checkpoint.
+    # the checkpoint's bytes), an engine's in-place write of a delta and the digest check of its weights after (which
+    # runs beside the shard's generating), per GB of checkpoint.
     delta_changed_fraction: float | None = Field(None, gt=0, le=1)
     delta_apply_seconds_per_gb: float | None = Field(None, ge=0)
+    delta_check_seconds_per_gb: float | None = Field(None, ge=0)
     publish_seconds_per_gb: float | None = Field(None, ge=0)
     evaluate_seconds: float | None = Field(None, ge=0)
     start_seconds: float | None = Field(None, ge=0)  # every step: pod start and the predecessor's commit
