@@ -21,7 +21,7 @@ import yaml
 
 from moeloop.steps.storage import s3
 from moeloop.steps.storage.run import RunStorage
-from tests.conftest import run_in_process, small_config
+from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, run_in_process, small_config
 from tests.processes import TIMEOUT, start_forked_step
 from tests.seaweed import SeaweedS3
 from moeloop.workflows.dag import Task, loop_tasks, run_uri, run_values
@@ -95,12 +95,13 @@ def test_replaying_every_task_of_a_finished_run_changes_nothing(
     """With lifetime chunk, the trainer and the rollout engines are tasks too: started again on a finished run, they
     find nothing to serve. Their heartbeats (commands/trainer.json, commands/rollout-engine-*.json) say only that
     they ran: they are left out of the comparison."""
-    # The transformers engine: quicker to start than vLLM, and what a replay does does not depend on it.
-    config = small_config(iterations=2, rollout={"engine": "transformers"})
+    # The transformers engine at small_config's batch (not tiny.yaml's 192 prompts x 16 samples): quicker to start
+    # than vLLM and quicker to run, and what a replay does depends on neither.
+    config = small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT)
     uri = run_uri(config, s3_run_root)
     run_in_process(config, uri)  # the run to replay: what made it does not matter
     if lifetime == "chunk":  # the same run, as one whose trainer and engines live for the chunk
-        sections = {"trainer": {"lifetime": "chunk"}, "rollout": {"engine": "transformers", "lifetime": "chunk"}}
+        sections = {"trainer": {"lifetime": "chunk"}, "rollout": {**SMALL_TRANSFORMERS_ROLLOUT, "lifetime": "chunk"}}
         config = small_config(iterations=2, **sections)
         RunStorage(uri).write_bytes(RunStorage.CONFIG, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
     finished = snapshot(seaweed, uri)
