@@ -25,7 +25,7 @@ from moeloop.steps.publish import publish
 from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import ask_trainer
 from moeloop.workflows.local.logs import log_folder
-from tests.conftest import run_in_process, small_config
+from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, run_in_process, small_config
 from tests.policy_versions import bf16_start
 from tests.processes import cli_command, start_forked_step, start_process, step_command
 
@@ -240,7 +240,10 @@ def test_a_chunk_trainer_of_two_ranks_publishes_and_commits_what_trainers_of_one
         # checkpoint files of at most 20 KiB, several, so that both ranks write some; a bf16 start and an RL learning
         # rate, so that few elements change and the delta is not left out
         trainer = {"world_size": 2, "expert_parallel": 2, "lifetime": lifetime, "checkpoint_shard_bytes": 20 << 10}
-        config = small_config(1, trainer=trainer | {"learning_rate": 1e-5}, eval={"max_prompts": 4})
+        # transformers generates: what the ranks commit does not depend on the engine, and it starts in far less
+        # time than vLLM, whose rollout and evaluate started an engine of their own in each run
+        sections = {"rollout": SMALL_TRANSFORMERS_ROLLOUT, "eval": {"max_prompts": 4}}
+        config = small_config(1, trainer=trainer | {"learning_rate": 1e-5}, **sections)
         start = bf16_start(tmp_path / f"{lifetime}-start", config)
         config = config.model_copy(update={"model": config.model.model_copy(update={"checkpoint": str(start)})})
         path = tmp_path / f"{lifetime}.yaml"
