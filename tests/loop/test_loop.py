@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -58,10 +60,61 @@ def substitute(argv: list[str], values: dict[str, str]) -> list[str]:
     return argv
 
 
-def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: Path, tmp_path: Path) -> None:
-    config = small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT)  # vLLM's runs: test_demo.py, test_async.py
-    uri = run_uri(config, str(run_root))
-    executed = run_local(config, uri, tmp_path / "logs", progress=False)
+def run_data(root: Path) -> dict[str, str]:
+    """A run's files but those that differ between two runs of the same data: step reports, metrics and their
+    TensorBoard files carry timings, and config.yaml the workers setting itself."""
+    return {
+        path: digest
+        for path, digest in snapshot(root).items()
+        if path.split("/")[1] not in ("reports", "metrics", "tensorboard", "config.yaml")
+    }
+
+
+@dataclass
+class WorkersRun:
+    """A 2-iteration run by the local runner with its long-lived workers (local.workers, the default): the tasks
+    it executed, the workers it started, its logs, and its data as the run left it."""
+
+    root: Path
+    uri: str
+    executed: list
+    started: list[StepWorker]
+    logs: Path
+    data: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def workers_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkersRun]:
+    """The run both tests below look at (one run rather than one each): the first runs the same one again and
+    extends it, the second compares its data, taken here, with a fresh process per task's."""
+    folder = tmp_path_factory.mktemp("workers")
+    started: list[StepWorker] = []
+
+    class CountedWorker(StepWorker):
+        def __init__(self, environment: dict[str, str]):
+            super().__init__(environment)
+            started.append(self)
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("MOELOOP_CACHE", str(folder / "cache"))
+    monkeypatch.setattr(launch, "StepWorker", CountedWorker)  # where the runner makes its workers
+    try:
+        config = small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT, local={"workers": True})
+        root = folder / "workers-True"
+        uri = run_uri(config, str(root))
+        executed = run_local(config, uri, folder / "logs-True", progress=False)
+    finally:
+        monkeypatch.undo()
+    yield WorkersRun(root, uri, executed, list(started), folder / "logs-True", run_data(root))
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(workers_run: WorkersRun, tmp_path: Path) -> None:
+    # small_config's with local.workers (its default) and the transformers engine; vLLM's runs: test_demo.py,
+    # test_async.py
+    config = small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT)
+    assert config == small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT, local={"workers": True})
+    run_root, uri, executed = workers_run.root, workers_run.uri, workers_run.executed
 
     # The Argo chunk (a WorkflowTemplate whose slot j runs LATEST + j; plan stands for what came before) has
     # the executed tasks, edges and commands: a new run's chunk runs iterations 1, 2, ... in slots 1, 2, ...
@@ -115,10 +168,17 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(run_root: P
 
 
 def test_workers_run_each_step_as_a_fresh_process_does(
-    run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    workers_run: WorkersRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """local.workers: one long-lived process per rollout shard and per other step serves every iteration, and
     what it commits is byte for byte what a fresh process per task commits."""
+    # start, evaluate, reward, train, publish and one per rollout shard: 7 processes for 14 tasks.
+    assert len(workers_run.executed) == 2 + 2 * 6
+    assert len(workers_run.started) == 7
+    assert not any(worker.alive() for worker in workers_run.started)  # none outlives the run
+    config = small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT, local={"workers": True})
+    check_warmed_workers(workers_run.logs, config)
+
     started: list[StepWorker] = []
 
     class CountedWorker(StepWorker):
@@ -126,28 +186,15 @@ def test_workers_run_each_step_as_a_fresh_process_does(
             super().__init__(environment)
             started.append(self)
 
-    monkeypatch.setattr(launch, "StepWorker", CountedWorker)  # where the runner makes its workers
-    outputs = {}
-    for workers in (True, False):
-        config = small_config(iterations=2, rollout={"engine": "transformers"}, local={"workers": workers})
-        root = run_root / f"workers-{workers}"
-        executed = run_local(config, run_uri(config, str(root)), tmp_path / f"logs-{workers}", progress=False)
-        assert len(executed) == 2 + 2 * 6
-        # Step reports, metrics and their TensorBoard files carry timings, and config.yaml the setting itself; the
-        # rest is the run's data.
-        outputs[workers] = {
-            path: digest
-            for path, digest in snapshot(root).items()
-            if path.split("/")[1] not in ("reports", "metrics", "tensorboard", "config.yaml")
-        }
-        if workers:
-            # start, evaluate, reward, train, publish and one per rollout shard: 7 processes for 14 tasks.
-            assert len(started) == 7
-            assert not any(worker.alive() for worker in started)  # none outlives the run
-            check_warmed_workers(tmp_path / f"logs-{workers}", config)
-    assert len(started) == 7
-    assert outputs[True] == outputs[False]
-    assert any(path.endswith(".safetensors") for path in outputs[True])
+    monkeypatch.setattr(launch, "StepWorker", CountedWorker)
+    monkeypatch.setenv("MOELOOP_CACHE", str(tmp_path / "cache"))
+    config = small_config(iterations=2, rollout=SMALL_TRANSFORMERS_ROLLOUT, local={"workers": False})
+    root = tmp_path / "workers-False"
+    executed = run_local(config, run_uri(config, str(root)), tmp_path / "logs-False", progress=False)
+    assert len(executed) == 2 + 2 * 6
+    assert not started  # a fresh process per task: no worker
+    assert workers_run.data == run_data(root)
+    assert any(path.endswith(".safetensors") for path in workers_run.data)
 
 
 def check_warmed_workers(log_dir: Path, config) -> None:
