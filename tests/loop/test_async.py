@@ -18,7 +18,7 @@ from moeloop.steps.start import start
 from moeloop.steps.storage.experience import read_rollouts
 from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.train import train
-from tests.conftest import REPO, eval_reward_gain, small_config
+from tests.conftest import REPO, SMALL_TRANSFORMERS_ROLLOUT, eval_reward_gain, small_config
 from tests.processes import moeloop_cli
 from moeloop.workflows.dag import loop_tasks, run_uri
 from moeloop.workflows.local.runner import run_local
@@ -86,7 +86,8 @@ def test_staleness_is_validated() -> None:
 def test_rollout_samples_with_the_stale_policy_whatever_is_published_later(run_root: Path) -> None:
     """With staleness 1, rollout 3 samples with checkpoint 1, also when it runs again after checkpoint 2 exists.
     The steps run in this process (which policy a rollout takes does not depend on the process it runs in)."""
-    config = small_config(iterations=3, rollout={"num_shards": 1, "engine": "transformers", "max_staleness": 1})
+    shards = {**SMALL_TRANSFORMERS_ROLLOUT, "num_shards": 1, "max_staleness": 1}  # small_config's batch, one shard
+    config = small_config(iterations=3, rollout=shards)
     uri = run_uri(config, str(run_root))
     storage = RunStorage(uri)
     steps = {"reward": reward, "train": train, "publish": publish}
@@ -114,8 +115,10 @@ def async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list]:
     folder = tmp_path_factory.mktemp("async")
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("MOELOOP_CACHE", str(folder / "cache"))
+    # small_config's batch: train 2 starts as train 1 ends and rollout 3 once publish 1 has, a second later, so the
+    # two overlap at this size too
     config = small_config(
-        iterations=3, rollout={"num_shards": 2, "engine": "transformers", "max_staleness": 1}, local={"parallelism": 3}
+        iterations=3, rollout={**SMALL_TRANSFORMERS_ROLLOUT, "max_staleness": 1}, local={"parallelism": 3}
     )
     uri = run_uri(config, str(folder / "runs"))
     try:
