@@ -106,9 +106,8 @@ class PolicyWeightReload:
     def finish_policy_digests(self) -> None:
         """Let a read policy_weight_digests_later started end (before sleep takes the weights off the GPU); its
         digests stay for policy_weight_digests."""
-        weights = getattr(self, "policy_weights", None)
-        if weights is not None and weights.reading is not None:
-            weights.reading.exception()
+        if getattr(self, "policy_weights", None) is not None:
+            self.policy_weights.finish_reading()
 
     def settle_policy_digests(self) -> None:
         """Wait for such a read and drop it: the weights are about to change."""

@@ -200,11 +200,15 @@ class EngineWeights:
         self.reading = pool.submit(read)
         pool.shutdown(wait=False)  # its thread ends with the read
 
+    def finish_reading(self) -> None:
+        """Wait for a read digests_later started to end; `digests` still returns it."""
+        if self.reading is not None:
+            self.reading.exception()
+
     def settle(self) -> None:
         """Wait for a read digests_later started and drop it: the weights are about to change."""
-        reading, self.reading = self.reading, None
-        if reading is not None:
-            reading.exception()
+        self.finish_reading()
+        self.reading = None
 
     def digests(self) -> dict[str, str]:
         """Every checkpoint tensor's digest, as the engine holds it (digests_later's, where one was started)."""
