@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ import torch
 
 from moeloop.steps.model.delta import BLOCK, DELTA_PARTS, Changed, DeltaFile, Digests, decode
 
+# The digest check beside the engine's generating hashes on a quarter of the cores: on all of them it slowed a
+# host-bound generate by a third (benchmarks/engine_delta.py), and it has the generating's minutes to finish.
+BESIDE_THREADS = max(1, len(os.sched_getaffinity(0)) // 4)
 WRITE_BATCH = 1 << 24  # changed elements gathered before they are written (their positions: 128 MiB of int64)
 
 
@@ -182,10 +186,11 @@ class EngineWeights:
             values = flat[slot.offset : slot.offset + slot.numel]
         return values.to(slot.dtype)
 
-    def digests_later(self) -> None:
+    def digests_later(self, threads: int | None = BESIDE_THREADS) -> None:
         """Start reading the digests back on a thread, beside what the engine runs next (its generating: the check
-        of a delta's writes leaves the policy's way to the rollouts, issue 38); `digests` returns them. On a GPU the
-        reads go on a stream of their own, which first waits for the writes queued so far."""
+        of a delta's writes leaves the policy's way to the rollouts, issue 38), hashing on `threads` cores; `digests`
+        returns them. On a GPU the reads go on a stream of their own, which first waits for the writes queued so
+        far."""
         self.settle()
         stream = None
         if self.device.type == "cuda":
@@ -194,7 +199,7 @@ class EngineWeights:
 
         def read() -> dict[str, str]:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                return self._read_digests()
+                return self._read_digests(threads)
 
         pool = ThreadPoolExecutor(1, thread_name_prefix="weights-digest")
         self.reading = pool.submit(read)
@@ -215,8 +220,8 @@ class EngineWeights:
         reading, self.reading = self.reading, None
         return reading.result() if reading is not None else self._read_digests()
 
-    def _read_digests(self) -> dict[str, str]:
-        with Digests() as digests:
+    def _read_digests(self, threads: int | None = None) -> dict[str, str]:
+        with Digests(threads) as digests:
             for name in self.slots:
                 digests.add(name, self.read(name))
             return digests.result()

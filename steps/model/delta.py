@@ -55,10 +55,11 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def bytes_digest(data: torch.Tensor) -> str:
-    """The BLAKE3 of bytes (a uint8 tensor, on any device)."""
+def bytes_digest(data: torch.Tensor, max_threads: int = blake3.blake3.AUTO) -> str:
+    """The BLAKE3 of bytes (a uint8 tensor, on any device); bytes of PARALLEL_HASH_BYTES or more on up to max_threads
+    threads (AUTO: all cores)."""
     array = data.cpu().numpy()
-    threads = blake3.blake3.AUTO if array.nbytes >= PARALLEL_HASH_BYTES else 1
+    threads = max_threads if array.nbytes >= PARALLEL_HASH_BYTES else 1
     return blake3.blake3(memoryview(array), max_threads=threads).hexdigest()
 
 
@@ -70,10 +71,14 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 class Digests:
     """Tensors' digests, hashed on HASH_THREADS threads while the caller reads the next ones. A GPU's tensors come
     to the host through two pinned buffers in turn, one filling while the threads hash the other: one digest check
-    of a GPU engine's weights is bound by the host link and the cores, not by one thread hashing (issue 38)."""
+    of a GPU engine's weights is bound by the host link and the cores, not by one thread hashing (issue 38).
 
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="digest")
+    threads: the most cores its hashing takes (beside other work on the host); None: all of them, HASH_THREADS
+    tensors side by side and a large one on every core."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.pool = ThreadPoolExecutor(threads or HASH_THREADS, thread_name_prefix="digest")
+        self.tensor_threads = blake3.blake3.AUTO if threads is None else 1  # for one large tensor
         self.futures: dict[str, Future[str]] = {}
         self.in_flight: deque[tuple[Future[str], int]] = deque()  # host tensors' hashes, oldest first, and sizes
         self.in_flight_bytes = 0
@@ -99,7 +104,7 @@ class Digests:
             future, size = self.in_flight.popleft()
             future.result()
             self.in_flight_bytes -= size
-        self.futures[name] = self.pool.submit(bytes_digest, data)
+        self.futures[name] = self.pool.submit(bytes_digest, data, self.tensor_threads)
         self.in_flight.append((self.futures[name], len(data)))
         self.in_flight_bytes += len(data)
 

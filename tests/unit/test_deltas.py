@@ -176,6 +176,34 @@ def test_digests_hashed_side_by_side_are_each_tensors_blake3(monkeypatch: pytest
     assert digests == {name: blake3.blake3(data).hexdigest() for name, data in raw.items()}
 
 
+def test_digests_on_fewer_threads_hash_the_same_and_keep_to_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check beside an engine's generating (`Digests(threads)`) takes no more cores than it is given, a large
+    tensor's hash included (by default: all of them), and its digests are the all-cores ones."""
+    import blake3
+
+    monkeypatch.setattr(delta, "PARALLEL_HASH_BYTES", 1024)  # every tensor here a large one's path
+    generator = torch.Generator().manual_seed(4)
+    tensors = {f"t{i}": torch.randn(600 * (i + 1), generator=generator).to(torch.bfloat16) for i in range(6)}
+    asked: list[int] = []
+    hasher = blake3.blake3
+
+    def spied(data: object, max_threads: int = 1) -> object:
+        asked.append(max_threads)
+        return hasher(data, max_threads=max_threads)
+
+    monkeypatch.setattr(delta.blake3, "blake3", spied)
+    spied.AUTO = hasher.AUTO  # type: ignore[attr-defined]
+    everywhere = checkpoint_digests(tensors)
+    assert set(asked) == {hasher.AUTO}
+    asked.clear()
+    with delta.Digests(threads=1) as digests:
+        assert digests.pool._max_workers == 1
+        for name, tensor in tensors.items():
+            digests.add(name, tensor)
+        assert digests.result() == everywhere
+    assert set(asked) == {1}
+
+
 def delta_file(path: Path, changes: dict[str, tuple[list[int], list[float]]], numels: dict[str, int]) -> Path:
     """A delta file as write_delta lays one out, of changes {name: (positions, values)} to fp32 tensors."""
     tensors = {}
