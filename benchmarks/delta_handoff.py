@@ -134,9 +134,10 @@ def measure(
     _, delta = engine_at(storage, 1, rollout)
     assert delta["policy_update"] == "delta", delta
     rows.append(("rollout engine: fetch / delta fetch", fetch, delta["fetch_seconds"],
-                 f"{delta['fetched_bytes'] / GB:.3f} GB of delta, verified"))  # fmt: skip
+                 f"{delta['fetched_bytes'] / GB:.3f} GB of delta, verified, file by file beside the writes;"
+                 f" waited for {delta['fetch_wait_seconds']:.2f} s"))  # fmt: skip
     rows.append(("rollout engine: load in place / apply + digest check", load, delta["engine_seconds"],
-                 "transformers, bf16, CPU"))  # fmt: skip
+                 "transformers, bf16, CPU; the move's time less its wait for the fetch"))  # fmt: skip
     engine.load_weights(base)
     engine.map_weights(base)
     _, files = delta_files(storage, 1)

@@ -5,6 +5,7 @@ as publish commits it (`moeloop.steps.storage.deltas.commit_delta`), then LATEST
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 
 from moeloop.steps.config import MoeloopConfig
 from moeloop.steps.model.delta import CheckpointTensors
+from moeloop.steps.model.hf_shards import INDEX, shard_names
 from moeloop.steps.model.policy import build_tiny_model, save_policy
 from moeloop.steps.start import demo_tokenizer, start
 from moeloop.steps.storage.prompts import task_prompt_sets
@@ -33,8 +35,10 @@ def bf16_start(folder: Path, config: MoeloopConfig) -> Path:
     return folder
 
 
-def next_version(previous: Path, target: Path, seed: int) -> Path:
-    """previous with CHANGED of its elements one bf16 step up or down (its other files as they are)."""
+def next_version(previous: Path, target: Path, seed: int, files: int = 1) -> Path:
+    """previous with CHANGED of its elements one bf16 step up or down (its other files as they are), its tensors (by
+    name) in `files` safetensors files: one, or shards with an index, as publish writes a larger model's (checkpoint
+    0 is one file: start saves the model it loads)."""
     shutil.copytree(previous, target)
     tensors = CheckpointTensors(previous)
     generator = torch.Generator().manual_seed(seed)
@@ -46,13 +50,22 @@ def next_version(previous: Path, target: Path, seed: int) -> Path:
         mask = (torch.rand(bits.shape, generator=generator) < CHANGED) & finite_nonzero
         steps = torch.where(torch.rand(bits.shape, generator=generator) < 0.5, -1, 1).to(torch.int16)
         moved[name] = torch.where(mask, bits + steps, bits).view(torch.bfloat16)
-    save_file(moved, target / "model.safetensors", metadata={"format": "pt"})
+    for stale in [*target.glob("*.safetensors"), target / INDEX]:
+        stale.unlink(missing_ok=True)
+    names = sorted(moved)
+    file_of = {name: shard_names(files)[index * files // len(names)] for index, name in enumerate(names)}
+    for file in sorted(set(file_of.values())):
+        save_file({name: moved[name] for name in names if file_of[name] == file}, target / file, {"format": "pt"})
+    if files > 1:
+        (target / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": file_of}))
     return target
 
 
-def bf16_run(root: Path, versions: int, iterations: int | None = None, **sections: dict) -> tuple[str, MoeloopConfig]:
+def bf16_run(
+    root: Path, versions: int, iterations: int | None = None, files: int = 1, **sections: dict
+) -> tuple[str, MoeloopConfig]:
     """A started run (of iterations, by default versions + 1) with checkpoints 0..versions, each but 0 committed
-    with its delta."""
+    with its delta; each but 0 in `files` safetensors files, its delta in as many."""
     config = small_config(iterations=iterations or versions + 1, **sections)
     folder = bf16_start(root / "start-model", config)
     config = config.model_copy(update={"model": config.model.model_copy(update={"checkpoint": str(folder)})})
@@ -61,7 +74,7 @@ def bf16_run(root: Path, versions: int, iterations: int | None = None, **section
     storage = RunStorage(uri)
     for version in range(1, versions + 1):
         base = fetch_checkpoint(storage, version - 1)
-        new = next_version(base, root / f"version-{version}", seed=version)
+        new = next_version(base, root / f"version-{version}", seed=version, files=files)
         delta = commit_delta(storage, version, CheckpointTensors(base), CheckpointTensors(new), new / "config.json")
         extra = {"iteration": version, "weights_digest": delta["weights_digest"]}
         storage.commit_folder(storage.checkpoint(version), new, extra=extra)

@@ -171,9 +171,11 @@ def generate_shard(
         "engine": engine.name,
         # How the engine took the policy (moeloop.steps.engines.versions.engine_at): policy_update kept, delta or
         # full (fallback: why not by delta), engine_reused, fetch_seconds (the verified fetch of the checkpoint, from
-        # the cache: its check; or of the deltas), fetched_bytes, engine_seconds (building the engine and checking
-        # its weights, or writing the new weights into it), digest_wait_seconds (how long the step waited, after
-        # generating, for a delta's digest check that ran beside it).
+        # the cache: its check; or of the deltas, on a thread beside their writing), fetched_bytes,
+        # fetch_wait_seconds (how long the update waited for the fetch: a checkpoint's whole fetch, or what the
+        # deltas' writing waited for their files), engine_seconds (the update's time less fetch_wait_seconds:
+        # building the engine and checking its weights, or writing the new weights into it), digest_wait_seconds (how
+        # long the step waited, after generating, for a delta's digest check that ran beside it).
         **policy_update,
         "samples": len(columns["sample_id"]),
         "prompt_tokens": sum(len(ids) for ids in columns["prompt_token_ids"]),  # counted once per sample

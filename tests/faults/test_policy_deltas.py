@@ -78,16 +78,92 @@ def test_a_missing_delta_falls_back_to_the_full_checkpoint_and_the_next_delta_se
     assert engine.weight_digests() == digests_of(storage, 3)
 
 
-def test_a_damaged_delta_falls_back_to_the_full_checkpoint(versions) -> None:
-    storage, config = versions
-    engine_at(storage, 0, config.rollout)
-    delta_file = next((Path(storage.root) / storage.delta(1)).glob("delta-*.safetensors"))
-    data = bytearray(delta_file.read_bytes())
+@pytest.mark.parametrize("files", [1, 2])
+def test_a_damaged_delta_falls_back_to_the_full_checkpoint_and_its_shard_has_a_fresh_engines_rows(
+    run_root: Path, files: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delta file that does not verify: the engine falls back to the full checkpoint, even where the delta's files
+    before it were already written in (its last of two, the first written while it downloaded), and the shard's rows
+    are a fresh engine's."""
+    uri, config = bf16_run(run_root, versions=1, files=files, **TRANSFORMERS)
+    storage, shards = RunStorage(uri), config.rollout.num_shards
+    delta_files = sorted((Path(storage.root) / storage.delta(1)).glob("delta-*.safetensors"))
+    assert len(delta_files) == files
+    data = bytearray(delta_files[-1].read_bytes())
     data[-1] ^= 0xFF  # a value's byte: same size, another digest
-    delta_file.write_bytes(bytes(data))
-    engine, report = engine_at(storage, 1, config.rollout)
-    assert report["policy_update"] == "full" and "does not verify" in report["fallback"], report
-    assert engine.weight_digests() == digests_of(storage, 1)
+    delta_files[-1].write_bytes(bytes(data))
+    applied = spy_applies(monkeypatch)
+    assert rollout(uri, 1, 0, shards)["policy_update"] == "full"  # the engine holds version 0
+    report = rollout(uri, 2, 0, shards)
+    assert report["policy_update"] == "full" and "delta of version 1 does not verify" in report["fallback"], report
+    assert applied == [("1", path.name) for path in delta_files[:-1]]
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("delta-fetch")]
+    assert engine_at(storage, 1, config.rollout)[0].weight_digests() == digests_of(storage, 1)
+    shard = Path(storage.root) / storage.rollout_shard(2, 0, shards)
+    rows = shard.read_bytes()
+    release_engine()
+    shard.unlink()
+    assert rollout(uri, 2, 0, shards)["policy_update"] == "full"  # a fresh engine
+    assert shard.read_bytes() == rows
+
+
+def spy_applies(monkeypatch: pytest.MonkeyPatch, then=None) -> list[tuple[str, str]]:
+    """The delta files the engine writes in, (version, name) each, in order; then: called with each after it."""
+    applied = []
+    apply_delta = TransformersEngine.apply_delta
+
+    def spied(engine: TransformersEngine, files: list[Path]) -> None:
+        applied.extend((path.parent.name, path.name) for path in files)
+        if then is not None:
+            then(files)
+        apply_delta(engine, files)
+
+    monkeypatch.setattr(TransformersEngine, "apply_delta", spied)
+    return applied
+
+
+def test_an_engine_writes_each_delta_file_in_while_the_next_downloads(
+    run_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38: the deltas' files are fetched one after another on a thread, and each is written in as it arrives:
+    a file's fetch does not end before the file ahead of it is being written (it waits for that, here; fetched
+    all before any is written, it never would), in (version, name) order, and the engine holds each version's
+    checkpoint. A write that fails falls back to the full checkpoint, the fetching thread stopped."""
+    uri, config = bf16_run(run_root, versions=3, files=3, **TRANSFORMERS)
+    storage = RunStorage(uri)
+    events, writing = [], threading.Event()
+    fetch_files = RunStorage.fetch_files
+
+    def slow(self: RunStorage, folder: str, files: dict, local_dir: Path) -> None:
+        for name in sorted(files):
+            if events:  # not the first file: its fetch ends only once a file is being written
+                writing.wait(timeout=10)
+            fetch_files(self, folder, {name: files[name]}, local_dir)
+            events.append(("fetched", local_dir.name, name))
+
+    def applying(files: list[Path]) -> None:
+        events.extend(("applying", path.parent.name, path.name) for path in files)
+        writing.set()
+
+    engine_at(storage, 0, config.rollout)
+    monkeypatch.setattr(RunStorage, "fetch_files", slow)
+    applied = spy_applies(monkeypatch, applying)
+    engine, report = engine_at(storage, 2, config.rollout)
+    assert report["policy_update"] == "delta" and report["deltas"] == 2, report
+    names = sorted(path.name for path in (Path(storage.root) / storage.delta(1)).glob("delta-*.safetensors"))
+    assert len(names) == 3 and applied == [(version, name) for version in "12" for name in names]
+    assert events.index(("applying", "1", names[0])) < events.index(("fetched", "1", names[1])), events
+    assert report["fetch_seconds"] >= 0 and report["fetch_wait_seconds"] >= 0 and report["engine_seconds"] > 0, report
+    assert engine.weight_digests() == digests_of(storage, 2)
+
+    def refuse(files: list[Path]) -> None:
+        raise ValueError("not this model's")
+
+    spy_applies(monkeypatch, refuse)
+    engine, report = engine_at(storage, 3, config.rollout)
+    assert report["policy_update"] == "full" and "version 3 does not fit the engine's weights" in report["fallback"]
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("delta-fetch")]
+    assert engine.weight_digests() == digests_of(storage, 3)
 
 
 def recommit(storage: RunStorage, version: int, folder: Path) -> None:

@@ -70,7 +70,7 @@ def committed_iterations(storage: RunStorage) -> list[int]:
 # Each rate: its unit and what it is made of, per shard or step and iteration; the figure is the median.
 MEASURES = {
     "rollout_tokens_per_second_per_gpu": ("tokens/s", "rollout-*.json tokens_per_second / GPUs a shard"),
-    "rollout_overhead_seconds": ("s", "rollout-*.json seconds - generate_seconds - fetch_seconds"),
+    "rollout_overhead_seconds": ("s", "rollout-*.json seconds - generate_seconds - fetch_wait_seconds"),
     "fetch_seconds_per_gb": ("s/GB", "rollout-*.json fetch_seconds / fetched_bytes (the checkpoint's, or deltas')"),
     "prompt_tokens": ("tokens", "rollout-*.json prompt_tokens / samples"),
     "response_tokens": ("tokens", "rollout-*.json response_tokens / samples"),
@@ -114,8 +114,10 @@ def _iteration_samples(
         if rate <= 0:
             raise MoeloopError(f"{shard}: tokens_per_second is {rate:g}: a measured rate of zero, nothing to plan from")
         samples["rollout_tokens_per_second_per_gpu"].append(rate / per(name, config.rollout.vllm.tensor_parallel_size))
+        # What the shard waited for its fetch: a delta's runs beside its writing (older reports: fetched, then written)
+        waited = r.get("fetch_wait_seconds", fetched)
         samples["rollout_overhead_seconds"].append(
-            cores * (r["seconds"] - _field(r, "generate_seconds", shard) - fetched)
+            cores * (r["seconds"] - _field(r, "generate_seconds", shard) - waited)
         )
         # What the shard fetched: its checkpoint, or the deltas its engine moved by (none: it held the version).
         fetched_gb = r["fetched_bytes"] / GB if "fetched_bytes" in r else None
