@@ -31,7 +31,9 @@ def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_p
     and the engines' start task: (200 - 6) // 12). A shard pays 15 / C of engine start, 30.5 / C of checkpoint and
     its digest check after the load (61.06 GB x 0.3 s/GB), the delta's 2 x 2% of 61.06 GB at 0.5 s/GB and 61.06 GB
     x 0.4 s/GB of apply, then generates, the delta's digest check (18.3 s) beside it: only a check longer than the
-    generating (61.06 GB at 1 s/GB against 40 s) adds what outlasts it."""
+    generating (61.06 GB at 1 s/GB against 40 s) adds what outlasts it. The delta's 15 files (61.06 GB in 4 GiB
+    files) are fetched one after another and each written in as it arrives: of the fetch, shorter than the
+    writing, only the first file's share is on the step's path."""
     for shards, c, generate, check in ((2, 20, 160, 0.3), (8, 16, 40, 0.3), (8, 16, 40, 1.0)):
         rates = ENGINES | {"delta_check_seconds_per_gb": check}
         plan = stated_plan(tmp_path, 0, rates, shards=shards, **ROLLOUT_CHUNK)
@@ -39,10 +41,11 @@ def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_p
         assert plan.setup.rollout_lifetime == "chunk" and best.paid.chunk_iterations == c
         delta_gb = CHECKPOINT_GB * 2 * 0.02
         assert plan.setup.value("delta_gb") == pytest.approx(delta_gb)
+        assert plan.setup.value("delta_files") == 15 == math.ceil(CHECKPOINT_GB * 1e9 / 2**32)
         rollout = {
             "engine_start": 15 / c,
             "checkpoint_fetch": CHECKPOINT_GB * (0.5 + check) / c,
-            "delta_fetch": delta_gb * 0.5,
+            "delta_fetch": delta_gb * 0.5 / 15,
             "delta_apply": CHECKPOINT_GB * 0.4,
             "delta_check": max(0.0, CHECKPOINT_GB * check - generate),
         }
@@ -54,7 +57,7 @@ def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_p
         assert best.step_seconds["publish"] == pytest.approx(30)
         # A new engine after a reclaim pays its start and the whole checkpoint, not their share nor the delta.
         assert best.paid.restart == pytest.approx(
-            15 + CHECKPOINT_GB * (0.5 + check) * (1 - 1 / c) - 15 / c - delta_gb * 0.5
+            15 + CHECKPOINT_GB * (0.5 + check) * (1 - 1 / c) - 15 / c - delta_gb * 0.5 / 15
         )
         synchronous = 5 + best.step_seconds["rollout"] + 5 + 5 + 5 + best.step_seconds["train"] + 5 + 30
         assert best.period == pytest.approx(synchronous)
@@ -103,15 +106,18 @@ def test_engines_per_iteration_pay_it_all_every_iteration_as_before(tmp_path: Pa
     )
     assert best.step_seconds["rollout"] == pytest.approx(15 + CHECKPOINT_GB * 0.5 + 40)
     assert_same_options(plain, named)
-    delta_figures = {"delta_changed_fraction", "delta_apply_seconds_per_gb", "delta_check_seconds_per_gb", "delta_gb"}
+    delta_figures = {"delta_changed_fraction", "delta_apply_seconds_per_gb", "delta_check_seconds_per_gb", "delta_gb",
+                     "delta_files"}  # fmt: skip
     assert not (delta_figures | {"chunk_iterations"}) & set(plain.setup.figures)
 
 
 @pytest.mark.parametrize("trainer", [None, chunk(4)])
 def test_the_delta_scales_with_the_changed_fraction(tmp_path: Path, trainer: dict | None) -> None:
-    """Twice the elements changed, twice the delta's bytes and fetch; its in-place write and digest check are per GB
-    of checkpoint (the digest reads every weight), and nothing else moves. A delta of half the elements or more is no
-    smaller than the checkpoint: publish leaves it out, and the engines fetch the whole checkpoint's bytes."""
+    """Twice the elements changed, twice the delta's bytes and fetch (its first file's share on the path, the rest
+    beside the writing); its in-place write and digest check are per GB of checkpoint (the digest reads every weight),
+    and nothing else moves. A delta of half the elements or more is no smaller than the checkpoint: publish leaves it
+    out, and the engines fetch the whole checkpoint's bytes, a fetch now longer than the writing: all of it on the
+    path, and of the writing only the last file's share."""
     shape = ROLLOUT_CHUNK | ({"trainer": trainer} if trainer else {})
     paid = {}
     for fraction in (0.01, 0.02, 0.04, 0.6):
@@ -119,11 +125,12 @@ def test_the_delta_scales_with_the_changed_fraction(tmp_path: Path, trainer: dic
         paid[fraction] = plan.best.paid.parts
         assert plan.setup.figures["delta_changed_fraction"].source.startswith("stated: ")
     for fraction in (0.01, 0.02, 0.04):
-        assert paid[fraction]["delta_fetch"] == pytest.approx(CHECKPOINT_GB * 2 * fraction * 0.5)
+        assert paid[fraction]["delta_fetch"] == pytest.approx(CHECKPOINT_GB * 2 * fraction * 0.5 / 15)
         others = {part: s for part, s in paid[fraction].items() if part != "delta_fetch"}
         assert others == pytest.approx({part: s for part, s in paid[0.01].items() if part != "delta_fetch"})
     assert paid[0.04]["delta_fetch"] == pytest.approx(4 * paid[0.01]["delta_fetch"])
     assert paid[0.6]["delta_fetch"] == pytest.approx(CHECKPOINT_GB * 0.5)
+    assert paid[0.6]["delta_apply"] == pytest.approx(CHECKPOINT_GB * 0.4 / 15)
 
 
 def test_unstated_delta_rates_are_assumed_as_measured_and_say_so(tmp_path: Path) -> None:

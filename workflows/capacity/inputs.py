@@ -122,7 +122,8 @@ def plan_inputs(
     engines, engines_source = rollout_lifetime(target.rollout, config.rollout, sources.where, planned)
     iterations = target.iterations or config.iterations
     chunk = config.cluster.chunk_iterations
-    figures = shape_figures(figures, lifetime, every, engines, device is None, iterations, chunk)
+    shard_bytes = config.trainer.checkpoint_shard_bytes
+    figures = shape_figures(figures, lifetime, every, engines, device is None, iterations, chunk, shard_bytes)
     setup = Setup(
         config,
         model,

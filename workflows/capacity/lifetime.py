@@ -5,11 +5,13 @@ target's `trainer:` and `rollout:` sections, else the planned run's or config's.
 A shape's figures are listed as inputs only where it is planned: the chunk's length C wherever something lives for
 a chunk; a trainer per chunk's state_every, trainer_commit_seconds_per_gb, delta_write_seconds_per_gb and
 train_iteration_overhead_seconds;
-engines per chunk's delta_changed_fraction, delta_apply_seconds_per_gb, delta_check_seconds_per_gb and the delta's
-size derived from them.
+engines per chunk's delta_changed_fraction, delta_apply_seconds_per_gb, delta_check_seconds_per_gb, the delta's
+size derived from them and its files (the checkpoint's).
 """
 
 from __future__ import annotations
+
+import math
 
 from moeloop.steps.config import RolloutConfig, TrainerConfig
 from moeloop.steps.errors import MoeloopError
@@ -81,9 +83,10 @@ def shape_figures(
     local: bool,
     iterations: int,
     configured: int | None,
+    shard_bytes: int,
 ) -> dict[str, Figure]:
     """The figures with the planned shapes' added and the rates of shapes not planned left out (they say nothing
-    to them). `configured`: the config's cluster.chunk_iterations."""
+    to them). `configured`: the config's cluster.chunk_iterations; `shard_bytes`: its trainer.checkpoint_shard_bytes."""
     found = {
         name: figure
         for name, figure in figures.items()
@@ -94,7 +97,7 @@ def shape_figures(
     if trainer == CHUNK:
         found |= _trainer_figures(found, every)
     if rollout == CHUNK:
-        found |= _engine_figures(found)
+        found |= _engine_figures(found, shard_bytes)
     return found
 
 
@@ -144,12 +147,14 @@ def _trainer_figures(figures: dict[str, Figure], every: Figure) -> dict[str, Fig
     return {"state_every": every, "train_iteration_overhead_seconds": stated, "delta_write_seconds_per_gb": delta_write}
 
 
-def _engine_figures(figures: dict[str, Figure]) -> dict[str, Figure]:
+def _engine_figures(figures: dict[str, Figure], shard_bytes: int) -> dict[str, Figure]:
     """Engines per chunk: the changed fraction and the engine's write and check rates (stated, else assumed as
-    measured), and the delta's size: 2 x the changed fraction x the checkpoint's bytes (steps/model/delta.py's blocks
+    measured), the delta's size: 2 x the changed fraction x the checkpoint's bytes (steps/model/delta.py's blocks
     layout: a bf16 value and a uint16 offset, 4 bytes, per changed element of 2; the blocks' counts, 4 bytes per
     65,536 elements, left out); at most the checkpoint (publish leaves a delta no smaller out: the engines take the
-    whole checkpoint)."""
+    whole checkpoint); and its files F, a delta file per checkpoint file, which an engine fetches and writes in one
+    beside the other (handoff.py): the checkpoint's bytes over publish's files of at most shard_bytes, rounded up
+    (at least 1; the tensors, never split, may make a file or two more, a smaller overlap planned than played)."""
     fraction = figures.get("delta_changed_fraction", ASSUMED_CHANGED_FRACTION)
     apply = figures.get("delta_apply_seconds_per_gb", ASSUMED_APPLY_SECONDS_PER_GB)
     check = figures.get("delta_check_seconds_per_gb", ASSUMED_CHECK_SECONDS_PER_GB)
@@ -159,4 +164,10 @@ def _engine_figures(figures: dict[str, Figure]) -> dict[str, Figure]:
         said = "derived: the checkpoint's, a delta of 2 x delta_changed_fraction >= 1 of it is left out"
     delta = Figure(checkpoint * min(1.0, 2 * fraction.value), "GB", said)
     rates = {"delta_apply_seconds_per_gb": apply, "delta_check_seconds_per_gb": check}
-    return {"delta_changed_fraction": fraction, **rates, "delta_gb": delta}
+    files = Figure(
+        max(1, math.ceil(checkpoint * 1e9 / shard_bytes)),
+        "files",
+        f"derived: checkpoint_gb / trainer.checkpoint_shard_bytes ({shard_bytes / 2**30:g} GiB), rounded up: publish's"
+        " safetensors files, a delta file each (Qwen3-30B-A3B's 61.06 GB: 15; its HF checkpoint has 16)",
+    )
+    return {"delta_changed_fraction": fraction, **rates, "delta_gb": delta, "delta_files": files}
