@@ -40,3 +40,21 @@ def substitute(text: str, values: dict[str, str]) -> str:
 def read_back(text: str) -> object:
     """The manifest's object with each tag's variable as the plain `{{variable}}` string it stands for."""
     return yaml.safe_load(substitute(text, {name: f"{{{{{name}}}}}" for name in variables(text)}))
+
+
+def expanded_tasks(tasks: list[dict]) -> dict[str, dict]:
+    """A DAG's tasks by name as Argo's controller runs them (workflow/controller/dag.go, expandTask): a task with
+    `withSequence` of count K is K tasks `<name>(i:i)` (operator.go, generateNodeName), its `{{item}}` i in each;
+    a dependency on it is one on each of them."""
+    items = {
+        task["name"]: [f"{task['name']}({i}:{i})" for i in range(int(task["withSequence"]["count"]))]
+        for task in tasks
+        if "withSequence" in task
+    }
+    found = {}
+    for task in tasks:
+        plain = {key: value for key, value in task.items() if key != "withSequence"}
+        plain["dependencies"] = [item for name in task.get("dependencies", ()) for item in items.get(name, [name])]
+        for index, name in enumerate(items.get(task["name"], [task["name"]])):
+            found[name] = {**json.loads(json.dumps(plain).replace("{{item}}", str(index))), "name": name}
+    return found

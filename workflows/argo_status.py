@@ -10,6 +10,7 @@ from hera.workflows import models as m
 
 from moeloop.steps.errors import MoeloopError
 from moeloop.workflows.argo import one_line, timestamp
+from moeloop.workflows.render.chunk import node_name
 
 FAILED_PHASES = frozenset({"Failed", "Error"})
 FINISHED_PHASES = FAILED_PHASES | {"Succeeded"}
@@ -88,12 +89,16 @@ def run_table(summaries: list[Mapping[str, Any]]) -> list[str]:
 
 def task_pods(workflow: m.Workflow, task: str | None) -> list[tuple[str, str]]:
     """(step, pod name) of every pod the task ran, in the order they started: the task's own pod, each retry's,
-    or the pods of the template it calls; every pod of the workflow when task is None."""
+    or the pods of the template it calls; every pod of the workflow when task is None.
+
+    `task` is a node's display name: a chunk task's (slot3-rollout: every shard's pods), an item's (slot3-rollout(2:2):
+    shard 2's), or dag.py's name for a shard (slot3-rollout-2), which finds its item (render/chunk.py's node_name)."""
     nodes = (workflow.status.nodes if workflow.status else None) or {}
     if task is None:
         chosen = list(nodes.values())
     else:
-        roots = [node for node in nodes.values() if node.display_name == task]
+        names = {task, node_name(task)}
+        roots = [node for node in nodes.values() if node.display_name in names]
         if not roots:
             raise MoeloopError(f"Workflow {workflow.metadata.name} has no task {task!r} (yet)")
         chosen, pending = [], list(roots)

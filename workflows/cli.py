@@ -123,7 +123,12 @@ def parser() -> argparse.ArgumentParser:
         )
     )
     logs.add_argument("run", metavar="RUN", help="the run's folder or URI, or the Workflow's name")
-    logs.add_argument("task", nargs="?", help="the DAG task, e.g. it3-train or slot3-train (default: every task)")
+    logs.add_argument(
+        "task",
+        nargs="?",
+        help="the DAG task, e.g. it3-train, slot3-train, slot3-rollout (its shards) or slot3-rollout-2 (shard 2, the"
+        " node slot3-rollout(2:2)) (default: every task)",
+    )
     logs.set_defaults(handler=commands.command_logs)
 
     report = with_output(

@@ -12,8 +12,9 @@ rollouts hang off train, not publish: the engines take the policy by the delta t
 train is done, and publish waits for its checkpoint meanwhile.
 
 On Argo a run is a chain of Workflows of `cluster.chunk_iterations` iterations each (workflows/render/):
-one chunk is `start -> plan -> iteration_tasks(slots 1..K, root="plan")`, where `plan` decides at run time
-which iteration slot 1 is (LATEST + 1).
+one chunk is `start -> plan -> iteration_tasks(slots 1..C, root="plan")`, where `plan` decides at run time
+which iteration slot 1 is (LATEST + 1). There an iteration's rollout shards are one task of K items, which Argo
+expands into these K tasks (workflows/render/chunk.py, `fan_out`).
 """
 
 from __future__ import annotations

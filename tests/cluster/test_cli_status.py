@@ -25,7 +25,9 @@ def node(node_id: str, display_name: str, kind: str, phase: str, started: str, *
 
 
 def failed_workflow() -> dict:
-    """Iteration 1's train step failed; a rollout shard's first pod was lost on Spot and its retry succeeded."""
+    """Slot 1's train step failed; a rollout shard's first pod was lost on Spot and its retry succeeded. The shards
+    are the items of one task, as Argo records them: a TaskGroup node, an item node slot1-rollout(k:k) a shard,
+    its retries that item's children."""
     nodes = [
         node(
             NAME,
@@ -34,24 +36,46 @@ def failed_workflow() -> dict:
             "Failed",
             "2026-11-29T12:00:00Z",
             message=f"child '{NAME}-3196' failed",
-            children=[f"{NAME}-1001", f"{NAME}-2001", f"{NAME}-3196"],
+            children=[f"{NAME}-1001", f"{NAME}-2000", f"{NAME}-3196"],
         ),
         node(f"{NAME}-1001", "start", "Pod", "Succeeded", "2026-11-29T12:00:01Z"),
         node(
+            f"{NAME}-2000",
+            "slot1-rollout",
+            "TaskGroup",
+            "Succeeded",
+            "2026-11-29T12:01:00Z",
+            children=[f"{NAME}-2001", f"{NAME}-2011"],
+        ),
+        node(
             f"{NAME}-2001",
-            "it1-rollout-0",
+            "slot1-rollout(0:0)",
             "Retry",
             "Succeeded",
             "2026-11-29T12:01:00Z",
             children=[f"{NAME}-2002", f"{NAME}-2003"],
         ),
         node(
-            f"{NAME}-2002", "it1-rollout-0(0)", "Pod", "Failed", "2026-11-29T12:01:00Z", message="Error (exit code 143)"
+            f"{NAME}-2002",
+            "slot1-rollout(0:0)(0)",
+            "Pod",
+            "Failed",
+            "2026-11-29T12:01:00Z",
+            message="Error (exit code 143)",
         ),
-        node(f"{NAME}-2003", "it1-rollout-0(1)", "Pod", "Succeeded", "2026-11-29T12:03:00Z"),
+        node(f"{NAME}-2003", "slot1-rollout(0:0)(1)", "Pod", "Succeeded", "2026-11-29T12:03:00Z"),
+        node(
+            f"{NAME}-2011",
+            "slot1-rollout(1:1)",
+            "Retry",
+            "Succeeded",
+            "2026-11-29T12:01:00Z",
+            children=[f"{NAME}-2012"],
+        ),
+        node(f"{NAME}-2012", "slot1-rollout(1:1)(0)", "Pod", "Succeeded", "2026-11-29T12:01:00Z"),
         node(
             f"{NAME}-3196",
-            "it1-train",
+            "slot1-train",
             "Pod",
             "Failed",
             "2026-11-29T12:05:00Z",
@@ -60,7 +84,7 @@ def failed_workflow() -> dict:
     ]
     return {
         "metadata": {"name": NAME, "namespace": NAMESPACE, "labels": {"moeloop.dev/run": "cluster-test"}},
-        "spec": {"entrypoint": "loop"},
+        "spec": {"entrypoint": "chunk"},
         "status": {
             "phase": "Failed",
             "progress": "3/4",
@@ -90,7 +114,7 @@ def test_status_of_a_failed_workflow_names_the_failed_step_and_exits_1() -> None
         "finished  2026-11-29T12:09:30Z",
         f"message   child '{NAME}-3196' failed",
         # Only the step that failed the run: its DAG parent says nothing more, and the rollout recovered.
-        "failed    it1-train: Failed: Error (exit code 1): CUDA out of memory",
+        "failed    slot1-train: Failed: Error (exit code 1): CUDA out of memory",
     ]
     [request] = recorded
     assert (request.method, request.path) == ("GET", f"{WORKFLOWS}/{NAME}")
@@ -129,7 +153,7 @@ def chunk(name: str, created: str, phase: str, progress: str, finished: str | No
         workflow_status["finishedAt"] = finished
     return {
         "metadata": {"name": name, "namespace": NAMESPACE, "creationTimestamp": created},
-        "spec": {"entrypoint": "loop"},
+        "spec": {"entrypoint": "chunk"},
         "status": {key: value for key, value in workflow_status.items() if value},
     }
 

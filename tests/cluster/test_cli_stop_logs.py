@@ -102,19 +102,26 @@ def test_pod_names_are_argos() -> None:
 
 
 def chunk_nodes() -> list[dict]:
-    """A chunk whose slot1-rollout-0 was lost on Spot once and retried, and whose train step ran."""
+    """A chunk whose slot1-rollout ran 2 shards, as Argo records a task of items (workflow/controller/dag.go): the
+    task's TaskGroup node, and an item node slot1-rollout(k:k) a shard, whose retries are its children; shard 1's
+    pod was lost on Spot once and retried. And its train step ran."""
     def node(node_id: str, display: str, kind: str, template: str | None, started: str, **more: object) -> dict:
         return {"id": node_id, "name": f"{NAME}.{display}", "displayName": display, "type": kind, "phase": "Succeeded",
                 "startedAt": started, **({"templateName": template} if template else {}), **more}  # fmt: skip
 
     return [
         node(NAME, NAME, "DAG", "chunk", "2026-11-29T12:00:00Z", children=[f"{NAME}-1", f"{NAME}-2"]),
-        node(f"{NAME}-1", "slot1-rollout-0", "Retry", "rollout", "2026-11-29T12:01:00Z",
-             children=[f"{NAME}-3", f"{NAME}-4"]),  # fmt: skip
-        node(f"{NAME}-3", "slot1-rollout-0(0)", "Pod", "rollout", "2026-11-29T12:01:00Z"),
-        node(f"{NAME}-4", "slot1-rollout-0(1)", "Pod", "rollout", "2026-11-29T12:03:00Z"),
+        node(f"{NAME}-1", "slot1-rollout", "TaskGroup", "rollout", "2026-11-29T12:01:00Z",
+             children=[f"{NAME}-5", f"{NAME}-6"]),
+        node(f"{NAME}-5", "slot1-rollout(0:0)", "Retry", "rollout", "2026-11-29T12:01:00Z", children=[f"{NAME}-7"],
+             inputs={"parameters": [{"name": "shard", "value": "0"}]}),
+        node(f"{NAME}-7", "slot1-rollout(0:0)(0)", "Pod", "rollout", "2026-11-29T12:01:01Z"),
+        node(f"{NAME}-6", "slot1-rollout(1:1)", "Retry", "rollout", "2026-11-29T12:01:00Z",
+             children=[f"{NAME}-3", f"{NAME}-4"], inputs={"parameters": [{"name": "shard", "value": "1"}]}),
+        node(f"{NAME}-3", "slot1-rollout(1:1)(0)", "Pod", "rollout", "2026-11-29T12:01:00Z"),
+        node(f"{NAME}-4", "slot1-rollout(1:1)(1)", "Pod", "rollout", "2026-11-29T12:03:00Z"),
         node(f"{NAME}-2", "slot1-train", "Pod", "train", "2026-11-29T12:05:00Z"),
-    ]
+    ]  # fmt: skip
 
 
 def expected_pod(display: str, template: str) -> str:
@@ -133,19 +140,28 @@ def test_logs_of_a_task_come_from_the_server_log_api_for_each_of_its_pods() -> N
     }
     with argo_stand_in(routes) as (host, recorded):
         train = moeloop("logs", NAME, "slot1-train", "--host", host, "-n", NAMESPACE, env={"ARGO_TOKEN": TOKEN})
-        rollout = moeloop("logs", NAME, "slot1-rollout-0", "--host", host, "-n", NAMESPACE)
+        shard = {name: moeloop("logs", NAME, name, "--host", host, "-n", NAMESPACE)
+                 for name in ("slot1-rollout(1:1)", "slot1-rollout-1", "slot1-rollout")}  # fmt: skip
     pod = expected_pod("slot1-train", "train")
     assert (train.returncode, train.stdout) == (0, f"line 1 of {pod}\nline 2 of {pod}\n"), train.stderr
     log_request = recorded[1]
     assert log_request.query == {"podName": pod, "logOptions.container": "main"}
     assert log_request.headers["Authorization"] == f"Bearer {TOKEN}"
-    # Each attempt of a retried task, in the order they ran, its lines named by the attempt.
-    first, second = expected_pod("slot1-rollout-0(0)", "rollout"), expected_pod("slot1-rollout-0(1)", "rollout")
-    assert rollout.returncode == 0, rollout.stderr
-    assert rollout.stdout.splitlines() == [
-        f"slot1-rollout-0(0): line 1 of {first}", f"slot1-rollout-0(0): line 2 of {first}",
-        f"slot1-rollout-0(1): line 1 of {second}", f"slot1-rollout-0(1): line 2 of {second}",
+    # Shard 1, by its item node's name or by dag.py's name for it: each attempt of its retried pod, in the order
+    # they ran, its lines named by the attempt.
+    first, second = expected_pod("slot1-rollout(1:1)(0)", "rollout"), expected_pod("slot1-rollout(1:1)(1)", "rollout")
+    for name in ("slot1-rollout(1:1)", "slot1-rollout-1"):
+        assert shard[name].returncode == 0, shard[name].stderr
+        assert shard[name].stdout.splitlines() == [
+            f"slot1-rollout(1:1)(0): line 1 of {first}", f"slot1-rollout(1:1)(0): line 2 of {first}",
+            f"slot1-rollout(1:1)(1): line 1 of {second}", f"slot1-rollout(1:1)(1): line 2 of {second}",
+        ]  # fmt: skip
+    # The chunk's task: every shard's pods.
+    zero = expected_pod("slot1-rollout(0:0)(0)", "rollout")
+    assert [line.split(": ")[0] for line in shard["slot1-rollout"].stdout.splitlines()[::2]] == [
+        "slot1-rollout(1:1)(0)", "slot1-rollout(0:0)(0)", "slot1-rollout(1:1)(1)"
     ]  # fmt: skip
+    assert f"line 1 of {zero}" in shard["slot1-rollout"].stdout
 
 
 def test_logs_refusals_are_one_line() -> None:

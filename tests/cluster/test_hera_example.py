@@ -102,52 +102,60 @@ def run_example(config: Path, host: str, *more: str) -> subprocess.CompletedProc
     )  # fmt: skip
 
 
-def test_the_example_on_the_8_shard_jobset_config_fits_argos_200_tasks() -> None:
-    """configs/eks.yaml fills a chunk to 197 tasks (16 iterations of 12): a notify task an iteration leaves room for
-    15 iterations, and what is sent lints clean, as moeloop render's objects do."""
+def eks_with(tmp_path: Path, chunk_iterations: int) -> Path:
+    """configs/eks.yaml (8 shards, a JobSet) with cluster.chunk_iterations set, beside its data."""
+    path = tmp_path / "eks.yaml"
+    chunk = f"  train_nodes: 2\n  chunk_iterations: {chunk_iterations}"
+    path.write_text(EKS.read_text().replace("  train_nodes: 2", chunk))
+    if not (tmp_path / "data").exists():
+        (tmp_path / "data").symlink_to(REPO / "configs" / "data")
+    return path
+
+
+def test_the_example_on_the_8_shard_jobset_config_fits_argos_200_tasks(tmp_path: Path) -> None:
+    """configs/eks.yaml's 8 shards are one task of 8 items, so an iteration is 5 tasks and a notify task makes it 6:
+    32 iterations fill a chunk to 197 tasks, and what is sent lints clean, as moeloop render's objects do."""
     routes = {
         ("GET", f"{TEMPLATES}/moeloop-tiny-eks"): lambda request: argo_error(404, "not found"),
         ("POST", TEMPLATES): stored("template"),
         ("POST", WORKFLOWS): stored("workflow"),
     }
     with argo_stand_in(routes) as (host, recorded):
-        result = run_example(EKS, host)
+        result = run_example(eks_with(tmp_path, 32), host)
     assert (result.returncode, result.stdout) == (0, "tiny-eks-x7k2p\n"), result.stderr
     template = recorded[1].body["template"]
     assert request_errors(recorded[1].body, "WorkflowTemplateCreateRequest") == []
     assert lint_document(template) == [] and lint_document(recorded[2].body["workflow"]) == []
     chunk = template["spec"]["templates"][0]["dag"]["tasks"]
-    assert len(chunk) == 5 + 15 * 13 == 200
-    assert len([task for task in chunk if task["name"].endswith("-notify")]) == 15
+    assert len(chunk) == 5 + 32 * 6 == 197
+    assert len([task for task in chunk if task["name"].endswith("-notify")]) == 32
     plan = next(task for task in chunk if task["name"] == "plan")
-    assert {"name": "chunk", "value": "15"} in plan["arguments"]["parameters"]
+    assert {"name": "chunk", "value": "32"} in plan["arguments"]["parameters"]
 
 
 def test_the_example_sends_nothing_that_does_not_lint(tmp_path: Path) -> None:
-    """Without the room, the chunk with its notify tasks is over Argo's limit, and lint says so; the example asks for
-    the room, so what it refuses is anything else that does not lint, e.g. a webhook with an Argo expression in it,
-    and a chunk_iterations set too large for the added task."""
+    """Without the room, a chunk full at 39 iterations of 5 tasks is over Argo's limit with the notify tasks, and
+    lint says so; the example asks for the room, so what it refuses is anything else that does not lint, e.g. a
+    webhook with an Argo expression in it, and a chunk_iterations set too large for the added task."""
     from moeloop.steps.config import load_config
     from moeloop.workflows.dag import run_uri
     from moeloop.workflows.render.loop import build
 
     example = runpy.run_path(str(REPO / "examples" / "notify_after_publish.py"))
-    config = load_config(EKS)
+    config = load_config(eks_with(tmp_path, 39))
     plain = build(config, run_uri(config, "s3://moeloop-runs/runs"))
+    assert len(plain.chunk.tasks) == 5 + 39 * 5 == 200
     crowded = example["with_notifications"](plain, "https://h.example.com")
     assert any("dag.tasks" in str(error) and "200" in str(error) for error in lint_document(crowded.template.to_dict()))
 
     with argo_stand_in({}) as (host, recorded):
         expression = run_example(EKS, host, "--webhook", "https://h.example.com/{{inputs.parameters.token}}")
-        sixteen = EKS.read_text().replace("  train_nodes: 2", "  train_nodes: 2\n  chunk_iterations: 16")
-        (tmp_path / "eks.yaml").write_text(sixteen)
-        (tmp_path / "data").symlink_to(REPO / "configs" / "data")
-        too_many = run_example(tmp_path / "eks.yaml", host)
+        too_many = run_example(eks_with(tmp_path, 33), host)
     assert recorded == []
     assert expression.returncode == 2 and "inputs.parameters.token" in expression.stderr
     assert expression.stderr.splitlines()[-1] == "error: 1 lint error(s): nothing sent"
     assert (too_many.returncode, too_many.stderr) == (
         2,
-        "error: cluster.chunk_iterations 16 makes a Workflow of more than 200 tasks at 13 tasks per iteration"
-        " (1 of your own); at most 15\n",
+        "error: cluster.chunk_iterations 33 makes a Workflow of more than 200 tasks at 6 tasks per iteration"
+        " (1 of your own); at most 32\n",
     )

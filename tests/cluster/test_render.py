@@ -17,17 +17,17 @@ from moeloop.steps.config import MoeloopConfig, parse_config
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.start import load_config_argument
 from tests.argo_stand_in import moeloop
-from tests.argo_substitution import read_back
+from tests.argo_substitution import expanded_tasks, read_back
 from tests.conftest import REPO
 from moeloop.workflows.dag import PLAN, START, STEPS, TRAIN, loop_tasks, run_values
 from moeloop.workflows.lint.documents import lint_documents
 from moeloop.workflows.local.launch import local_argv
 from moeloop.workflows.render import files as render_files
-from moeloop.workflows.render.chunk import MAX_CHUNK_TASKS, chunk_size, dag_tasks
+from moeloop.workflows.render.chunk import MAX_CHUNK_TASKS, chunk_size, dag_tasks, node_name
 from moeloop.workflows.render.files import MAX_OBJECT_BYTES, object_bytes, write_rendered
 from moeloop.workflows.render.loop import build, render
 from moeloop.workflows.render.portable_paths import portable_config
-from moeloop.workflows.render.step_templates import step_placeholders
+from moeloop.workflows.render.step_templates import SPOT_RETRY_EXPRESSION, step_placeholders
 
 RUN_URI = "s3://moeloop-runs/runs/render-test"
 FILES = ("workflow-template.yaml", "workflow.yaml", "cron-workflow.yaml")
@@ -123,17 +123,25 @@ def test_chunk_slots_are_the_local_runners_tasks(config: MoeloopConfig, document
     templates = templates_by_name(template)
     values = {f"workflow.parameters.{n}": v for n, v in run_values(config, RUN_URI).items()}
 
-    def local_name(slot_task: str) -> str:
-        slot, rest = re.fullmatch(r"slot(\d+)-(.*)", slot_task).groups()
-        return f"it{int(slot) + first - 1}-{rest}"
+    def node(local_task: str) -> str:
+        """The Argo node of the chunk that runs the local task: slot3-train, a shard's item slot3-rollout(0:0)."""
+        iteration, rest = re.fullmatch(r"it(\d+)-(.*)", local_task).groups()
+        return node_name(f"slot{int(iteration) - first + 1}-{rest}")
 
-    rendered = {name: task for name, task in chunk_tasks_by_name(template).items() if name.startswith("slot")}
-    assert sorted(map(local_name, rendered)) == sorted(local)
+    by_node = {node(name): task for name, task in local.items()}
+    # Each iteration's rollout shards are one task of K items, which Argo expands into a node a shard.
+    chunk = chunk_tasks_by_name(template)
+    shards = config.rollout.num_shards
+    sequences = [chunk[f"slot{j}-rollout"]["withSequence"] for j in range(1, k + 1)]
+    assert shards > 1 and sequences == [{"count": shards}] * k
+    rendered = {name: task for name, task in expanded_tasks(list(chunk.values())).items() if name.startswith("slot")}
+    assert sorted(rendered) == sorted(by_node)
     for name, task in rendered.items():
-        expected = local[local_name(name)]
-        dependencies = {local_name(d) if d.startswith("slot") else d for d in task["dependencies"]}
+        expected = by_node[name]
+        dependencies = set(task["dependencies"])
         before = {d for d in expected.dependencies if d not in local}  # outside the chunk: plan's side
-        assert dependencies == (set(expected.dependencies) - before) | ({PLAN.name} if before else set())
+        inside = {node(d) for d in expected.dependencies if d in local}
+        assert dependencies == inside | ({PLAN.name} if before else set())
         assert task["template"] == expected.step.name
         arguments = {p["name"]: p["value"] for p in task["arguments"]["parameters"]}
         arguments["iteration"] = str(slot_iteration(arguments["iteration"], first))
@@ -165,7 +173,7 @@ def test_chunk_starts_with_start_and_plan_and_ends_with_the_next_chunk(
     assert tasks["next-chunk"]["when"] == (
         "{{tasks.plan.outputs.parameters.more}} == true && {{=workflow.parameters.chain == 'true'}}"
     )
-    assert len(tasks) == 4 + 3 * (config.rollout.num_shards + 4) + 1
+    assert len(tasks) == 4 + 3 * 5 + 1  # 5 tasks an iteration: its K rollout shards are one
 
 
 def test_the_chunk_does_not_grow_with_the_run(config: MoeloopConfig) -> None:
@@ -185,7 +193,7 @@ def test_ten_thousand_iterations_stay_well_under_a_megabyte(
     config = make_config(tmp_path, cluster={"chunk_iterations": None})
     config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"num_shards": shards})})
     documents = render(config, RUN_URI, iterations=10_000)
-    assert chunk_size(config) == {2: 20, 64: 2}[shards]  # 20 by default; fewer when an iteration has many tasks
+    assert chunk_size(config) == 20  # by default, at any shard count: an iteration is 5 tasks
     assert len(dag_tasks(documents["workflow-template.yaml"])) <= MAX_CHUNK_TASKS
     largest = max(object_bytes(document) for document in documents.values())
     assert largest < MAX_OBJECT_BYTES // 2, largest
@@ -196,6 +204,32 @@ def test_a_chunk_over_the_task_bound_is_refused(tmp_path: Path, monkeypatch: pyt
     config = make_config(tmp_path, cluster={"chunk_iterations": 100})
     with pytest.raises(MoeloopError, match=r"^cluster.chunk_iterations 100 makes a Workflow of more than 200 tasks"):
         render(config, RUN_URI)
+
+
+@pytest.mark.parametrize("shards", [1, 8, 16])
+def test_an_iteration_is_five_tasks_at_any_shard_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: int
+) -> None:
+    """The K rollout shards of an iteration are one task of K items (Argo's withSequence), so a chunk holds 20
+    iterations by default, and up to (200 - 5) // 5 = 39 asked for, at 1, 8 or 16 shards alike."""
+    monkeypatch.chdir(tmp_path)
+    for iterations, size in ((None, 20), (39, 39)):
+        config = make_config(tmp_path, cluster={"chunk_iterations": iterations})
+        config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"num_shards": shards})})
+        document = render(config, RUN_URI)["workflow-template.yaml"]
+        tasks = dag_tasks(document)
+        assert chunk_size(config) == size and len(tasks) == 5 + 5 * size <= MAX_CHUNK_TASKS
+        assert tasks[f"slot{size}-reward"] == (f"slot{size}-rollout",)
+    # Argo runs the task once a shard, each item retried on its own by the template's Spot retries.
+    rollout = chunk_tasks_by_name(document)["slot2-rollout"]
+    assert rollout["withSequence"] == {"count": shards} and rollout["template"] == "rollout"
+    assert {p["name"]: p["value"] for p in rollout["arguments"]["parameters"]}["shard"] == "{{item}}"
+    retry = templates_by_name(document)["rollout"]["retryStrategy"]
+    assert (retry["expression"], retry["limit"]) == (SPOT_RETRY_EXPRESSION, config.cluster.spot_retry.limit)
+    over = config.model_copy(update={"cluster": config.cluster.model_copy(update={"chunk_iterations": 40})})
+    with pytest.raises(MoeloopError, match=r"^cluster.chunk_iterations 40 makes a Workflow of more than 200 tasks at 5"
+                       r" tasks per iteration; at most 39$"):  # fmt: skip
+        chunk_size(over)
 
 
 def test_write_rendered_refuses_an_object_over_the_size_limit(

@@ -13,7 +13,7 @@ from moeloop.workflows.dag import ROLLOUT_ENGINE, TRAINER, loop_tasks, run_value
 from moeloop.workflows.lint.documents import lint_documents
 from moeloop.workflows.render.chunk import MAX_CHUNK_TASKS, chunk_size
 from moeloop.workflows.render.loop import render
-from tests.argo_substitution import read_back
+from tests.argo_substitution import expanded_tasks, read_back, substitute
 from tests.conftest import small_config
 
 RUN_URI = "s3://moeloop-runs/runs/daemons"
@@ -71,9 +71,11 @@ def test_the_chunk_starts_its_trainer_and_engines_after_plan_and_every_asking_ta
         "last": last,
     }
     for slot in (1, 2):
-        train, rollout = tasks[f"slot{slot}-train"], tasks[f"slot{slot}-rollout-2"]
+        train, rollout = tasks[f"slot{slot}-train"], tasks[f"slot{slot}-rollout"]
         assert "trainer" in train["dependencies"] and "rollout-engines" in rollout["dependencies"]
         assert arguments(train)["last"] == arguments(rollout)["last"] == last
+        # The shards are the task's items, as the engines are the engines task's: shard k asks engine k.
+        assert (rollout["withSequence"], arguments(rollout)["shard"]) == ({"count": 3}, "{{item}}")
     # The asking steps apply the JobSet the chunk's task applied: the same template, the same name and arguments.
     [[apply], [ask]] = templates["rollout"]["steps"]
     assert (apply["template"], ask["template"]) == ("rollout-engine", "rollout-ask")
@@ -83,22 +85,35 @@ def test_the_chunk_starts_its_trainer_and_engines_after_plan_and_every_asking_ta
         "num_shards": "{{inputs.parameters.num_shards}}",
         "last": "{{inputs.parameters.last}}",
     }
+    # As Argo expands the two tasks, item k of a slot's rollout applies and asks the JobSet item k of the engines
+    # task applied: its shard input is the item.
+    expanded = expanded_tasks(list(tasks.values()))
+    for k in range(3):
+        engine, shard = expanded[f"rollout-engines({k}:{k})"], expanded[f"slot2-rollout({k}:{k})"]
+        inputs = {f"inputs.parameters.{name}": value for name, value in arguments(shard).items()}
+        applied = substitute(arguments(apply)["name"], {**inputs, "workflow.name": "wf"})
+        assert applied == substitute(arguments(engine)["name"], {"workflow.name": "wf"}) == f"wf-rollout-{k}"
     [[apply], [ask]] = templates["train"]["steps"]
     assert (apply["template"], ask["template"]) == ("trainer", "train-ask")
     assert arguments(apply) == {"name": "{{workflow.name}}-trainer", "last": "{{inputs.parameters.last}}"}
-    # Its three tasks count against Argo's 200 a DAG: at 65 tasks a slot (61 shards), 5 + 3 fixed tasks leave room
-    # for 2.
+    # Its three tasks count against Argo's 200 a DAG, beside 5 tasks a slot at any shard count (61 shards here):
+    # (200 - 8) // 5 = 38 iterations fit with both long-lived processes, (200 - 6) // 5 with the engines alone.
     wide, unset = {"num_shards": 61, "prompts_per_iteration": 61}, {"chunk_iterations": None}
     held = small_config(rollout={**wide, "lifetime": "chunk"}, trainer={"lifetime": "chunk"}, cluster=unset)
-    assert chunk_size(held) == (MAX_CHUNK_TASKS - 8) // 65 == 2
-    assert chunk_size(held.model_copy(update={"trainer": small_config().trainer})) == (MAX_CHUNK_TASKS - 6) // 65 == 2
-    assert chunk_size(small_config(rollout=wide, cluster=unset)) == (MAX_CHUNK_TASKS - 5) // 65 == 3
-    # At 193 tasks a slot (189 shards) a chunk has room beside 7 fixed tasks, not beside 8: trainer-state counts.
-    widest = {"num_shards": 189, "prompts_per_iteration": 189}
+    assert chunk_size(held) == 20 and len(chunk_tasks_of(template(held))) == 8 + 20 * 5
+    for config, fixed in ((held, 8), (held.model_copy(update={"trainer": small_config().trainer}), 6)):
+        assert chunk_size(with_chunk(config, 38)) == 38 == (MAX_CHUNK_TASKS - fixed) // 5
+    with pytest.raises(MoeloopError, match="chunk_iterations 39 makes a Workflow of more than 200 tasks at 5 tasks"):
+        chunk_size(with_chunk(held, 39))
+    # Only tasks of your own fill a chunk now: at 193 a slot, 198 tasks fit beside 7 fixed, not beside 8.
+    trainer_only = small_config(rollout=wide, trainer={"lifetime": "chunk"}, cluster=unset)
+    assert chunk_size(trainer_only, own_tasks_per_iteration=188) == 1
     with pytest.raises(MoeloopError, match="does not fit a Workflow of 200 tasks beside the chunk's 8"):
-        chunk_size(small_config(rollout={**widest, "lifetime": "chunk"}, trainer={"lifetime": "chunk"}, cluster=unset))
-    assert chunk_size(small_config(rollout=widest, trainer={"lifetime": "chunk"}, cluster=unset)) == 1
+        chunk_size(held, own_tasks_per_iteration=188)
 
+
+def with_chunk(config: MoeloopConfig, iterations: int) -> MoeloopConfig:
+    return config.model_copy(update={"cluster": config.cluster.model_copy(update={"chunk_iterations": iterations})})
 
 def test_the_chunk_ends_and_the_next_is_submitted_only_once_its_trainer_has_committed_its_last_state() -> None:
     """The exit handler deletes the trainer's JobSet: trainer-state, a CPU pod, waits for the last iteration's trainer
@@ -210,7 +225,7 @@ def test_the_next_rollouts_hang_off_train_where_the_engines_take_the_trainers_de
     for staleness, slot, policy in ((0, 2, 1), (1, 3, 1)):
         config = config_with(trainer, rollout)
         config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"max_staleness": staleness})})
-        depends = chunk_tasks_of(template(config))[f"slot{slot}-rollout-0"]["dependencies"]
+        depends = chunk_tasks_of(template(config))[f"slot{slot}-rollout"]["dependencies"]
         assert f"slot{policy}-{ready}" in depends and f"slot{policy}-{other}" not in depends, depends
         local = {task.name: task for task in loop_tasks(config)}
         assert local[f"it{slot}-rollout-0"].dependencies == (f"it{policy}-{ready}",)

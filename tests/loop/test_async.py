@@ -71,8 +71,8 @@ def test_rendered_chunk_shows_rollout_after_publish_i_minus_1_not_train_i() -> N
     slots = {t.name: tuple(sorted(t.dependencies)) for t in chunk_tasks(config)}
     assert {name: rendered[name] for name in slots} == slots
     graph = {name: set(deps) for name, deps in rendered.items()}
-    assert graph["slot3-rollout-0"] == {"slot1-publish"}
-    assert "slot2-train" not in ancestors(graph, "slot3-rollout-0")
+    assert graph["slot3-rollout"] == {"slot1-publish"}
+    assert "slot2-train" not in ancestors(graph, "slot3-rollout")
     assert "slot2-train" in ancestors(graph, "slot3-train")
 
 

@@ -22,13 +22,14 @@ from moeloop.steps.storage.cache import fetch_checkpoint
 from moeloop.steps.storage.run import RunStorage
 from moeloop.steps.rl.state import update_policy
 from moeloop.steps.train import train
+from tests.argo_substitution import expanded_tasks
 from tests.conftest import SMALL_TRANSFORMERS_ROLLOUT, small_config
 from moeloop.workflows.dag import loop_tasks, run_uri, run_values
 from moeloop.workflows.local import launch
 from moeloop.workflows.local.ready import worker_slot
 from moeloop.workflows.local.runner import run_local
 from moeloop.workflows.local.workers import StepWorker
-from moeloop.workflows.render.chunk import dag_tasks
+from moeloop.workflows.render.chunk import node_name
 from moeloop.workflows.render.loop import render
 from moeloop.workflows.render.step_templates import step_placeholders
 
@@ -119,16 +120,16 @@ def test_local_run_executes_the_rendered_dag_and_resumes_from_latest(workers_run
     # The Argo chunk (a WorkflowTemplate whose slot j runs LATEST + j; plan stands for what came before) has
     # the executed tasks, edges and commands: a new run's chunk runs iterations 1, 2, ... in slots 1, 2, ...
     document = render(config, uri)["workflow-template.yaml"]
-    chunk, chunk_dag = rendered_chunk(document), dag_tasks(document)
+    # Its nodes, as Argo expands them: an iteration's rollout shards are one task of K items, slot<i>-rollout(k:k).
+    chunk = expanded_tasks(list(rendered_chunk(document).values()))
 
     def slot(name: str) -> str:
-        return re.sub(r"^it(\d+)-", r"slot\1-", name)
+        return node_name(re.sub(r"^it(\d+)-", r"slot\1-", name))
 
     iterations = [t for t in executed if t.name not in ("start", "eval-0")]
     assert {
-        slot(t.name): tuple(sorted(slot(d) if d.startswith("it") else "plan" for d in t.dependencies))
-        for t in iterations
-    } == {slot(t.name): chunk_dag[slot(t.name)] for t in iterations}
+        slot(t.name): sorted(slot(d) if d.startswith("it") else "plan" for d in t.dependencies) for t in iterations
+    } == {slot(t.name): sorted(chunk[slot(t.name)]["dependencies"]) for t in iterations}
     commands = rendered_commands(document)
     tasks = {t.name: t for t in loop_tasks(config)}
     values = run_values(config, uri)

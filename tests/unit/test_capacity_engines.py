@@ -27,14 +27,15 @@ ROLLOUT_CHUNK = {"rollout": {"lifetime": "chunk"}}
 
 
 def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_path: Path) -> None:
-    """configs/tiny.yaml's chunk: 20 iterations at 2 shards, 16 at 8 (12 tasks an iteration, beside the chunk's 5
-    and the engines' start task: (200 - 6) // 12). A shard pays 15 / C of engine start, 30.5 / C of checkpoint and
+    """configs/tiny.yaml's chunk: 20 iterations at 2 shards and at 8 (5 tasks an iteration at any shard count, its
+    shards one task of K items; 38 would fit beside the chunk's 5 and the engines' start task: (200 - 6) // 5). A
+    shard pays 15 / C of engine start, 30.5 / C of checkpoint and
     its digest check after the load (61.06 GB x 0.3 s/GB), the delta's 2 x 2% of 61.06 GB at 0.5 s/GB and 61.06 GB
     x 0.4 s/GB of apply, then generates, the delta's digest check (18.3 s) beside it: only a check longer than the
     generating (61.06 GB at 1 s/GB against 40 s) adds what outlasts it. The delta's 15 files (61.06 GB in 4 GiB
     files) are fetched one after another and each written in as it arrives: of the fetch, shorter than the
     writing, only the first file's share is on the step's path."""
-    for shards, c, generate, check in ((2, 20, 160, 0.3), (8, 16, 40, 0.3), (8, 16, 40, 1.0)):
+    for shards, c, generate, check in ((2, 20, 160, 0.3), (8, 20, 40, 0.3), (8, 20, 40, 1.0)):
         rates = ENGINES | {"delta_check_seconds_per_gb": check}
         plan = stated_plan(tmp_path, 0, rates, shards=shards, **ROLLOUT_CHUNK)
         best = plan.best

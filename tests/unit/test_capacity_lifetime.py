@@ -42,9 +42,9 @@ def chunk(every: int = 1) -> dict:
 
 
 def test_a_chunk_trainer_pays_its_start_up_and_state_once_a_chunk_and_commits_the_checkpoint(tmp_path: Path) -> None:
-    """configs/tiny.yaml: cluster.chunk_iterations 20, which 2 shards' iterations fit (6 tasks each, 20 x 6 + 5 <=
-    200) and 8 shards' do not (12 tasks: at most 16, as many as fit)."""
-    for shards, c in ((2, 20), (8, 16)):
+    """configs/tiny.yaml: cluster.chunk_iterations 20, which 2 shards' iterations fit and 8 shards' too: an
+    iteration is 5 tasks at any shard count (its shards one task of K items), 20 x 5 + 7 <= 200."""
+    for shards, c in ((2, 20), (8, 20)):
         plan = stated_plan(tmp_path, 0, SHAPED, shards=shards, trainer=chunk())
         best = plan.best
         assert best.paid.chunk_iterations == c
@@ -80,12 +80,12 @@ def test_a_chunk_trainer_pays_its_start_up_and_state_once_a_chunk_and_commits_th
 
 def test_the_background_commit_is_on_the_path_only_beyond_state_every_periods(tmp_path: Path) -> None:
     """The state committed at 1 s/GB: 366.4 s a commit. Without waiting for it the period is 5 + 55 + 5 + 5 + 5 +
-    train (15 + (32 + 73.3 - 40 + 366.4) / 16 + 0.61 + 40 = 82.6: the start-up and the fetch, once a chunk, beyond slot 1's 40 s
-    of generating, and the commit at the chunk's end; the delta) + 5 + 61.06 (publish waits for the checkpoint's commit)
-    = 223.6 s; every iteration (k = 1) the commit takes longer, and the trainer waits out the excess, 366.4 - 223.6 s an
-    iteration; every 2 it keeps up."""
+    train (15 + (32 + 73.3 - 40 + 366.4) / 20 + 0.61 + 40 = 77.2: the start-up and the fetch, once a chunk of 20
+    iterations, beyond slot 1's 40 s of generating, and the commit at the chunk's end; the delta) + 5 + 61.06 (publish
+    waits for the checkpoint's commit) = 218.3 s; every iteration (k = 1) the commit takes longer, and the trainer
+    waits out the excess, 366.4 - 218.3 s an iteration; every 2 it keeps up."""
     slow = SHAPED | {"trainer_state_seconds_per_gb": 1.2, "trainer_commit_seconds_per_gb": 1.0}
-    chunk_state = (32 + STATE_GB * 1.2 - 40) / 16
+    chunk_state = (32 + STATE_GB * 1.2 - 40) / 20
     train = 15 + chunk_state + CHECKPOINT_GB * 0.01 + 40
     unhurried = 5 + 55 + 5 + 5 + 5 + train + 5 + CHECKPOINT_GB * 1.0  # publish waits for the checkpoint's commit
     waiting = stated_plan(tmp_path, 0, slow, trainer=chunk(1)).best

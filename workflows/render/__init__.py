@@ -6,11 +6,13 @@ grows with the run (etcd keeps about 1 MB per object; Argo's recursion depth is 
 
     start -> plan -+-> eval-latest                      (LATEST's evaluation, if it is missing)
                    +-> label                            (the Workflow's first/last-iteration labels)
-                   +-> slot1-rollout-* -> ... -> slotK-eval -> next-chunk
+                   +-> slot1-rollout -> ... -> slotC-eval -> next-chunk
 
 `plan` (steps/chunk.py) reads LATEST after start has adopted the submitted `iterations`: slot j runs
 iteration LATEST + j when j <= its `count`; `next-chunk` creates the next Workflow from the same template when
-iterations remain and `chain` is true. The ad-hoc Workflow and the CronWorkflow refer to the template, so
+iterations remain and `chain` is true. An iteration's K rollout shards are one task of K items (Argo's
+`withSequence`), which Argo runs as a node a shard, `slot<j>-rollout(k:k)`, each retried on its own: an iteration
+is 5 tasks at any shard count (`chunk.fan_out`). The ad-hoc Workflow and the CronWorkflow refer to the template, so
 every submission, resubmission or scheduled tick continues from LATEST. Every task, dependency and pod
 command comes from workflows/dag.py (`iteration_tasks`, `STEPS`); this package adds placement by role from
 `config.cluster`, security contexts, output parameters and the chaining.

@@ -4,6 +4,9 @@ templates that label the running Workflow and create the next chunk's.
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 from hera.workflows import DAG, Parameter, Resource, Workflow
 from hera.workflows import Task as HeraTask
 from hera.workflows import models as m
@@ -13,6 +16,7 @@ from moeloop.steps.errors import MoeloopError
 from moeloop.workflows.dag import (
     EVALUATE,
     PLAN,
+    ROLLOUT,
     ROLLOUT_ENGINE,
     START,
     TRAINER,
@@ -47,10 +51,47 @@ def template_name(config: MoeloopConfig) -> str:
     return f"moeloop-{config.run_name}"
 
 
+def fan_out(tasks: list[Task]) -> list[Task]:
+    """dag.py's tasks as the chunk's DAG holds them: an iteration's K rollout shards (<slot>-rollout-<k>) are one task,
+    <slot>-rollout, whose shard is Argo's `{{item}}` over a sequence of K (`fanned_out`); Argo expands it into a node
+    per shard, <slot>-rollout(k:k) (`node_name`), each retried on its own. A task that depended on the shards depends
+    on it, which waits for every item. Every other task is dag.py's."""
+    groups: dict[str, str] = {}  # a shard's task -> its group's
+    found: list[Task] = []
+    for task in tasks:
+        if fanned_out(task):
+            shard = dict(task.arguments)["shard"]
+            group = task.name.removesuffix(f"-{shard}")
+            first = group not in groups.values()
+            groups[task.name] = group
+            if not first:
+                continue
+            assert shard == "0", f"{task.name}: a fan-out starts at shard 0"
+            values = tuple((p, "{{item}}" if p == "shard" else v) for p, v in task.arguments)
+            task = replace(task, name=group, arguments=values)
+        dependencies = tuple(dict.fromkeys(groups.get(d, d) for d in task.dependencies))
+        found.append(replace(task, dependencies=dependencies))
+    return found
+
+
+def fanned_out(task: Task) -> bool:
+    """Whether the task is one of K items of a chunk task: a rollout shard."""
+    return task.step is ROLLOUT
+
+
+def node_name(task: str) -> str:
+    """The display name of the Argo node that runs dag.py's task of that name: a rollout shard's, <slot>-rollout-<k>,
+    is item k of the chunk's task <slot>-rollout, named <slot>-rollout(k:k) as Argo names an expanded task's items
+    (workflow/controller/operator.go, generateNodeName: `task(index:item)`); any other task's node has its name."""
+    shard = re.fullmatch(rf"(.+-{ROLLOUT.name})-(\d+)", task)
+    return f"{shard[1]}({shard[2]}:{shard[2]})" if shard else task
+
+
 def chunk_size(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> int:
     """Iterations per chunk: cluster.chunk_iterations, by default 20 or as many as MAX_CHUNK_TASKS allows, with room
-    for `own_tasks_per_iteration` tasks a user adds to each iteration (workflows.build's argument)."""
-    per_iteration = len(iteration_tasks(config, 1, PLAN.name)) + own_tasks_per_iteration
+    for `own_tasks_per_iteration` tasks a user adds to each iteration (workflows.build's argument). An iteration's
+    tasks are the DAG's (`fan_out`): as many at any shard count."""
+    per_iteration = len(fan_out(iteration_tasks(config, 1, PLAN.name))) + own_tasks_per_iteration
     fixed = len(FIXED_CHUNK_TASKS) + 2 * (config.trainer.lifetime == "chunk") + (config.rollout.lifetime == "chunk")
     fitting = (MAX_CHUNK_TASKS - fixed) // per_iteration
     if fitting < 1:
@@ -70,8 +111,9 @@ def chunk_size(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> int:
 
 
 def chunk_tasks(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> list[Task]:
-    """The chunk's iteration slots: dag.py's iterations 1..K named slot<j>, rooted at plan."""
-    return iteration_tasks(config, chunk_size(config, own_tasks_per_iteration), PLAN.name, prefix="slot")
+    """The chunk's iteration slots: dag.py's iterations 1..C named slot<j>, rooted at plan, each iteration's rollout
+    shards one task of K items (`fan_out`)."""
+    return fan_out(iteration_tasks(config, chunk_size(config, own_tasks_per_iteration), PLAN.name, prefix="slot"))
 
 
 def slot_iteration(slot: int) -> str:
@@ -85,8 +127,9 @@ def _counted(slot: int) -> str:
     return f"{{{{{PLAN_OUTPUTS}.count}}}} >= {slot}"
 
 
-def _dag_task(task: Task, when: str | None = None, **values: str) -> HeraTask:
-    """dag.py's task as a Hera task; `values` replace its arguments' values."""
+def _dag_task(task: Task, when: str | None = None, items: int | None = None, **values: str) -> HeraTask:
+    """dag.py's task as a Hera task; `values` replace its arguments' values; `items`: a task Argo runs once for each
+    of 0..items-1, its `{{item}}`."""
     arguments = [Parameter(name=p, value=values.get(p, v)) for p, v in task.arguments]
     return HeraTask(
         name=task.name,
@@ -94,6 +137,7 @@ def _dag_task(task: Task, when: str | None = None, **values: str) -> HeraTask:
         arguments=arguments or None,
         dependencies=list(task.dependencies) or None,
         when=when,
+        with_sequence=_items(items),
     )
 
 
@@ -120,7 +164,8 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
         )
 
     def slot_task(task: Task) -> HeraTask:
-        hera_task = _dag_task(task, when=_counted(task.iteration), iteration=slot_iteration(task.iteration))
+        items = config.rollout.num_shards if fanned_out(task) else None
+        hera_task = _dag_task(task, _counted(task.iteration), items, iteration=slot_iteration(task.iteration))
         if task.step in ASKED and held(ASKED[task.step], config):
             hera_task.arguments.append(Parameter(name="last", value=last))
             hera_task.dependencies.append(_daemon_task_name(ASKED[task.step]))
@@ -153,6 +198,11 @@ def chunk_dag(config: MoeloopConfig, own_tasks_per_iteration: int = 0) -> DAG:
     )
 
 
+def _items(count: int | None) -> m.Sequence | None:
+    """Argo's loop over 0..count-1 (each its `{{item}}`): a task of one node an item; None: a plain task."""
+    return m.Sequence(count=m.IntOrString(count)) if count is not None else None
+
+
 def _daemon_task_name(step: Step) -> str:
     return "rollout-engines" if step is ROLLOUT_ENGINE else step.name
 
@@ -169,7 +219,7 @@ def _daemon_task(step: Step, config: MoeloopConfig, last: str) -> HeraTask:
         ],
         dependencies=[PLAN.name],
         when=_counted(1),
-        with_sequence=m.Sequence(count=m.IntOrString(config.rollout.num_shards)) if step is ROLLOUT_ENGINE else None,
+        with_sequence=_items(config.rollout.num_shards if step is ROLLOUT_ENGINE else None),
     )
 
 
