@@ -31,8 +31,10 @@ from moeloop.workflows.render.placement import LABEL, orchestrator_pod
 
 API_VERSION = "argoproj.io/v1alpha1"
 ENTRYPOINT = "chunk"
-# Argo's CRDs allow at most 200 tasks in a DAG (dag.tasks maxItems). That also keeps a running chunk's status,
-# one entry (~0.5-1 KB with outputs) per task and retry, within etcd's limit.
+# Argo's CRDs allow at most 200 tasks in a DAG (dag.tasks maxItems). A running chunk's status holds a node (~0.5-1 KB
+# with outputs) per task, rollout item and retry: at the default 20 iterations and 8 shards about 300; Argo compresses
+# a status past 1 MB into status.compressedNodes (docs: "Offloading Large Workflows"), which the longest chunks of many
+# shards may need.
 MAX_CHUNK_TASKS = 200
 DEFAULT_CHUNK_ITERATIONS = 20  # a Workflow per ~day of a large run: short enough to find, resubmit, archive
 PLAN_OUTPUTS = "tasks.plan.outputs.parameters"
