@@ -13,8 +13,9 @@ and the shard generated again after a full load. Anything else falls back to the
 as a new engine is: a delta missing (not yet published, or left out by publish as no smaller than the checkpoint),
 damaged (its COMMIT does not verify), of another base or leading elsewhere; the digest differing; an engine that
 cannot take deltas (why: `Engine.map_weights`); an older version. A full load waits for the checkpoint's commit
-while the trainer is heard. After every full load the engine checks its weights' digest too: an engine whose layout
-deltas are not written in finds out on its first load, and then takes full checkpoints only. A rollout pod or worker
+while the trainer is heard. After every full load the engine checks its weights' digest too (a shard: beside its
+generating, the rows standing whatever it finds): an engine whose layout deltas are not written in finds out on its
+first load, and then takes full checkpoints only. A rollout pod or worker
 that lives across iterations calls `engine_at(storage, version, ...)` each iteration and generates with the engine
 it returns.
 """
@@ -51,11 +52,14 @@ class Held:
 
 @dataclass(frozen=True)
 class Checking:
-    """A version a kept engine moved to by deltas, its weights' digest being read back beside what it does next
-    (engine_at's check_later): the engine holds it once `checked` finds the digest the version's."""
+    """A version a kept engine moved to by deltas, or loaded whole, its weights' digest being read back beside what
+    it does next (engine_at's check_later). Moved by deltas, the engine holds the version once `checked` finds the
+    digest the version's. Loaded whole (loaded), it holds the version already, the rows it samples are the version's
+    whatever the check finds: the check tells whether it can read its weights back, so take deltas."""
 
     held: Held
-    expected: dict[str, str]  # the last delta's record of each tensor's digest: names the first that differs
+    expected: dict[str, str]  # the version's record of each tensor's digest: names the first that differs
+    loaded: bool = False
 
 
 class DeltaUnusable(Exception):
@@ -68,13 +72,13 @@ def engine_at(
     """This process's engine holding the run's checkpoint `version`, and how it got there: `policy_update` kept (it
     held it), delta (applied in place), or full (the checkpoint fetched and loaded, with `fallback`: why no delta
     served, where the engine held an earlier version), and the seconds and bytes it took. check_later: a delta's
-    digest check runs beside what the caller does next, and `checked` finishes it."""
+    digest check (after a delta or a full load) runs beside what the caller does next, and `checked` finishes it."""
     started = time.perf_counter()
     folder, manifest, architecture = committed_architecture(storage, version)
     engine = kept_engine(engine_key(architecture, settings, record_routing))
     if engine is not None and engine.checking is not None:  # left by a shard that failed before its check
         engine.weight_digests()  # the read ends before the weights change; unchecked, the engine holds no version
-        engine.checking = None
+        engine.checking, engine.held = None, None
     held = engine.held if engine is not None else None
     fallback = None
     if held is not None and held.run == storage.uri:
@@ -92,7 +96,7 @@ def engine_at(
     fetched = time.perf_counter() - fetch_started
     engine, reused = engine_for(checkpoint_dir, settings, record_routing)
     if engine.held is None or engine.held.run != storage.uri or engine.held.version != version:
-        verify_full_load(engine, storage, version, checkpoint_dir)
+        verify_full_load(engine, storage, version, checkpoint_dir, check_later)
     report = {"policy_update": "full", "engine_reused": reused, "fetch_seconds": round(fetched, 3),
               "fetched_bytes": sum(entry["size"] for entry in manifest["files"].values()),
               "fetch_wait_seconds": round(fetched, 3),  # fetched before the load: all of it waited for
@@ -210,15 +214,22 @@ class DeltaFetches:
 
 
 def checked(engine: Engine) -> float:
-    """Finish the digest check engine_at(check_later=True) left running: the engine then holds the version it moved
-    to (DeltaUnusable, and it holds none, where its weights' digest is not the version's). The seconds waited for
-    it; 0 where none was pending."""
+    """Finish the digest check engine_at(check_later=True) left running. After deltas, the engine then holds the
+    version it moved to (DeltaUnusable, and it holds none, where its weights' digest is not the version's). After a
+    full load it holds the version either way, with the digest where its weights read back as the checkpoint's, else
+    none and why in `engine.delta_refusal`: it takes full checkpoints from then on. The seconds waited for it; 0
+    where none was pending."""
     checking, engine.checking = engine.checking, None
     if checking is None:
         return 0.0
     started = time.perf_counter()
     actual = engine.weight_digests()
-    if weights_digest(actual) != checking.held.digest:
+    if checking.loaded:
+        differing = sorted(name for name in checking.expected if actual.get(name) != checking.expected[name])
+        if differing:  # it keeps holding the version, with no digest
+            engine.delta_refusal = f"after a full load its weights differ from the checkpoint's at {differing[0]}"
+            return time.perf_counter() - started
+    elif weights_digest(actual) != checking.held.digest:
         differing = sorted(name for name in checking.expected if actual.get(name) != checking.expected[name])[:1]
         version = checking.held.version
         raise DeltaUnusable(f"after the deltas its weights' digest differs from version {version}'s at {differing}")
@@ -242,19 +253,20 @@ def delta_of(storage: RunStorage, version: int, base_digest: str) -> tuple[dict[
     return record, files
 
 
-def verify_full_load(engine: Engine, storage: RunStorage, version: int, checkpoint_dir: Path) -> None:
+def verify_full_load(
+    engine: Engine, storage: RunStorage, version: int, checkpoint_dir: Path, check_later: bool = False
+) -> None:
     """After a full load: the version the engine holds, and whether it can read its weights back as the
     checkpoint's (their digest, against the version's record, else the files'): if not, why, in
-    `engine.delta_refusal`, and it takes full checkpoints from then on."""
-    refusal = engine.map_weights(checkpoint_dir)
-    digest = None
-    if refusal is None:
-        expected = recorded_digests(storage, version) or checkpoint_digests(CheckpointTensors(checkpoint_dir))
-        actual = engine.weight_digests()
-        differing = sorted(name for name in expected if actual.get(name) != expected[name])
-        if differing:
-            refusal = f"after a full load its weights differ from the checkpoint's at {differing[0]}"
-        else:
-            digest = weights_digest(expected)
-    engine.delta_refusal = refusal
-    engine.held = Held(storage.uri, version, digest)
+    `engine.delta_refusal`, and it takes full checkpoints from then on. check_later: the read runs beside what the
+    caller does next (the shard's generating: the rows are the version's whatever it finds), and `checked` ends it."""
+    engine.delta_refusal = engine.map_weights(checkpoint_dir)
+    engine.held = Held(storage.uri, version, None)  # its digest once the check finds it
+    if engine.delta_refusal is not None:
+        return
+    expected = recorded_digests(storage, version) or checkpoint_digests(CheckpointTensors(checkpoint_dir))
+    engine.checking = Checking(Held(storage.uri, version, weights_digest(expected)), expected, loaded=True)
+    if check_later:
+        engine.start_weight_digests()
+    else:
+        checked(engine)

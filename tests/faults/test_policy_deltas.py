@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moeloop.steps.engines.engine import Sampling, TransformersEngine, release_engine
+from moeloop.steps.engines import versions as versions_module
 from moeloop.steps.engines.versions import engine_at
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, weights_digest, write_delta
@@ -222,7 +223,7 @@ def test_a_shard_checks_the_deltas_digest_beside_its_generating_and_generates_ag
     assert rollout(storage.uri, 2, 0, shards)["policy_update"] == "full"  # the engine holds version 1
     report = rollout(storage.uri, 3, 0, shards)  # version 2, by its right delta
     assert report["policy_update"] == "delta" and report["digest_wait_seconds"] >= 0, report
-    assert pending_at_generate == [False, True]
+    assert pending_at_generate == [True, True]  # a full load's check runs beside the generating too
     recommit(storage, 2, wrong_elements)
     shard = Path(storage.root) / storage.rollout_shard(3, 0, shards)
     rows_by_delta = shard.read_bytes()
@@ -237,6 +238,46 @@ def test_a_shard_checks_the_deltas_digest_beside_its_generating_and_generates_ag
     shard.unlink()
     assert rollout(storage.uri, 3, 0, shards)["policy_update"] == "full"  # a fresh engine
     assert shard.read_bytes() == rows_by_delta
+
+
+def test_a_full_loads_check_beside_the_generating_keeps_the_rows_and_where_it_differs_the_engine_takes_no_delta(
+    versions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a full load the shard reads the weights' digest back beside its generating too: the rows are the
+    version's whatever it finds (the engine loaded the checkpoint itself). Where the weights do not read back as the
+    version's record says, the engine keeps the version with no digest, and the next version comes whole, saying
+    why; where they do, the next comes by its delta."""
+    storage, config = versions
+    shards = config.rollout.num_shards
+    shard = Path(storage.root) / storage.rollout_shard(2, 0, shards)
+    assert rollout(storage.uri, 2, 0, shards)["policy_update"] == "full"
+    rows = shard.read_bytes()
+    release_engine()
+    shard.unlink()
+    recorded = deltas.recorded_digests
+
+    def misrecorded(storage: RunStorage, version: int) -> dict[str, str] | None:
+        found = recorded(storage, version)
+        return found and found | {min(found): "0" * 64}
+
+    pending_at_generate = []
+    generate = TransformersEngine.generate
+
+    def watched(engine: TransformersEngine, *args, **kwargs):
+        pending_at_generate.append(engine.checking is not None and engine.weights.reading is not None)
+        return generate(engine, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(TransformersEngine, "generate", watched)
+        patched.setattr(versions_module, "recorded_digests", misrecorded)
+        report = rollout(storage.uri, 2, 0, shards)  # version 1, the check beside the generating finding it off
+    assert pending_at_generate == [True]
+    assert report["policy_update"] == "full" and "fallback" not in report, report
+    assert shard.read_bytes() == rows
+    engine, report = engine_at(storage, 2, config.rollout)
+    assert report["policy_update"] == "full" and "after a full load its weights differ" in report["fallback"], report
+    assert engine.held.version == 2 and engine.held.digest == weights_digest(digests_of(storage, 2))
+    assert engine_at(storage, 3, config.rollout)[1]["policy_update"] == "delta"
 
 
 def test_an_engine_moves_by_a_delta_whose_checkpoint_is_not_committed_and_a_full_load_waits_for_the_checkpoint(

@@ -29,9 +29,9 @@ ROLLOUT_CHUNK = {"rollout": {"lifetime": "chunk"}}
 def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_path: Path) -> None:
     """configs/tiny.yaml's chunk: 20 iterations at 2 shards and at 8 (5 tasks an iteration at any shard count, its
     shards one task of K items; 38 would fit beside the chunk's 5 and the engines' start task: (200 - 6) // 5). A
-    shard pays 15 / C of engine start, 30.5 / C of checkpoint and
-    its digest check after the load (61.06 GB x 0.3 s/GB), the delta's 2 x 2% of 61.06 GB at 0.5 s/GB and 61.06 GB
-    x 0.4 s/GB of apply, then generates, the delta's digest check (18.3 s) beside it: only a check longer than the
+    shard pays 15 / C of engine start and 30.5 / C of checkpoint (its digest check after the load beside the
+    generating, as a delta's), the delta's 2 x 2% of 61.06 GB at 0.5 s/GB and 61.06 GB x 0.4 s/GB of apply, then
+    generates, the delta's digest check (18.3 s) beside it: only a check longer than the
     generating (61.06 GB at 1 s/GB against 40 s) adds what outlasts it. The delta's 15 files (61.06 GB in 4 GiB
     files) are fetched one after another and each written in as it arrives: of the fetch, shorter than the
     writing, only the first file's share is on the step's path."""
@@ -45,7 +45,7 @@ def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_p
         assert plan.setup.value("delta_files") == 15 == math.ceil(CHECKPOINT_GB * 1e9 / 2**32)
         rollout = {
             "engine_start": 15 / c,
-            "checkpoint_fetch": CHECKPOINT_GB * (0.5 + check) / c,
+            "checkpoint_fetch": CHECKPOINT_GB * 0.5 / c,  # its check, as a delta's, beside the generating
             "delta_fetch": delta_gb * 0.5 / 15,
             "delta_apply": CHECKPOINT_GB * 0.4,
             "delta_check": max(0.0, CHECKPOINT_GB * check - generate),
@@ -58,7 +58,7 @@ def test_engines_per_chunk_pay_their_start_and_the_checkpoint_once_a_chunk(tmp_p
         assert best.step_seconds["publish"] == pytest.approx(30)
         # A new engine after a reclaim pays its start and the whole checkpoint, not their share nor the delta.
         assert best.paid.restart == pytest.approx(
-            15 + CHECKPOINT_GB * (0.5 + check) * (1 - 1 / c) - 15 / c - delta_gb * 0.5 / 15
+            15 + CHECKPOINT_GB * 0.5 * (1 - 1 / c) - 15 / c - delta_gb * 0.5 / 15
         )
         synchronous = 5 + best.step_seconds["rollout"] + 5 + 5 + 5 + best.step_seconds["train"] + 5 + 30
         assert best.period == pytest.approx(synchronous)

@@ -42,7 +42,7 @@ rollout lifetime iteration (a new engine every iteration; Argo's rollout pods ar
 
 rollout lifetime chunk (an engine per shard for the chunk, asked by a CPU pod each iteration), a shard:
 
-    rollout = E / C + checkpoint GB x (fetch + check) s/GB / C    its engine's start and the whole checkpoint, once
+    rollout = E / C + checkpoint GB x fetch s/GB / C              its engine's start and the whole checkpoint, once
             + max(fetch, apply) + min(fetch, apply) / F           the new policy's delta, fetched and written in
             + max(0, checkpoint GB x check s/GB - generating)     the weights' digest checked beside the generating
             + generating
@@ -51,19 +51,19 @@ rollout lifetime chunk (an engine per shard for the chunk, asked by a CPU pod ea
 
 with E = rollout_overhead_seconds, delta GB = checkpoint GB x 2 x delta_changed_fraction (`lifetime.py`), apply s/GB
 = delta_apply_seconds_per_gb and check s/GB = delta_check_seconds_per_gb: the shard reads its weights' digest back
-while it generates and keeps its rows only once it is the version's (steps/engines/shards.py). The engine fetches the
+while it generates, after a delta or a full load, and keeps its rows only once it is the version's where a delta
+brought it (steps/engines/shards.py). The engine fetches the
 delta's F files (delta_files: a file per checkpoint file, `lifetime.py`) one after another and writes each in as it
 arrives, the next downloading meanwhile (steps/engines/versions.py `DeltaFetches`): of files alike, the longer of the
 two runs whole and the shorter hides behind it but for one file's share, the first file's fetch or the last one's
 write: fetch + apply - min(fetch, apply) x (F - 1) / F. Its parts: `delta_fetch` the fetch that the writing does not
 hide (fetch where it is the longer, else fetch / F) and `delta_apply` the writing that the fetch does not hide (apply
-where it is the longer or as long, else apply / F). The chunk's first
-iteration fetches the whole checkpoint instead of a delta and checks its digest after the load, before generating:
-it is charged a delta's fetch and apply too, and the check once a chunk, in the checkpoint's fetch (an upper bound,
-by one delta's fetch and in-place write a chunk). Once-a-chunk costs, the trainer's and the engines', are amortized
-over the chunk, not played on its first iteration: the schedule's steady state is one iteration's pattern repeated.
-A shard whose Spot node is reclaimed starts a new engine: its retry pays E + the whole checkpoint's fetch and check
-instead of their chunk's share and the delta's fetch part (`Handoff.restart`, options.py's Spot retry).
+where it is the longer or as long, else apply / F). The chunk's first iteration fetches the whole checkpoint
+instead of a delta: it is charged a delta's fetch and apply too (an upper bound, by one delta's fetch and in-place
+write a chunk). Once-a-chunk costs, the trainer's and the engines', are amortized over the chunk, not played on its
+first iteration: the schedule's steady state is one iteration's pattern repeated.
+A shard whose Spot node is reclaimed starts a new engine: its retry pays E + the whole checkpoint's fetch instead of
+their chunk's share and the delta's fetch part (`Handoff.restart`, options.py's Spot retry).
 
 The handoff's parts (issue 38's "state I/O, engine start and the policy handoff"): the state's I/O, publish or the
 trainer's checkpoint commit, the engines' start and the checkpoint's fetch, and with engines per chunk the delta's
@@ -170,12 +170,12 @@ def _rollout_parts(setup: Setup, chunk: int | None, generating: float) -> tuple[
     files = v("delta_files")  # fetched one after another, each written in as it arrives: the shorter side hidden
     parts = {
         "engine_start": start / chunk,
-        "checkpoint_fetch": (whole + check) / chunk,  # and its digest checked after the load, before generating
+        "checkpoint_fetch": whole / chunk,  # its digest checked after the load beside the generating, as a delta's
         "delta_fetch": fetch if fetch > apply else fetch / files,  # the first file's, unless the fetch is the longer
         "delta_apply": apply if apply >= fetch else apply / files,  # the last file's, unless the write is the longer
         "delta_check": max(0.0, check - generating),
     }
-    restart = start + whole + check - parts["engine_start"] - parts["checkpoint_fetch"] - parts["delta_fetch"]
+    restart = start + whole - parts["engine_start"] - parts["checkpoint_fetch"] - parts["delta_fetch"]
     return parts, max(0.0, restart)
 
 
