@@ -15,9 +15,8 @@ damaged (its COMMIT does not verify), of another base or leading elsewhere; the 
 cannot take deltas (why: `Engine.map_weights`); an older version. A full load waits for the checkpoint's commit
 while the trainer is heard. After every full load the engine checks its weights' digest too (a shard: beside its
 generating, the rows standing whatever it finds): an engine whose layout deltas are not written in finds out on its
-first load, and then takes full checkpoints only. A rollout pod or worker
-that lives across iterations calls `engine_at(storage, version, ...)` each iteration and generates with the engine
-it returns.
+first load, and then takes full checkpoints only. A rollout pod or worker that lives across iterations calls
+`engine_at(storage, version, ...)` each iteration and generates with the engine it returns.
 """
 
 from __future__ import annotations
@@ -224,15 +223,14 @@ def checked(engine: Engine) -> float:
         return 0.0
     started = time.perf_counter()
     actual = engine.weight_digests()
+    differing = sorted(name for name in checking.expected if actual.get(name) != checking.expected[name])
     if checking.loaded:
-        differing = sorted(name for name in checking.expected if actual.get(name) != checking.expected[name])
         if differing:  # it keeps holding the version, with no digest
             engine.delta_refusal = f"after a full load its weights differ from the checkpoint's at {differing[0]}"
             return time.perf_counter() - started
     elif weights_digest(actual) != checking.held.digest:
-        differing = sorted(name for name in checking.expected if actual.get(name) != checking.expected[name])[:1]
         version = checking.held.version
-        raise DeltaUnusable(f"after the deltas its weights' digest differs from version {version}'s at {differing}")
+        raise DeltaUnusable(f"after the deltas its weights' digest differs from version {version}'s at {differing[:1]}")
     engine.held = checking.held
     return time.perf_counter() - started
 
