@@ -37,9 +37,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moeloop.steps.model.file_changes import BLOCK, file_changes  # BLOCK: positions in a block fit in a uint16
 from moeloop.steps.model.hf_shards import INDEX, SAFETENSORS_DTYPE, SINGLE, read_layout
 
-BLOCK = 1 << 16  # elements per block of a changed tensor: positions in a block fit in a uint16
 DELTA_FILE = "delta-{}.safetensors"  # the checkpoint file's stem
 DELTA_PARTS = ("counts", "offsets", "values")  # a changed tensor's three tensors in a delta file
 PART_DTYPES = {"counts": torch.int32, "offsets": torch.uint16}  # values: the tensor's stored dtype
@@ -271,7 +271,8 @@ def write_delta(
     safetensors files, a file per checkpoint file (files: the one holding each of new's tensors, by name; None: one
     file), and both versions' digests, computed on the way: each tensor is read once from each side. Without a base:
     new's digests alone. base_digests: base's tensors' digests where they are known (its committed record), taken as
-    they are; the others are hashed."""
+    they are; the others are hashed. Two checkpoint folders' files of one layout compare a file at a time
+    (`file_changes`), others a tensor at a time: the same delta either way."""
     if base is not None and set(base) != set(new):
         raise ValueError(f"the versions hold different tensors: {sorted(set(base) ^ set(new))[:3]}")
     output.mkdir(parents=True, exist_ok=True)
@@ -283,6 +284,10 @@ def write_delta(
     with Digests() as digests, Digests() as hashed_base:
         for file in sorted(groups):
             entries: dict[str, torch.Tensor] = {}
+            at_once = None
+            if isinstance(base, CheckpointTensors) and isinstance(new, CheckpointTensors):
+                name = groups[file][0]
+                at_once = file_changes(base.file_of[name], new.file_of[name], groups[file])
             for name in groups[file]:
                 now = new[name]
                 digests.add(name, now)
@@ -290,17 +295,18 @@ def write_delta(
                 summary.checkpoint_bytes += now.numel() * now.element_size()
                 if base is None:
                     continue
-                old = base[name]
                 if name in known:
                     summary.base_digests[name] = known[name]
                 else:
-                    hashed_base.add(name, old)
-                positions = changed_positions(old, now)
-                if len(positions):
-                    summary.changed += len(positions)
-                    counts, offsets = encode(positions, now.numel())
-                    values = now.reshape(-1)[positions]
-                    entries |= {f"{name}:counts": counts, f"{name}:offsets": offsets, f"{name}:values": values}
+                    hashed_base.add(name, base[name])
+                if at_once is not None:
+                    parts = at_once.get(name)
+                else:
+                    positions = changed_positions(base[name], now)
+                    parts = (*encode(positions, now.numel()), now.reshape(-1)[positions]) if len(positions) else None
+                if parts is not None:
+                    summary.changed += len(parts[1])
+                    entries |= {f"{name}:{part}": tensor for part, tensor in zip(DELTA_PARTS, parts, strict=True)}
             if entries:
                 path = output / DELTA_FILE.format(Path(file).stem)
                 save_file(entries, path)

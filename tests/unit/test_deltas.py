@@ -3,6 +3,8 @@ and the digest an engine reads back out of its own layout (steps/engines/weights
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,8 @@ from moeloop.steps.model.delta import (
     weights_digest,
     write_delta,
 )
-from moeloop.steps.model.hf_shards import StoredTensor
+from moeloop.steps.model.file_changes import file_changes
+from moeloop.steps.model.hf_shards import INDEX, SafetensorsWriter, StoredTensor
 from moeloop.steps.rl.checkpoint import HFLayout
 
 
@@ -320,3 +323,53 @@ def test_ranks_share_a_checkpoints_files_whole_and_balanced_by_bytes() -> None:
     assert sorted(f for share in layout.shares(3) for f in share) == list(range(5))
     assert layout.shares(8)[5:] == [[], [], []]
     assert layout.weight_map([1, 4]) == {"model.b": "f1", "model.e": "f4"}
+
+
+def test_a_checkpoint_files_tensors_compared_at_once_make_the_delta_one_at_a_time_makes(tmp_path: Path) -> None:
+    """Folders of one layout: a file of 2-byte tensors (bf16 and fp16) or of fp32 ones compares as one array
+    (file_changes); a file of both sizes, or laid out otherwise in the base, a tensor at a time; the delta files are
+    the same bytes as from the same tensors in memory, compared one at a time."""
+    base, new = versions()
+    base["half"], base["norm"] = torch.arange(BLOCK + 9, dtype=torch.float16), torch.ones(5)
+    new["half"], new["norm"] = base["half"].clone(), torch.tensor([1.0, 2.0, 1.0, 1.0, 1.0])
+    base["bias"], base["scale"] = torch.zeros(2 * BLOCK), torch.ones(3)
+    new["bias"], new["scale"] = base["bias"].clone(), base["scale"].clone()
+    new["bias"][[0, 2 * BLOCK - 1]] = -0.0
+    new["half"][[4, BLOCK + 8]] = -1.0
+    files = {"big": "model-00001-of-00002.safetensors", "signed": "model-00001-of-00002.safetensors"}
+    reverse = functools.partial(sorted, reverse=True)
+    files |= {"half": "model-00001-of-00002.safetensors"}
+    files |= {name: "model-00002-of-00002.safetensors" for name in ("same", "norm")}
+    files |= {name: "model-00003-of-00003.safetensors" for name in ("bias", "scale")}
+    for folder, version, order in (("base", base, sorted), ("new", new, sorted), ("reordered", base, reverse)):
+        (tmp_path / folder).mkdir()
+        for file in set(files.values()):
+            names = order(name for name in files if files[name] == file)
+            stored = [StoredTensor(name, tuple(version[name].shape), version[name].dtype) for name in names]
+            with SafetensorsWriter(tmp_path / folder / file, stored) as writer:
+                for name in names:
+                    writer.write(version[name])
+        (tmp_path / folder / INDEX).write_text(json.dumps({"weight_map": files}))
+    first, second, other = (tmp_path / f / "model-00001-of-00002.safetensors" for f in ("base", "new", "reordered"))
+    at_once = file_changes(first, second, ["big", "signed", "half"])
+    assert at_once is not None and sorted(at_once) == ["big", "half", "signed"]
+    assert file_changes(other, second, ["big", "signed", "half"]) is None  # laid out otherwise
+    assert file_changes(*(tmp_path / f / "model-00002-of-00002.safetensors" for f in ("base", "new")), files) is None
+    third = (tmp_path / f / "model-00003-of-00003.safetensors" for f in ("base", "new"))
+    fp32 = file_changes(*third, ["bias", "scale"])
+    assert fp32 is not None and list(fp32) == ["bias"] and fp32["bias"][2].dtype == torch.float32
+    assert file_changes(first, second, ["big", "signed"]) is None  # not all of the file's tensors
+
+    in_memory = write_delta(base, new, tmp_path / "in-memory", files)
+    for folder in ("base", "reordered"):
+        from_files = write_delta(CheckpointTensors(tmp_path / folder), CheckpointTensors(tmp_path / "new"),
+                                 tmp_path / f"from-{folder}", files)  # fmt: skip
+        assert from_files == in_memory, folder
+        written = [sorted((tmp_path / run).glob("delta-*")) for run in ("in-memory", f"from-{folder}")]
+        assert [p.name for p in written[0]] == [p.name for p in written[1]] == [
+            "delta-model-00001-of-00002.safetensors", "delta-model-00002-of-00002.safetensors",
+            "delta-model-00003-of-00003.safetensors"]  # fmt: skip
+        assert [p.read_bytes() for p in written[0]] == [p.read_bytes() for p in written[1]], folder
+    assert in_memory.changed == 7 + 2 + 1 + 2
+    assert all(torch.equal(t.view(-1).view(torch.uint8), new[n].view(-1).view(torch.uint8))
+               for n, t in apply(base, sorted((tmp_path / "from-base").glob("delta-*"))).items())  # fmt: skip

@@ -28,13 +28,13 @@ ASSUMED_CHANGED_FRACTION = Figure(
     "assumed: measured (issue 38): 1.0-1.5% of elements change a step at RL learning rate 1e-6 on one H100 (a ~1B"
     " Qwen3-MoE); 3-5% at 3e-6, 9-16% at 1e-5: state rates.delta_changed_fraction for another learning rate",
 )
-# Unstated, a trainer per chunk's delta write is assumed as measured in one process, its ranks side by side:
+# Unstated, a trainer per chunk's delta write is assumed as measured on one rank, its node's ranks side by side:
 ASSUMED_DELTA_WRITE_SECONDS_PER_GB = Figure(
-    20.53 / 61.06 / 8,
+    3.03 / 7.48 / 8,
     "s/GB",
-    "assumed: benchmarks/handoff.md's write_delta of Qwen3-30B-A3B's 61.06 GB in one process, 20.53 s on one H100's"
-    " host (16 cores), over a train node's 8 ranks, each writing its share's delta (steps/rl/held.py; not measured"
-    " at 8 ranks; that write hashed both versions, the product now takes the base's digests from its record)",
+    "assumed: benchmarks/handoff.md's write_delta as a train rank runs it, 3.03 s for its share of Qwen3-30B-A3B"
+    " (6 of 48 layers, 7.48 GB) on one H100 machine's host (16 cores), a node's 8 ranks each writing its share's"
+    " delta side by side (steps/rl/held.py; not measured at 8 ranks)",
 )
 ASSUMED_APPLY_SECONDS_PER_GB = Figure(
     1.73 / 61.06,
