@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,11 +24,12 @@ from pathlib import Path
 
 import torch
 
+from moeloop.steps.cores import usable_cores
 from moeloop.steps.model.delta import BLOCK, DELTA_PARTS, Changed, DeltaFile, Digests, decode
 
 # The digest check beside the engine's generating hashes on a quarter of the cores: on all of them it slowed a
 # host-bound generate by a third (benchmarks/engine_delta.py), and it has the generating's minutes to finish.
-BESIDE_THREADS = max(1, len(os.sched_getaffinity(0)) // 4)
+BESIDE_THREADS = max(1, usable_cores() // 4)
 WRITE_BATCH = 1 << 24  # changed elements gathered before they are written (their positions: 128 MiB of int64)
 
 

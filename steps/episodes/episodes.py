@@ -10,7 +10,6 @@ experience adds for it (steps/storage/experience.py).
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 import verifiers as vf
 
 from moeloop.steps.config_task import EnvironmentConfig
+from moeloop.steps.cores import usable_cores
 from moeloop.steps.engines.engine import Completion, Engine, Sampling, route_start
 from moeloop.steps.episodes.client import EPISODE, EngineClient, Turn
 from moeloop.steps.episodes.tools import ToolWorkers
@@ -49,7 +49,7 @@ def generate_episodes(
     client = EngineClient(engine, sampling, chat, context_tokens, settings.max_episode_tokens)
     workers = None
     if isinstance(environment, vf.ToolEnv) and environment.tool_map:
-        workers = ToolWorkers(settings, min(MAX_TOOL_WORKERS, os.cpu_count() or 1))
+        workers = ToolWorkers(settings, min(MAX_TOOL_WORKERS, usable_cores()))
         workers.install(environment)
     try:
         groups = asyncio.run(run_groups(environment, client, records, prompt_ids, sampling.n))

@@ -23,7 +23,6 @@ a state dict in memory, so whichever process holds the two versions writes the d
 from __future__ import annotations
 
 import json
-import os
 from collections import deque
 from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moeloop.steps.cores import usable_cores
 from moeloop.steps.model.file_changes import BLOCK, file_changes  # BLOCK: positions in a block fit in a uint16
 from moeloop.steps.model.hf_shards import INDEX, SAFETENSORS_DTYPE, SINGLE, read_layout
 
@@ -45,7 +45,7 @@ DELTA_PARTS = ("counts", "offsets", "values")  # a changed tensor's three tensor
 PART_DTYPES = {"counts": torch.int32, "offsets": torch.uint16}  # values: the tensor's stored dtype
 STORED_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPE.items()} | {"I32": torch.int32, "U16": torch.uint16}
 PARALLEL_HASH_BYTES = 64 << 20  # BLAKE3 hashes a tensor this large on several threads
-HASH_THREADS = min(32, os.cpu_count() or 1)  # tensors hashed side by side (BLAKE3 releases the GIL)
+HASH_THREADS = min(32, usable_cores())  # tensors hashed side by side (BLAKE3 releases the GIL)
 IN_FLIGHT_BYTES = 1 << 30  # host tensors read but not yet hashed, at most (a checkpoint's tensors are read one by one)
 STAGING_BYTES = 256 << 20  # a GPU's tensors come to the host this much at a time, in each of two pinned buffers
 

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from moeloop.steps.config_reward import RewardConfig, function_key
+from moeloop.steps.cores import usable_cores
 from moeloop.steps.errors import MoeloopError, print_line
 from moeloop.steps.rewards.functions import data_source
 
@@ -73,8 +74,7 @@ class RewardPool:
         self.step = step
         self.functions = settings.all_functions()
         self.index = {function_key(f): i for i, f in enumerate(self.functions)}
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.processes = processes or settings.workers or min(cores, DEFAULT_WORKERS)
+        self.processes = processes or settings.workers or min(usable_cores(), DEFAULT_WORKERS)
         self.workers: list[Worker] = []
         self.queue: deque[Task] = deque()
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from moeloop.steps.cores import usable_cores
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.hf_shards import SafetensorsWriter, StoredTensor, plan_shards, shard_names, write_index
 from moeloop.steps.model.policy import hf_model_on_meta, read_config, sparse_blocks, stored_dtype, stored_tensors, tensor_dtype
@@ -316,7 +316,7 @@ def write_hf_files(
                 writer.write(block.to(layout.stored[key][0].dtype))
 
     files = list(files)
-    with ThreadPoolExecutor(max(1, min(len(files), len(os.sched_getaffinity(0))))) as pool:
+    with ThreadPoolExecutor(max(1, min(len(files), usable_cores()))) as pool:
         for done in [pool.submit(write_file, file) for file in files]:
             done.result()
     write_index(output, layout.names, [[t for key in keys for t in layout.stored[key]] for keys in layout.keys])
