@@ -37,13 +37,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeloop.steps.cores import usable_cores
-from moeloop.steps.model.file_changes import BLOCK, file_changes  # BLOCK: positions in a block fit in a uint16
-from moeloop.steps.model.hf_shards import INDEX, SAFETENSORS_DTYPE, SINGLE, read_layout
+from moeloop.steps.model.file_changes import BLOCK, DTYPES, file_changes  # BLOCK: positions in a block fit a uint16
+from moeloop.steps.model.hf_shards import INDEX, SINGLE, read_layout
 
 DELTA_FILE = "delta-{}.safetensors"  # the checkpoint file's stem
 DELTA_PARTS = ("counts", "offsets", "values")  # a changed tensor's three tensors in a delta file
 PART_DTYPES = {"counts": torch.int32, "offsets": torch.uint16}  # values: the tensor's stored dtype
-STORED_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPE.items()} | {"I32": torch.int32, "U16": torch.uint16}
+STORED_DTYPES = DTYPES | {"I32": torch.int32, "U16": torch.uint16}
 PARALLEL_HASH_BYTES = 64 << 20  # BLAKE3 hashes a tensor this large on several threads
 HASH_THREADS = min(32, usable_cores())  # tensors hashed side by side (BLAKE3 releases the GIL)
 IN_FLIGHT_BYTES = 1 << 30  # host tensors read but not yet hashed, at most (a checkpoint's tensors are read one by one)
@@ -182,9 +182,8 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
 
     def kinds(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every tensor's shape and stored dtype, from the files' headers (no tensor is read)."""
-        of_code = {code: dtype for dtype, code in SAFETENSORS_DTYPE.items()}
         slices = {name: self._file(name).get_slice(name) for name in self.file_of}  # type: ignore[attr-defined]
-        return {name: (tuple(s.get_shape()), of_code[s.get_dtype()]) for name, s in slices.items()}
+        return {name: (tuple(s.get_shape()), DTYPES[s.get_dtype()]) for name, s in slices.items()}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.file_of)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from moeloop.steps.model.hf_shards import read_layout
+from moeloop.steps.model.hf_shards import SAFETENSORS_DTYPE, read_layout
 
 BLOCK = 1 << 16  # moeloop.steps.model.delta's: a changed tensor's positions are counted per block of this many
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}  # what a checkpoint stores
+DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPE.items()}  # what a checkpoint stores, by its code
 BITS = {2: torch.int16, 4: torch.int32}  # a compare by element size
 
 
