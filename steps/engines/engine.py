@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -286,12 +289,15 @@ def resolve_engine(name: str, hf_config: dict[str, Any] | None = None) -> str:
     return "vllm"
 
 
-def make_engine(name: str, checkpoint_dir: Path, settings: RolloutConfig, record_routing: bool = False) -> Engine:
+def make_engine(
+    name: str, checkpoint_dir: Path, settings: RolloutConfig, record_routing: bool = False, weights_later: bool = False
+) -> Engine:
+    """weights_later: vLLM's, started on dummy weights from checkpoint_dir's config and tokenizer (`VLLMEngine`)."""
     name = resolve_engine(name, json.loads((checkpoint_dir / "config.json").read_text()))
     if name == "vllm":
         from moeloop.steps.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(checkpoint_dir, settings.vllm, record_routing, stop_strings=bool(settings.stop))
+        return VLLMEngine(checkpoint_dir, settings.vllm, record_routing, bool(settings.stop), weights_later)
     return TransformersEngine(checkpoint_dir, settings.transformers_dtype)
 
 
@@ -337,6 +343,56 @@ def engine_for(checkpoint_dir: Path, settings: RolloutConfig, record_routing: bo
     engine = make_engine(settings.engine, checkpoint_dir, settings, record_routing)
     _kept = (key, engine)
     return engine, False
+
+
+def starts_beside_fetch(name: str, architecture: dict[str, Any]) -> bool:
+    """Whether a new engine starts beside its checkpoint's fetch (`vllm_beside_fetch`): vLLM on a GPU, whose start
+    (CUDA, memory profiling, CUDA graphs) needs none of the weights. Not on a CPU: there vLLM makes its dummy weights
+    about as slowly as it loads real ones, and the reload after adds to it (benchmarks/rollout_engines.md: 0.83x)."""
+    return torch.cuda.is_available() and resolve_engine(name, architecture) == "vllm"
+
+
+def vllm_beside_fetch(
+    settings_dir: Path, fetch: Callable[[], Path], settings: RolloutConfig, record_routing: bool = False
+) -> tuple[Engine, Path, float, float]:
+    """A new vLLM engine for the checkpoint fetch() brings, started from settings_dir (the checkpoint's config and
+    tokenizer) while fetch runs on a thread: vLLM's start (its processes, memory profiling, CUDA graphs; a minute or
+    two on a GPU) needs none of the weights, so their fetch hides behind it; they go in place once fetched (an
+    engine that cannot take them in place, `reload_refusal`, is started again on them). The engine, the
+    checkpoint's folder, the fetch's seconds and the seconds the started engine waited for it."""
+    global _kept
+    fetched: dict[str, Any] = {}
+
+    def run_fetch() -> None:
+        started = time.perf_counter()
+        try:
+            fetched["folder"] = fetch()
+        except BaseException as error:  # raised in the caller's thread, below
+            fetched["error"] = error
+        fetched["seconds"] = time.perf_counter() - started
+
+    # A daemon: a SIGTERM's exit (a Spot reclaim) does not wait for the download; its staging folder is left, as
+    # a SIGKILL leaves it, and the cache never holds part of a checkpoint (storage/cache.py).
+    fetching = threading.Thread(target=run_fetch, name="checkpoint-fetch", daemon=True)
+    key = engine_key(json.loads((settings_dir / "config.json").read_text()), settings, record_routing)
+    release_engine()  # one engine at a time, as engine_for
+    fetching.start()
+    engine = make_engine("vllm", settings_dir, settings, record_routing, weights_later=True)
+    _kept = (key, engine)
+    waiting = time.perf_counter()
+    fetching.join()
+    waited = time.perf_counter() - waiting
+    if "error" in fetched:
+        raise fetched["error"]
+    refusal = engine.reload_refusal()
+    if refusal is not None:
+        print(f"rollout: {refusal}: the engine starts again on the fetched weights", file=sys.stderr, flush=True)
+        release_engine()
+        engine = make_engine("vllm", fetched["folder"], settings, record_routing)
+        _kept = (key, engine)
+    else:
+        engine.load_weights(fetched["folder"])
+    return engine, fetched["folder"], fetched["seconds"], waited
 
 
 def release_engine() -> None:

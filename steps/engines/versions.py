@@ -26,14 +26,22 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from moeloop.steps.config import RolloutConfig
-from moeloop.steps.engines.engine import Engine, engine_for, engine_key, kept_engine
+from moeloop.steps.engines.engine import (
+    Engine,
+    engine_for,
+    engine_key,
+    kept_engine,
+    starts_beside_fetch,
+    vllm_beside_fetch,
+)
 from moeloop.steps.errors import MoeloopError
 from moeloop.steps.model.delta import CheckpointTensors, checkpoint_digests, weights_digest
-from moeloop.steps.storage.cache import fetch_checkpoint, local_scratch
+from moeloop.steps.storage.cache import fetch_checkpoint, fetch_verified, local_scratch
 from moeloop.steps.storage.commands import wait_while_heard
 from moeloop.steps.storage.deltas import ARCHITECTURE, delta_files, fetch_delta, recorded_digests
 from moeloop.steps.storage.run import RunStorage
@@ -70,8 +78,9 @@ def engine_at(
 ) -> tuple[Engine, dict[str, Any]]:
     """This process's engine holding the run's checkpoint `version`, and how it got there: `policy_update` kept (it
     held it), delta (applied in place), or full (the checkpoint fetched and loaded, with `fallback`: why no delta
-    served, where the engine held an earlier version), and the seconds and bytes it took. check_later: a delta's
-    digest check (after a delta or a full load) runs beside what the caller does next, and `checked` finishes it."""
+    served, where the engine held an earlier version), and the seconds and bytes it took. A new vLLM engine on a GPU
+    starts beside the checkpoint's fetch (`starts_beside_fetch`). check_later: a delta's digest check (after a delta or
+    a full load) runs beside what the caller does next, and `checked` finishes it."""
     started = time.perf_counter()
     folder, manifest, architecture = committed_architecture(storage, version)
     engine = kept_engine(engine_key(architecture, settings, record_routing))
@@ -90,16 +99,22 @@ def engine_at(
             fallback = str(why)
     if folder != storage.checkpoint(version):
         manifest = committed_checkpoint(storage, version)
-    fetch_started = time.perf_counter()
-    checkpoint_dir = fetch_checkpoint(storage, version)
-    fetched = time.perf_counter() - fetch_started
-    engine, reused = engine_for(checkpoint_dir, settings, record_routing)
+    waiting = time.perf_counter()
+    if engine is None and starts_beside_fetch(settings.engine, architecture):  # a new engine: its start hides it
+        fetch = partial(fetch_checkpoint, storage, version)
+        settings_dir = checkpoint_settings(storage, version, manifest)
+        engine, checkpoint_dir, fetched, waited = vllm_beside_fetch(settings_dir, fetch, settings, record_routing)
+        reused = False
+    else:
+        checkpoint_dir = fetch_checkpoint(storage, version)
+        fetched = waited = time.perf_counter() - waiting  # fetched before the load: all of it waited for
+        engine, reused = engine_for(checkpoint_dir, settings, record_routing)
     if engine.held is None or engine.held.run != storage.uri or engine.held.version != version:
         verify_full_load(engine, storage, version, checkpoint_dir, check_later)
     report = {"policy_update": "full", "engine_reused": reused, "fetch_seconds": round(fetched, 3),
               "fetched_bytes": sum(entry["size"] for entry in manifest["files"].values()),
-              "fetch_wait_seconds": round(fetched, 3),  # fetched before the load: all of it waited for
-              "engine_seconds": round(time.perf_counter() - started - fetched, 3)}  # fmt: skip
+              "fetch_wait_seconds": round(waited, 3),
+              "engine_seconds": round(time.perf_counter() - started - waited, 3)}  # fmt: skip
     return engine, report | ({"fallback": fallback} if fallback else {})
 
 
@@ -115,6 +130,13 @@ def committed_architecture(storage: RunStorage, version: int) -> tuple[str, dict
             return folder, manifest, json.loads(config)
     checkpoint = storage.display(storage.checkpoint(version))
     raise MoeloopError(f"checkpoint of iteration {version} is not committed: {checkpoint}")
+
+
+def checkpoint_settings(storage: RunStorage, version: int, manifest: dict[str, Any]) -> Path:
+    """The committed checkpoint's files but its weights (its config and tokenizer), fetched: what a new vLLM engine
+    starts from before the weights have come (`vllm_beside_fetch`)."""
+    files = {name: entry for name, entry in manifest["files"].items() if not name.endswith(".safetensors")}
+    return fetch_verified(storage, storage.checkpoint(version), files)
 
 
 def committed_checkpoint(storage: RunStorage, version: int) -> dict[str, Any]:

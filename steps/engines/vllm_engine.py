@@ -35,8 +35,16 @@ class VLLMEngine:
     checking = None
 
     def __init__(
-        self, checkpoint_dir: Path, settings: VLLMConfig, record_routing: bool = False, stop_strings: bool = False
+        self,
+        checkpoint_dir: Path,
+        settings: VLLMConfig,
+        record_routing: bool = False,
+        stop_strings: bool = False,
+        weights_later: bool = False,
     ):
+        """weights_later: checkpoint_dir holds the checkpoint's config and tokenizer only; the engine starts on
+        vLLM's dummy weights (its profiling and CUDA graphs need none of the checkpoint's), and `load_weights` puts
+        them in place once they are fetched."""
         check_routes_recordable("vllm", record_routing)  # before the checkpoint is read: it needs none
         hf_config = json.loads((checkpoint_dir / "config.json").read_text())
         refusal = vllm_refusal(hf_config)
@@ -85,13 +93,14 @@ class VLLMEngine:
             enable_sleep_mode=settings.sleep_after_rollout,
             worker_extension_cls="moeloop.steps.engines.vllm_extension.PolicyWeightReload",
             enable_return_routed_experts=record_routing,
+            load_format="dummy" if weights_later else "auto",
         )
         # In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the local runner's steps run it), vLLM's CPU worker turns
         # torch.set_num_threads into a no-op, to keep an OpenMP binding it makes only in a process of its own; the
         # local runner's workers size torch's threads per command.
         torch.set_num_threads = set_num_threads
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-        self.checkpoint_dir, self.held = checkpoint_dir, None
+        self.checkpoint_dir, self.held = (None if weights_later else checkpoint_dir), None
         self.asleep = False
         # Before anything is sampled: vLLM's capture columns must be where the checkpoint's MoE layers are.
         self.routed_layers = self.route_columns(checkpoint_dir) if record_routing else ()
@@ -116,6 +125,10 @@ class VLLMEngine:
         model_type = json.loads((checkpoint_dir / "config.json").read_text()).get("model_type")
         refusals = self.llm.collective_rpc("map_policy_weights", args=(str(checkpoint_dir), model_type))
         return next((refusal for refusal in refusals if refusal is not None), None)
+
+    def reload_refusal(self) -> str | None:
+        """Why this engine cannot take a checkpoint's weights in place (`load_weights`), or None."""
+        return next((refusal for refusal in self.llm.collective_rpc("policy_reload_refusal") if refusal), None)
 
     def apply_delta(self, files: list[Path]) -> None:
         self._wake()

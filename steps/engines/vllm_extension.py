@@ -59,25 +59,43 @@ class PolicyWeightReload:
     """
 
     def reload_policy_weights(self, weights_path: str) -> None:
-        from vllm.platforms import current_platform
-
+        refusal = self.policy_reload_refusal()
+        if refusal is not None:
+            raise RuntimeError(f"{refusal}; set local.workers: false")
         quiet_misleading_lines()  # in the worker's process, where the reload logs
         self.settle_policy_digests()
+        load_config = self.model_runner.vllm_config.load_config
+        if load_config.load_format == "dummy":  # an engine started before its weights came: these are its first
+            load_config.load_format = "auto"
         self.reload_weights(weights_path=weights_path)
+        for module, experts in self._cpu_packed_experts():
+            experts.process_weights_after_loading(module)
+
+    def policy_reload_refusal(self) -> str | None:
+        """Why the weights cannot be reloaded in place, in one line, or None: vLLM on CPU pads an MoE intermediate
+        size to its kernel's alignment on the first load, and a reload would copy unpadded weights into it."""
+        for _, experts in self._cpu_packed_experts():
+            intermediate = experts.moe_config.intermediate_size_per_partition
+            if experts._padded_intermediate_size(experts.moe_config) != intermediate:
+                return (
+                    f"in-place reload of padded CPU MoE weights (moe_intermediate_size {intermediate}) is not "
+                    "supported by this vLLM"
+                )
+        return None
+
+    def _cpu_packed_experts(self) -> list[tuple[torch.nn.Module, object]]:
+        """On CPU, each MoE layer and its experts whose kernel packs their weights (none elsewhere)."""
+        from vllm.platforms import current_platform
+
         if not current_platform.is_cpu():
-            return
+            return []
+        packed = []
         for module in self.model_runner.get_model().modules():
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             experts = getattr(kernel, "fused_experts", None)
-            if experts is None or not hasattr(experts, "_padded_intermediate_size"):
-                continue
-            intermediate = experts.moe_config.intermediate_size_per_partition
-            if experts._padded_intermediate_size(experts.moe_config) != intermediate:
-                raise RuntimeError(
-                    f"in-place reload of padded CPU MoE weights (moe_intermediate_size {intermediate}) is not "
-                    "supported by this vLLM; set local.workers: false"
-                )
-            experts.process_weights_after_loading(module)
+            if experts is not None and hasattr(experts, "_padded_intermediate_size"):
+                packed.append((module, experts))
+        return packed
 
     def map_policy_weights(self, checkpoint_dir: str, model_type: str) -> str | None:
         """Find where each tensor of the checkpoint the engine has just loaded lives in its weights; why deltas

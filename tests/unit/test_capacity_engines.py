@@ -193,3 +193,22 @@ def test_locally_the_engines_live_for_the_run(tmp_path: Path) -> None:
     assert best.paid.chunk_iterations == 12 and plan.setup.figures["chunk_iterations"].value == 12
     assert best.paid.parts["engine_start"] == pytest.approx(15 / 12)
     assert best.handoff_seconds == pytest.approx(sum(best.handoff.values())) and best.handoff_seconds > 0
+
+
+def test_a_new_engines_start_hides_its_checkpoints_fetch_but_for_a_load_as_long_as_the_fetch(tmp_path: Path) -> None:
+    """A new engine starts on dummy weights beside its checkpoint's fetch (30.53 s: 61.06 GB at 0.5 s/GB) and loads
+    them after: the load, within the start E and taken as long as the fetch, is what the start cannot hide. A 15 s
+    start hides none of the fetch, a 45 s one 30 s of it (the start's 45 - 30.53 s before the load), one of twice
+    the fetch or more all of it. Engines per chunk pay the same once a chunk; a reclaimed shard's new engine again."""
+    fetch = CHECKPOINT_GB * 0.5
+    for start, unhidden in ((15, fetch), (45, 2 * fetch - 45), (2 * fetch, 0.0), (120, 0.0)):
+        rates = ENGINES | {"rollout_overhead_seconds": start}
+        best = stated_plan(tmp_path, 1, rates).best
+        assert best.paid.parts["engine_start"] == pytest.approx(start)
+        assert best.paid.parts["checkpoint_fetch"] == pytest.approx(unhidden)
+        assert best.step_seconds["rollout"] == pytest.approx(start + unhidden + 40)
+        per_chunk = stated_plan(tmp_path, 0, rates, shards=8, **ROLLOUT_CHUNK).best.paid
+        c = per_chunk.chunk_iterations
+        assert per_chunk.parts["checkpoint_fetch"] == pytest.approx(unhidden / c)
+        delta_fetch = per_chunk.parts["delta_fetch"]
+        assert per_chunk.restart == pytest.approx(max(0.0, (start + unhidden) * (1 - 1 / c) - delta_fetch))

@@ -38,11 +38,14 @@ excess, played again until the period is B / k.
 
 rollout lifetime iteration (a new engine every iteration; Argo's rollout pods are new every iteration), a shard:
 
-    rollout = E + checkpoint GB x fetch s/GB                      + generating
+    rollout = E + W                                               + generating
+
+with W what the engine's start leaves of the checkpoint's fetch, checkpoint GB x fetch s/GB: a new engine starts
+beside it (`new_engines_fetch`).
 
 rollout lifetime chunk (an engine per shard for the chunk, asked by a CPU pod each iteration), a shard:
 
-    rollout = E / C + checkpoint GB x fetch s/GB / C              its engine's start and the whole checkpoint, once
+    rollout = E / C + W / C                                       its engine's start and the whole checkpoint, once
             + max(fetch, apply) + min(fetch, apply) / F           the new policy's delta, fetched and written in
             + max(0, checkpoint GB x check s/GB - generating)     the weights' digest checked beside the generating
             + generating
@@ -62,7 +65,7 @@ where it is the longer or as long, else apply / F). The chunk's first iteration 
 instead of a delta: it is charged a delta's fetch and apply too (an upper bound, by one delta's fetch and in-place
 write a chunk). Once-a-chunk costs, the trainer's and the engines', are amortized over the chunk, not played on its
 first iteration: the schedule's steady state is one iteration's pattern repeated.
-A shard whose Spot node is reclaimed starts a new engine: its retry pays E + the whole checkpoint's fetch instead of
+A shard whose Spot node is reclaimed starts a new engine: its retry pays E + W instead of
 their chunk's share and the delta's fetch part (`Handoff.restart`, options.py's Spot retry).
 
 The handoff's parts (issue 38's "state I/O, engine start and the policy handoff"): the state's I/O, publish or the
@@ -162,7 +165,8 @@ def handoff(
 def _rollout_parts(setup: Setup, chunk: int | None, generating: float) -> tuple[dict[str, float], float]:
     """A rollout shard's parts of the handoff an iteration, and what its restart from scratch pays beyond them."""
     v = setup.value
-    start, whole = v("rollout_overhead_seconds"), v("checkpoint_gb") * v("fetch_seconds_per_gb")
+    start, fetch = v("rollout_overhead_seconds"), v("checkpoint_gb") * v("fetch_seconds_per_gb")
+    whole = fetch if setup.local else new_engines_fetch(start, fetch)  # a CPU's engine starts after its fetch
     if setup.rollout_lifetime == ITERATION:
         return {"engine_start": start, "checkpoint_fetch": whole}, 0.0
     check = v("checkpoint_gb") * v("delta_check_seconds_per_gb")
@@ -177,6 +181,16 @@ def _rollout_parts(setup: Setup, chunk: int | None, generating: float) -> tuple[
     }
     restart = start + whole - parts["engine_start"] - parts["checkpoint_fetch"] - parts["delta_fetch"]
     return parts, max(0.0, restart)
+
+
+def new_engines_fetch(start: float, fetch: float) -> float:
+    """W, what of a new engine's checkpoint fetch its start does not hide on a cluster's GPUs: the engine starts
+    beside the fetch, on dummy weights, and loads the fetched weights after (steps/engines/engine.py
+    `starts_beside_fetch`; locally, on CPUs, it starts after the fetch, and W is the fetch): max(E - L, fetch) + L,
+    for the load L within E. L is not measured apart: it is taken at its longest, min(E, fetch) (the load reads from
+    the pod's disk what the fetch has just written there, no slower), so E + max(0, fetch + min(E, fetch) - E): never
+    more than the fetch, none where the start is at least twice the fetch."""
+    return max(0.0, fetch + min(start, fetch) - start)
 
 
 def chunk_iterations(setup: Setup, option: Option) -> int:

@@ -3,7 +3,7 @@ trainer's memory, and the best one under a budget or a deadline.
 
 A step's time is its fixed overhead plus its work over its rate:
 
-    rollout shard = overhead + checkpoint GB x fetch s/GB + ceil(prompts / shards) x G x response tokens
+    rollout shard = overhead + W + ceil(prompts / shards) x G x response tokens
                     / (tokens/s per GPU x GPUs per shard)   [at least the longest answer / one sequence's speed]
                     + the expected Spot retry (below)
     reward        = prompts x G x s/sample [/ reward GPUs, with reward models]
@@ -11,6 +11,7 @@ A step's time is its fixed overhead plus its work over its rate:
                     + prompts x G x (prompt + response tokens) x epochs / (tokens/s per GPU x train GPUs)
     publish       = checkpoint GB x publish s/GB
 
+with W what the engine's start leaves of checkpoint GB x fetch s/GB (handoff.py `new_engines_fetch`),
 for a trainer and engines per iteration (trainer.lifetime, rollout.lifetime iteration); a trainer per chunk pays its
 start-up and its state's I/O once a chunk and commits the delta itself, then the checkpoint while publish waits for it,
 engines per chunk pay their start and
