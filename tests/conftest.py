@@ -132,16 +132,19 @@ LONGEST_FILES = [
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (`make test` runs 2 workers) each worker is pinned to its own share of the cores, and
-    so is every process it starts: a local run's steps size their torch threads to the cores they see. Unpinned,
-    two workers' steps ran four OpenMP threads on two cores, whose spin-waits made tiny.yaml's update 4.5x slower
-    (30.3 s against 6.7 s alone; 9.4 s with one thread each)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if not worker:
-        return
+    """The test process computes on one torch thread, as every step process it starts does (tests/processes.py:
+    OMP_NUM_THREADS=1): tests compare rows made in this process with a step process's to the byte, and a sum over
+    two threads differs from one thread's in its last bits (with two, test_vllm.py's reproducibility and the killed
+    shard's retry failed in a plain `pytest` run). Under pytest-xdist (`make test` runs 2 workers) each worker is also
+    pinned to its own share of the cores, and so is every process it starts: a local run's steps size their torch
+    threads to the cores they see. Unpinned, two workers' steps ran four OpenMP threads on two cores, whose
+    spin-waits made tiny.yaml's update 4.5x slower (30.3 s against 6.7 s alone; 9.4 s with one thread each)."""
     import torch
 
     torch.set_num_threads(1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if MACHINE_CORES and len(MACHINE_CORES) >= workers > 1:
         os.environ["MOELOOP_TEST_CORES"] = ",".join(map(str, MACHINE_CORES))
