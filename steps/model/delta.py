@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeloop.steps.cores import usable_cores
-from moeloop.steps.model.file_changes import BLOCK, DTYPES, file_changes  # BLOCK: positions in a block fit a uint16
+from moeloop.steps.model.file_changes import BLOCK, BLOCK_BITS, DTYPES, file_changes
 from moeloop.steps.model.hf_shards import INDEX, SINGLE, read_layout
 
 DELTA_FILE = "delta-{}.safetensors"  # the checkpoint file's stem
@@ -211,7 +211,7 @@ def changed_positions(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 def encode(positions: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(counts, offsets) of ascending flat positions in a tensor of numel elements."""
-    counts = torch.bincount(positions >> 16, minlength=-(-numel // BLOCK)).to(torch.int32)
+    counts = torch.bincount(positions >> BLOCK_BITS, minlength=-(-numel // BLOCK)).to(torch.int32)
     return counts, (positions & (BLOCK - 1)).to(torch.uint16)
 
 

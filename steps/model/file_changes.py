@@ -16,7 +16,8 @@ import torch
 
 from moeloop.steps.model.hf_shards import SAFETENSORS_DTYPE, read_layout
 
-BLOCK = 1 << 16  # moeloop.steps.model.delta's: a changed tensor's positions are counted per block of this many
+BLOCK_BITS = 16  # moeloop.steps.model.delta's blocks: a changed tensor's positions are counted per block of
+BLOCK = 1 << BLOCK_BITS  # this many elements, a position within one fits a uint16
 DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPE.items()}  # what a checkpoint stores, by its code
 BITS = {2: torch.int16, 4: torch.int32}  # a compare by element size
 
@@ -54,7 +55,7 @@ def file_changes(
     local = positions - torch.repeat_interleave(starts, changed, output_size=len(positions))
     blocks = -(-sizes // BLOCK)  # each tensor's counts
     first_block = torch.cumsum(blocks, 0) - blocks
-    block_of = torch.repeat_interleave(first_block, changed, output_size=len(positions)) + (local >> 16)
+    block_of = torch.repeat_interleave(first_block, changed, output_size=len(positions)) + (local >> BLOCK_BITS)
     counts = torch.bincount(block_of, minlength=int(blocks.sum())).to(torch.int32)
     offsets = (local & (BLOCK - 1)).to(torch.uint16)
     found: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}

@@ -199,7 +199,8 @@ def test_a_new_engines_start_hides_its_checkpoints_fetch_but_for_a_load_as_long_
     """A new engine starts on dummy weights beside its checkpoint's fetch (30.53 s: 61.06 GB at 0.5 s/GB) and loads
     them after: the load, within the start E and taken as long as the fetch, is what the start cannot hide. A 15 s
     start hides none of the fetch, a 45 s one 30 s of it (the start's 45 - 30.53 s before the load), one of twice
-    the fetch or more all of it. Engines per chunk pay the same once a chunk; a reclaimed shard's new engine again."""
+    the fetch or more all of it. Engines per chunk pay the same once a chunk; a reclaimed shard's new engine again. A
+    local plan's engines, on CPUs, hide none."""
     fetch = CHECKPOINT_GB * 0.5
     for start, unhidden in ((15, fetch), (45, 2 * fetch - 45), (2 * fetch, 0.0), (120, 0.0)):
         rates = ENGINES | {"rollout_overhead_seconds": start}
@@ -212,3 +213,7 @@ def test_a_new_engines_start_hides_its_checkpoints_fetch_but_for_a_load_as_long_
         assert per_chunk.parts["checkpoint_fetch"] == pytest.approx(unhidden / c)
         delta_fetch = per_chunk.parts["delta_fetch"]
         assert per_chunk.restart == pytest.approx(max(0.0, (start + unhidden) * (1 - 1 / c) - delta_fetch))
+    # Locally, on CPUs, an engine starts after its fetch (steps/engines/engine.py `starts_beside_fetch`): none hidden.
+    rates = ENGINES | {"rollout_overhead_seconds": 120}
+    local = stated_plan(tmp_path, 0, rates, gpu="local", shards=2, cores=2, iterations=12, **ROLLOUT_CHUNK).best.paid
+    assert local.parts["checkpoint_fetch"] == pytest.approx(fetch / 12)
