@@ -1,7 +1,7 @@
 """Policy-update throughput on one GPU: the product's train step against a careful user of HF transformers.
 
     PYTHONPATH=. python3 benchmarks/policy_update.py [--batches rl uniform] [--rows careful careful_packed ...]
-        [--processes 3] [--profile] [--attention auto] [--smoke]
+        [--processes 3] [--profile [--trace DIR]] [--attention auto] [--smoke]
 
 The model is a `Qwen3MoeForCausalLM` sized to ~1B parameters (Qwen3-30B-A3B's shape scaled down: hidden 1024, 12
 layers, 64 experts of intermediate 384, top-8, 16 query and 4 KV heads of 128, every layer sparse, untied
@@ -55,7 +55,9 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import gzip
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -263,11 +265,12 @@ def product_update(
     return update, logprob_pass, model
 
 
-
-def profile_counts(update: Callable[[], None], device: torch.device, per_layer: int) -> dict[str, float]:
+def profile_counts(
+    update: Callable[[], None], device: torch.device, per_layer: int, trace: Path | None
+) -> dict[str, float]:
     """One update under torch.profiler: kernels launched, compiled regions entered forward and backward (also over
     per_layer: layers x microbatches), and the GPU's idle share from the update's start on the host to its last GPU
-    work."""
+    work. The trace itself goes to `trace` (gzipped), where given."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -278,7 +281,11 @@ def profile_counts(update: Callable[[], None], device: torch.device, per_layer: 
             torch.cuda.synchronize(device)
     with tempfile.TemporaryDirectory() as folder:
         prof.export_chrome_trace(f"{folder}/trace.json")
-        events = json.loads(Path(f"{folder}/trace.json").read_text())["traceEvents"]
+        raw = Path(f"{folder}/trace.json").read_bytes()
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_bytes(gzip.compress(raw))
+    events = json.loads(raw)["traceEvents"]
     names = [event.get("name", "") for event in events if event.get("ph") == "X"]
     gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     counts = {
@@ -336,7 +343,8 @@ def measure_row(args: argparse.Namespace, name: str, row: str) -> dict[str, Any]
     result["seconds"] = time_ms(update, device, args.warmup, args.reps) / 1e3
     result["peak"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     if args.profile:
-        result |= profile_counts(update, device, args.layers * microbatches)
+        trace = Path(args.trace) / f"{name}-{row}-{os.getpid()}.json.gz" if args.trace else None
+        result |= profile_counts(update, device, args.layers * microbatches, trace)
     return result
 
 
@@ -374,6 +382,7 @@ def main() -> None:
     parser.add_argument("--dense-size", type=int, default=8192)
     parser.add_argument("--processes", type=int, default=0, help="fresh processes per row (0: all rows in this one)")
     parser.add_argument("--profile", action="store_true", help="kernels, compiled regions, GPU idle share per row")
+    parser.add_argument("--trace", help="with --profile: a folder for each profiled update's trace (gzipped JSON)")
     parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script with a tiny --layers etc.")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one batch and row, JSON out
     args = smoke.parse_args(

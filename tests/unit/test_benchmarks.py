@@ -3,6 +3,8 @@ figures are measured on an H200; see benchmarks/). A row that raises prints `fai
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 import sys
 
@@ -14,16 +16,19 @@ TINY_MODEL = ["--layers", "1", "--hidden", "64", "--intermediate", "32", "--head
               "--head-dim", "32", "--experts", "4", "--top-k", "2", "--vocab", "256"]  # fmt: skip
 
 
-def test_policy_update_benchmark_times_careful_hf_and_the_product_on_cpu() -> None:
+def test_policy_update_benchmark_times_careful_hf_and_the_product_on_cpu(tmp_path) -> None:
     command = [sys.executable, "benchmarks/policy_update.py", "--device", "cpu", "--batches", "uniform", "--rows",
                "careful", "product", *TINY_MODEL, "--warmup", "0", "--reps", "1", "--dense-size", "256",
-               "--max-tokens", "4096"]  # fmt: skip
+               "--max-tokens", "4096", "--profile", "--trace", str(tmp_path)]  # fmt: skip
     done = run_command(command)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {line.split("|")[1].split(" (")[0].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
     for row in ("careful", "product"):
         assert row in rows and "failed" not in rows[row], done.stdout
         assert float(rows[row].split("|")[2]) > 0, rows[row]  # seconds per update
+        [trace] = tmp_path.glob(f"uniform-{row}-*.json.gz")  # the profiled update's trace, whole
+        names = {event.get("name") for event in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
+        assert "policy_update" in names, sorted(map(str, names))[:20]
     assert re.search(r"its logprob pass: [0-9.]+ s", rows["product"]), rows["product"]
 
 
